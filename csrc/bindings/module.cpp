@@ -1,0 +1,26 @@
+// The one Python extension module, cflow._core. Each binding file registers its part;
+// every call that runs longer than a few microseconds releases the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "cflow/cpu.h"
+
+namespace nb = nanobind;
+
+void bind_kernels(nb::module_& m);  // csrc/bindings/kernels.cpp
+void bind_ops(nb::module_& m);      // csrc/bindings/ops.cpp
+void bind_engine(nb::module_& m);   // csrc/bindings/engine.cpp
+
+NB_MODULE(_core, m) {
+  m.doc() = "cflow native core: tile kernels, thread pool and decode engine";
+  m.def("best_isa", [] { return std::string(cflow::isa_name(cflow::best_isa())); },
+        "Name of the ISA path the kernels dispatch to on this CPU (scalar|avx2|avx512).");
+  m.def("isa_supported", [](const std::string& name) {
+    for (auto isa : {cflow::Isa::Scalar, cflow::Isa::Avx2, cflow::Isa::Avx512})
+      if (name == cflow::isa_name(isa)) return cflow::isa_supported(isa);
+    throw nb::value_error(("unknown ISA: " + name).c_str());
+  });
+  bind_kernels(m);
+  bind_ops(m);
+  bind_engine(m);
+}

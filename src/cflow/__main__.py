@@ -1,0 +1,5 @@
+import sys
+
+from cflow.cli import main
+
+sys.exit(main())

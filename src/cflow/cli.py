@@ -1,0 +1,60 @@
+"""The `cflow` command: one dispatcher, one module per verb.
+
+Each module in cflow/commands/ defines HELP (one line), add_arguments(parser) and
+main(args) -> int. Verbs are discovered from that folder, and heavy imports stay inside each
+verb's main(), so `cflow --help` is fast and the inference verbs never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from cflow import __version__
+from cflow.errors import CflowError
+
+
+def _verbs() -> dict[str, object]:
+    import cflow.commands as pkg
+
+    verbs = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        verbs[info.name.replace("_", "-")] = importlib.import_module(f"cflow.commands.{info.name}")
+    return verbs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cflow", description="CPU-first LLM inference and pipeline-native transformers.")
+    parser.add_argument("--version", action="version", version=f"cflow {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for name, mod in _verbs().items():
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_main", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._main(args) or 0)
+    except CflowError as e:
+        print(f"cflow {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ncflow {args.verb}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

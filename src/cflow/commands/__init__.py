@@ -1,0 +1,1 @@
+"""CLI verbs: one module each (HELP, add_arguments(parser), main(args) -> int)."""

@@ -1,0 +1,14 @@
+"""Exceptions. Every error a user can cause ends in one of these, with a message naming the
+problem; the CLI prints the message and exits with status 2 (no traceback)."""
+
+
+class CflowError(Exception):
+    """Base class of cflow's user-facing errors."""
+
+
+class CflowFormatError(CflowError):
+    """A weight file (.cflow, GGUF, safetensors) is malformed, truncated or hostile."""
+
+
+class UnsupportedError(CflowError):
+    """An architecture, tensor type or option that cflow does not support."""

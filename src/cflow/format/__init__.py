@@ -1,0 +1,1 @@
+"""The .cflow tile-native weight format (docs/FORMAT.md)."""

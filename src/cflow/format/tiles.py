@@ -1,0 +1,119 @@
+"""Block types and the tile layout of a weight matrix (the contract between Python and C++).
+
+A matrix W has R rows (outputs) and C columns (inputs); y = W @ x. Each row is encoded as
+C / QK consecutive blocks of block type T, bit-identical to GGUF's row encoding (for F32,
+F16 and BF16 a "block" is one element, QK = 1).
+
+Tiling (docs/FORMAT.md, "Tile layout"), tile shape (TR, TC), default (128, 256):
+  * row stripes s = 0 .. ceil(R/TR)-1 hold rows [s*TR, min(R, (s+1)*TR));
+  * column tiles t = 0 .. ceil(C/TC)-1 hold columns [t*TC, min(C, (t+1)*TC));
+  * payload order is stripe-major: for s: for t: tile(s, t); no padding between tiles;
+  * inside a tile of nr rows and nb = ncols/QK blocks per row, rows are taken in groups of
+    G = interleave rows (the last group of a ragged stripe may be shorter, g = min(G, nr - r0));
+    a group stores its blocks block-column-major: for b in 0..nb-1: for i in 0..g-1:
+    block(row r0 + i, block b). G = 1 is plain row-major inside the tile.
+Ragged edges: the last stripe and the last column tile are simply smaller. TC is a multiple
+of QK; for quantized types C must be a multiple of QK (as in GGUF).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cflow.errors import CflowFormatError, UnsupportedError
+
+DEFAULT_TILE = (128, 256)
+
+
+@dataclass(frozen=True)
+class BlockType:
+    name: str
+    code: int  # GGML type id (ternary: a cflow code in the reserved range)
+    block_elems: int  # QK: weights per block
+    block_bytes: int  # bytes per block
+
+
+# Codes are GGML's, so GGUF tensors convert by table lookup; 64..127 are reserved for cflow's
+# own types (64: ternary, 2 bits per weight; layout defined by the ternary kernels).
+BLOCK_TYPES: dict[str, BlockType] = {
+    bt.name: bt
+    for bt in (
+        BlockType("f32", 0, 1, 4),
+        BlockType("f16", 1, 1, 2),
+        BlockType("q4_0", 2, 32, 18),
+        BlockType("q4_1", 3, 32, 20),
+        BlockType("q5_0", 6, 32, 22),
+        BlockType("q8_0", 8, 32, 34),
+        BlockType("q4_k", 12, 256, 144),
+        BlockType("q6_k", 14, 256, 210),
+        BlockType("bf16", 30, 1, 2),
+    )
+}
+TERNARY_CODE = 64  # reserved: ternary weights
+BLOCK_TYPES_BY_CODE = {bt.code: bt for bt in BLOCK_TYPES.values()}
+
+
+def block_type(name_or_code: str | int) -> BlockType:
+    """Look up a block type by name ("q4_0") or code (2); a clear error lists what exists."""
+    table = BLOCK_TYPES_BY_CODE if isinstance(name_or_code, int) else BLOCK_TYPES
+    key = name_or_code if isinstance(name_or_code, int) else str(name_or_code).lower()
+    if key not in table:
+        raise UnsupportedError(
+            f"unsupported block type {name_or_code!r}; supported: {', '.join(BLOCK_TYPES)}"
+        )
+    return table[key]
+
+
+def tiled_nbytes(bt: BlockType, rows: int, cols: int) -> int:
+    """Bytes of a tiled matrix (tiling only reorders blocks, so this is R * C/QK * block_bytes)."""
+    if cols % bt.block_elems:
+        raise CflowFormatError(f"{bt.name}: {cols} columns is not a multiple of the block size {bt.block_elems}")
+    return rows * (cols // bt.block_elems) * bt.block_bytes
+
+
+def _tile_permutation(bt: BlockType, rows: int, cols: int, tile: tuple[int, int], interleave: int) -> np.ndarray:
+    """perm[i] = index (in row-major block order) of the i-th block of the tiled payload."""
+    tr, tc = tile
+    qk = bt.block_elems
+    if tr <= 0 or tc <= 0 or tc % qk or interleave <= 0 or tr % interleave:
+        raise CflowFormatError(f"bad tile shape {tile} / interleave {interleave} for {bt.name} (QK={qk})")
+    nbr = cols // qk  # blocks per row
+    bpt = tc // qk  # blocks per full column tile
+    parts = []
+    for r0 in range(0, rows, tr):
+        nr = min(tr, rows - r0)
+        for b0 in range(0, nbr, bpt):
+            nb = min(bpt, nbr - b0)
+            for g0 in range(0, nr, interleave):
+                g = min(interleave, nr - g0)
+                r = r0 + g0 + np.arange(g)
+                b = b0 + np.arange(nb)
+                parts.append((r[None, :] * nbr + b[:, None]).reshape(-1))  # (nb, g) block-column-major
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def pack_tiles(row_blocks: np.ndarray, bt: BlockType, cols: int, tile=DEFAULT_TILE, interleave: int = 1) -> np.ndarray:
+    """Reorder a row-major encoded matrix into the tiled payload.
+
+    row_blocks: uint8 (R, C/QK * block_bytes), each row GGUF-encoded. Returns uint8 (nbytes,).
+    """
+    rows = row_blocks.shape[0]
+    if row_blocks.dtype != np.uint8 or row_blocks.ndim != 2 or row_blocks.shape[1] * bt.block_elems != cols * bt.block_bytes:
+        raise CflowFormatError(f"pack_tiles: expected uint8 ({rows}, {cols // bt.block_elems * bt.block_bytes}), got {row_blocks.dtype} {row_blocks.shape}")
+    blocks = np.ascontiguousarray(row_blocks).reshape(-1, bt.block_bytes)
+    perm = _tile_permutation(bt, rows, cols, tuple(tile), interleave)
+    return blocks[perm].reshape(-1)
+
+
+def unpack_tiles(payload: np.ndarray, bt: BlockType, rows: int, cols: int, tile=DEFAULT_TILE, interleave: int = 1) -> np.ndarray:
+    """Inverse of pack_tiles: uint8 (nbytes,) -> uint8 (R, C/QK * block_bytes)."""
+    n = tiled_nbytes(bt, rows, cols)
+    if payload.size != n:
+        raise CflowFormatError(f"unpack_tiles: payload of {payload.size} bytes, expected {n}")
+    blocks = np.asarray(payload, dtype=np.uint8).reshape(-1, bt.block_bytes)
+    perm = _tile_permutation(bt, rows, cols, tuple(tile), interleave)
+    out = np.empty_like(blocks)
+    out[perm] = blocks
+    return out.reshape(rows, -1)
