@@ -134,7 +134,8 @@ void bind_kernels(nb::module_& m) {
   m.def(
       "gemv_time",
       [](const std::string& wtype, Bytes tiles, VecF x, int rows, int cols, std::tuple<int, int> tile,
-         int interleave, const std::string& act, std::optional<std::string> isa, int threads, int repeats) {
+         int interleave, const std::string& act, std::optional<std::string> isa, int threads, int repeats,
+         int warmup) {
         const WType wt = parse_wtype(wtype);
         const AType at = parse_act(act);
         const TileShape ts = check(wt, at, tiles, x, rows, cols, tile, interleave);
@@ -145,20 +146,20 @@ void bind_kernels(nb::module_& m) {
           nb::gil_scoped_release nogil;
           std::vector<uint8_t> xa(act_bytes(wt, at, cols));
           std::vector<float> y(rows);
-          for (int r = 0; r <= repeats; ++r) {  // pass 0 warms up
+          for (int r = 0; r < warmup + repeats; ++r) {  // the first `warmup` passes are not timed
             const auto t0 = std::chrono::steady_clock::now();
             prepare_act(wt, at, xa.data(), x.data(), cols);
             cflow::gemv(wt, at, i, y.data(), xa.data(), tiles.data(), rows, cols, ts, pool);
             const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            if (r) secs.push_back(s);
+            if (r >= warmup) secs.push_back(s);
           }
         }
         return secs;
       },
       nb::arg("wtype"), nb::arg("tiles"), nb::arg("x"), nb::arg("rows"), nb::arg("cols"),
       nb::arg("tile") = std::make_tuple(128, 256), nb::arg("interleave") = 1, nb::arg("act") = "q8",
-      nb::arg("isa") = nb::none(), nb::arg("threads") = 1, nb::arg("repeats") = 5,
-      "Seconds of each of `repeats` GEMVs (activation quantization included), after one warm-up.");
+      nb::arg("isa") = nb::none(), nb::arg("threads") = 1, nb::arg("repeats") = 5, nb::arg("warmup") = 1,
+      "Seconds of each of `repeats` GEMVs (activation quantization included), after `warmup` untimed ones.");
 
   m.def(
       "gemv_isa",

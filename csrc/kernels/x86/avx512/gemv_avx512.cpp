@@ -155,6 +155,49 @@ void gemv_nib_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols,
                    });
 }
 
+// Q8_0 x int8: signed x signed, so the weights are offset to unsigned (w ^ 0x80 = w + 128) and
+// -128 * (lane sums of x) starts the accumulator. Four rows at a time (independent chains),
+// one 256-bit vpdpbusd per block and row; rows found with TileRow, so any interleave works.
+inline void rows_q8_0(float* y, const TileRow* rows, int n, const block_q8a* xa, int nb) {
+  const __m256i bias = _mm256_set1_epi8((char)0x80);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int b = 0; b < nb; ++b) {
+    const block_q8a& a = xa[b];
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)a.qs);
+    const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)a.lsum8), 7));
+    const __m256 dx = _mm256_set1_ps(a.d);
+    for (int k = 0; k < 4; ++k) {
+      if (k >= n) break;
+      const uint8_t* p = rows[k].base + b * rows[k].stride;
+      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 2)), bias);
+      const __m256i s = _mm256_dpbusd_epi32(c, w, xv);
+      const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)*(const uint16_t*)p)), dx);
+      acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[k]);
+    }
+  }
+  for (int k = 0; k < n; ++k) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[k]), _mm256_extractf128_ps(acc[k], 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    y[k] += _mm_cvtss_f32(h);
+  }
+}
+
+void gemv_q8_0_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
+                  int row_begin, int row_end) {
+  const block_q8a* x = (const block_q8a*)xv;
+  walk_tiles_whole(y, w, rows, cols, ts, QK, 34, row_begin, row_end,
+                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
+                     for (int i = 0; i < nr; i += 4) {
+                       const int n = nr - i < 4 ? nr - i : 4;
+                       TileRow tr[4] = {TileRow(tile, nr, nb, ts.g, 34, i), TileRow(tile, nr, nb, ts.g, 34, i),
+                                        TileRow(tile, nr, nb, ts.g, 34, i), TileRow(tile, nr, nb, ts.g, 34, i)};
+                       for (int k = 1; k < n; ++k) tr[k] = TileRow(tile, nr, nb, ts.g, 34, i + k);
+                       rows_q8_0(y + r + i, tr, n, x + cb0, nb);
+                     }
+                   });
+}
+
 }  // namespace
 }  // namespace avx512
 
@@ -163,6 +206,7 @@ const GemvTable& gemv_table_avx512() {
   static const bool filled = [] {
     t[wtype_index(WType::Q4_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_0>;
     t[wtype_index(WType::Q4_1)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_1>;
+    t[wtype_index(WType::Q8_0)][(int)AType::Q8] = avx512::gemv_q8_0_q8;
     return true;
   }();
   (void)filled;
