@@ -16,7 +16,7 @@ from cflow.errors import CflowError
 
 ISAS = [i for i in ("scalar", "avx2", "avx512") if core.isa_supported(i)]
 RTOL = 1e-5
-fast = settings(max_examples=25, deadline=None)
+fast = settings(max_examples=15, deadline=None)
 
 
 def rng(seed):
