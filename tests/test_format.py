@@ -252,3 +252,58 @@ def test_cli_verify_and_inspect(tmp_path, capsys):
     assert cli(["verify", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cflow verify: error:") and "section 'weights': checksum mismatch" in err
+
+
+def _f16(b, i):
+    return float(np.frombuffer(bytes(b[i:i + 2]), "<f2")[0])
+
+
+def documented_dequantize(name: str, b: bytes) -> list[float]:
+    """One block, decoded by the formulas of docs/FORMAT.md ("Block types"), element by element."""
+    if name == "bf16":
+        return [float(np.frombuffer(bytes(2) + bytes(b), "<f4")[0])]
+    if name in ("q4_0", "q4_1", "q5_0"):
+        d = _f16(b, 0)
+        qs = b[{"q4_0": 2, "q4_1": 4, "q5_0": 6}[name]:]
+        q = [qs[j] & 0xF for j in range(16)] + [qs[j] >> 4 for j in range(16)]
+        if name == "q4_1":
+            return [d * q[j] + _f16(b, 2) for j in range(32)]
+        if name == "q5_0":
+            qh = int.from_bytes(bytes(b[2:6]), "little")
+            return [d * ((q[j] | ((qh >> j) & 1) << 4) - 16) for j in range(32)]
+        return [d * (q[j] - 8) for j in range(32)]
+    if name == "q8_0":
+        return [_f16(b, 0) * (v - 256 if v > 127 else v) for v in b[2:34]]
+    if name == "q4_k":
+        d, dmin, s, qs = _f16(b, 0), _f16(b, 2), b[4:16], b[16:144]
+        sc = [s[j] & 63 if j < 4 else (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4) for j in range(8)]
+        mn = [s[j + 4] & 63 if j < 4 else (s[j + 4] >> 4) | ((s[j] >> 6) << 4) for j in range(8)]
+        y = [0.0] * 256
+        for i in range(4):
+            for l in range(32):
+                y[64 * i + l] = d * sc[2 * i] * (qs[32 * i + l] & 0xF) - dmin * mn[2 * i]
+                y[64 * i + 32 + l] = d * sc[2 * i + 1] * (qs[32 * i + l] >> 4) - dmin * mn[2 * i + 1]
+        return y
+    if name == "q6_k":
+        ql, qh, d = b[0:128], b[128:192], _f16(b, 208)
+        sc = [v - 256 if v > 127 else v for v in b[192:208]]
+        y = [0.0] * 256
+        for h in range(2):
+            for l in range(32):
+                a, c, hb, s = ql[64 * h + l], ql[64 * h + l + 32], qh[32 * h + l], 8 * h + l // 16
+                y[128 * h + l] = d * sc[s] * (((a & 0xF) | ((hb >> 0) & 3) << 4) - 32)
+                y[128 * h + l + 32] = d * sc[s + 2] * (((c & 0xF) | ((hb >> 2) & 3) << 4) - 32)
+                y[128 * h + l + 64] = d * sc[s + 4] * (((a >> 4) | ((hb >> 4) & 3) << 4) - 32)
+                y[128 * h + l + 96] = d * sc[s + 6] * (((c >> 4) | ((hb >> 6) & 3) << 4) - 32)
+        return y
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k"])
+def test_documented_block_layouts_match_gguf(name):
+    bt = block_type(name)
+    rows = encoded_rows(name, 1, 512, np.random.default_rng(4))
+    want = quant.decode(rows, bt, 512)[0]
+    blocks = rows.reshape(-1, bt.block_bytes)
+    got = np.concatenate([np.float32(documented_dequantize(name, blk.tobytes())) for blk in blocks])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
