@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -118,33 +117,40 @@ def test_unknown_model_names_the_known_ones():
 
 
 # ------------------------------------------------------------------ CLI
-def _cli(*args, **kw):
+@pytest.fixture(scope="module")
+def cli_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli-cache")
+
+
+def _cli(*args, cache=None, **kw):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    if cache:
+        env["CFLOW_CACHE"] = str(cache)
     return subprocess.Popen([sys.executable, "-m", "cflow", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, **kw)
 
 
-def test_cli_generate_streams_and_reports_speed(tiny_dir, tmp_path):
-    p = _cli("generate", "-m", str(tiny_dir), "--engine", "ref", "-n", "12", "Once upon a time")
+def test_cli_generate_streams_and_reports_speed(tiny_dir, cli_cache):
+    p = _cli("generate", "-m", str(tiny_dir), "--engine", "ref", "-n", "12", "Once upon a time", cache=cli_cache)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     assert out.strip() and "decode" in err and "tok/s" in err and "GB/s" in err
 
 
 def test_cli_bad_model_is_exit_2(tmp_path):
-    p = _cli("generate", "-m", "no-such-model", "hi")
+    p = _cli("generate", "-m", "no-such-model", "hi", cache=tmp_path)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 2 and "cflow generate: error: unknown model 'no-such-model'" in err
     bad = tmp_path / "trunc.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x05" * 40)
-    p = _cli("generate", "-m", str(bad), "hi")
+    p = _cli("generate", "-m", str(bad), "hi", cache=tmp_path)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 2 and "truncated or malformed GGUF" in err
 
 
-def test_cli_ctrl_c_is_a_clean_exit_130(tiny_dir):
+def test_cli_ctrl_c_is_a_clean_exit_130(tiny_dir, cli_cache):
     p = _cli("generate", "-m", str(tiny_dir), "--engine", "ref", "-n", "480", "--temperature", "1", "--seed", "1",
-             "Once upon a time")
+             "Once upon a time", cache=cli_cache)
     p.stdout.read(1)  # generation has started
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=600)
