@@ -2,6 +2,8 @@
 
 import pytest
 
+N_CTX = 4096  # room for a generation long enough to still be running when a test cancels it
+
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
@@ -14,4 +16,4 @@ def tiny_hf(tmp_path_factory):
 def tiny_llm(tiny_hf):
     from cflow.llm import LLM
 
-    return LLM(str(tiny_hf), n_ctx=256)
+    return LLM(str(tiny_hf), n_ctx=N_CTX)

@@ -1,5 +1,6 @@
 """A tiny random-weight Llama with a real BPE tokenizer and a ChatML chat template, saved as a
-Hugging Face directory: a real model for fast server and API tests (its text is gibberish)."""
+Hugging Face directory: a real model for fast server and API tests (its text is gibberish).
+Greedy decoding never picks a special token, so greedy answers always run to max_tokens."""
 
 from __future__ import annotations
 
@@ -38,10 +39,12 @@ def build_tiny_llama(out: Path, *, vocab: int = 512, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
                       bos_token_id=None, eos_token_id=tok.token_to_id("<|im_end|>"),
                       pad_token_id=tok.token_to_id("<|endoftext|>"))
     model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # special tokens get logit 0, below the greedy maximum: greedy never ends early
+        model.lm_head.weight[[tok.token_to_id(s) for s in specials]] = 0.0
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     fast.save_pretrained(out)

@@ -25,9 +25,13 @@ class ApiError(Exception):
 
 
 def from_validation(e: ValidationError) -> ApiError:
-    """The first pydantic error as a 400 naming the offending field."""
-    err = e.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    """A pydantic error as a 400 naming the offending field. For a union (stop: str | list) the
+    type mismatch of one member says little; the other member's complaint is the useful one."""
+    errs = e.errors()
+    err = next((x for x in errs if not x["type"].endswith("_type")), errs[0])
+    # drop union-member names pydantic adds to the location: messages.0.content.str -> messages.0.content
+    loc = [p for p in err["loc"] if not (isinstance(p, str) and (p in ("str", "int", "float", "bool", "list") or "[" in p))]
+    param = ".".join(str(p) for p in loc) or None
     msg = err["msg"].removeprefix("Value error, ")
     return ApiError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
