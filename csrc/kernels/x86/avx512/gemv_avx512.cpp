@@ -202,29 +202,21 @@ void gemv_q8_0_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols
 // The weights are formed exactly as the scalar reference forms them (d * (q - 8) is one
 // rounding of the exact product either way), so only the summation order differs.
 
-struct DeqQ4_0 {
-  static constexpr int kBB = 18;
+// Q4_0 (w = d*q - 8d) and Q4_1 (w = d*q + m): one fma per 16 weights.
+template <int BB, bool HAS_M>
+struct DeqNib {
+  static constexpr int kBB = BB;
   static inline void deq(const uint8_t* p, __m512& w0, __m512& w1) {
-    const __m128i q = _mm_loadu_si128((const __m128i*)(p + 2));
+    const __m128i q = _mm_loadu_si128((const __m128i*)(p + (HAS_M ? 4 : 2)));
     const __m128i lo4 = _mm_set1_epi8(0x0F);
     const __m512 d = _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)p));
-    const __m512 off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    const __m512 off = HAS_M ? _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)(p + 2))) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
     w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, lo4))), d, off);
     w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), lo4))), d, off);
   }
 };
-
-struct DeqQ4_1 {
-  static constexpr int kBB = 20;
-  static inline void deq(const uint8_t* p, __m512& w0, __m512& w1) {
-    const __m128i q = _mm_loadu_si128((const __m128i*)(p + 4));
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    const __m512 d = _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)p));
-    const __m512 m = _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)(p + 2)));
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, lo4))), d, m);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), lo4))), d, m);
-  }
-};
+using DeqQ4_0 = DeqNib<18, false>;
+using DeqQ4_1 = DeqNib<20, true>;
 
 struct DeqQ8_0 {
   static constexpr int kBB = 34;
