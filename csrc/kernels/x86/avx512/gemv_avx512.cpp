@@ -198,6 +198,103 @@ void gemv_q8_0_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols
                    });
 }
 
+// ---- fp32-activation paths (parity): dequantize 32 weights into two zmm, FMA with x ----
+// The weights are formed exactly as the scalar reference forms them (d * (q - 8) is one
+// rounding of the exact product either way), so only the summation order differs.
+
+// Q4_0 (w = d*q - 8d) and Q4_1 (w = d*q + m): one fma per 16 weights.
+template <int BB, bool HAS_M>
+struct DeqNib {
+  static constexpr int kBB = BB;
+  static inline void deq(const uint8_t* p, __m512& w0, __m512& w1) {
+    const __m128i q = _mm_loadu_si128((const __m128i*)(p + (HAS_M ? 4 : 2)));
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    const __m512 d = _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)p));
+    const __m512 off = HAS_M ? _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)(p + 2))) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, lo4))), d, off);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), lo4))), d, off);
+  }
+};
+using DeqQ4_0 = DeqNib<18, false>;
+using DeqQ4_1 = DeqNib<20, true>;
+
+struct DeqQ8_0 {
+  static constexpr int kBB = 34;
+  static inline void deq(const uint8_t* p, __m512& w0, __m512& w1) {
+    const __m512 d = _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)p));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 2)))), d);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 18)))), d);
+  }
+};
+
+template <class D>
+void gemv_deq_f32(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
+                  int row_begin, int row_end) {
+  const float* x = (const float*)xv;
+  walk_tiles_whole(y, w, rows, cols, ts, QK, D::kBB, row_begin, row_end,
+                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
+                     const float* xt = x + (size_t)cb0 * QK;
+                     for (int i = 0; i < nr; i += 2) {  // two rows at a time: independent chains
+                       const int n = nr - i < 2 ? nr - i : 2;
+                       const TileRow r0(tile, nr, nb, ts.g, D::kBB, i), r1(tile, nr, nb, ts.g, D::kBB, i + n - 1);
+                       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+                       for (int b = 0; b < nb; ++b) {
+                         const __m512 x0 = _mm512_loadu_ps(xt + b * QK), x1 = _mm512_loadu_ps(xt + b * QK + 16);
+                         __m512 w0, w1;
+                         D::deq(r0.base + b * r0.stride, w0, w1);
+                         a0 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a0));
+                         D::deq(r1.base + b * r1.stride, w0, w1);
+                         a1 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a1));
+                       }
+                       y[r + i] += _mm512_reduce_add_ps(a0);
+                       if (n == 2) y[r + i + 1] += _mm512_reduce_add_ps(a1);
+                     }
+                   });
+}
+
+// F32 / F16 / BF16 rows: contiguous inside a tile only with interleave 1; other interleaves
+// (elements of g rows interleaved one by one) run the scalar kernel.
+template <int BB>
+inline __m512 load16(const uint8_t* p) {
+  if (BB == 4) return _mm512_loadu_ps((const float*)p);
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+inline __m512 load16_bf16(const uint8_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+template <int BB, bool BF, GemvFn REF>
+void gemv_elem_f32(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
+                   int row_begin, int row_end) {
+  if (ts.g != 1) return REF(y, xv, w, rows, cols, ts, row_begin, row_end);
+  const float* x = (const float*)xv;
+  walk_tiles_whole(y, w, rows, cols, ts, 1, BB, row_begin, row_end,
+                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
+                     const float* xt = x + cb0;
+                     const int n16 = nb / 16 * 16;
+                     for (int i = 0; i < nr; ++i) {
+                       const uint8_t* row = tile + (size_t)i * nb * BB;
+                       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+                       int j = 0;
+                       for (; j + 32 <= n16; j += 32) {
+                         a0 = _mm512_fmadd_ps(BF ? load16_bf16(row + j * BB) : load16<BB>(row + j * BB), _mm512_loadu_ps(xt + j), a0);
+                         a1 = _mm512_fmadd_ps(BF ? load16_bf16(row + (j + 16) * BB) : load16<BB>(row + (j + 16) * BB), _mm512_loadu_ps(xt + j + 16), a1);
+                       }
+                       for (; j < n16; j += 16)
+                         a0 = _mm512_fmadd_ps(BF ? load16_bf16(row + j * BB) : load16<BB>(row + j * BB), _mm512_loadu_ps(xt + j), a0);
+                       float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+                       for (; j < nb; ++j) {
+                         float v;
+                         if (BB == 4) std::memcpy(&v, row + j * 4, 4);
+                         else if (BF) v = bf16_to_f32(*(const uint16_t*)(row + j * 2));
+                         else v = fp16_to_f32(*(const uint16_t*)(row + j * 2));
+                         s += v * xt[j];
+                       }
+                       y[r + i] += s;
+                     }
+                   });
+}
+
 }  // namespace
 }  // namespace avx512
 
@@ -207,6 +304,12 @@ const GemvTable& gemv_table_avx512() {
     t[wtype_index(WType::Q4_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_0>;
     t[wtype_index(WType::Q4_1)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_1>;
     t[wtype_index(WType::Q8_0)][(int)AType::Q8] = avx512::gemv_q8_0_q8;
+    t[wtype_index(WType::Q4_0)][(int)AType::F32] = avx512::gemv_deq_f32<avx512::DeqQ4_0>;
+    t[wtype_index(WType::Q4_1)][(int)AType::F32] = avx512::gemv_deq_f32<avx512::DeqQ4_1>;
+    t[wtype_index(WType::Q8_0)][(int)AType::F32] = avx512::gemv_deq_f32<avx512::DeqQ8_0>;
+    t[wtype_index(WType::F32)][(int)AType::F32] = avx512::gemv_elem_f32<4, false, ref::gemv_f32_f32>;
+    t[wtype_index(WType::F16)][(int)AType::F32] = avx512::gemv_elem_f32<2, false, ref::gemv_f16_f32>;
+    t[wtype_index(WType::BF16)][(int)AType::F32] = avx512::gemv_elem_f32<2, true, ref::gemv_bf16_f32>;
     return true;
   }();
   (void)filled;
