@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cflow.config import ModelConfig
-from cflow.errors import CflowError, CflowFormatError
+from cflow.errors import CflowFormatError
 from cflow.format import CflowFile, CflowWriter
 from cflow.format.spec import MAGIC, PREAMBLE, crc32
 
@@ -211,6 +211,11 @@ def test_payload_checksums_are_checked_only_when_asked():
     expect_error(data, "checksum mismatch", verify=True)
 
 
-def test_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(CflowError, match="cannot read"):
+def test_missing_file_directory_and_fifo_are_clear_errors(tmp_path):
+    with pytest.raises(CflowFormatError, match="cannot read"):
         CflowFile(tmp_path / "none.cflow")
+    with pytest.raises(CflowFormatError, match="not a regular file"):
+        CflowFile(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(CflowFormatError, match="not a regular file"):  # opening a FIFO would block
+        CflowFile(tmp_path / "fifo")

@@ -16,6 +16,7 @@ section's crc32, reading the file in chunks.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,8 @@ class CflowFile:
     def __init__(self, path: str | os.PathLike, *, verify: bool = False):
         self.path = os.fspath(path)
         try:
+            if not stat.S_ISREG(os.stat(self.path).st_mode):  # a FIFO or device would block or lie
+                raise CflowFormatError(f"{self.path}: not a regular file")
             with open(self.path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 self.preamble = Preamble.unpack(fh.read(PREAMBLE.size), size)
