@@ -181,6 +181,8 @@ def test_expert_table(tmp_path):
             p = f"blk.{layer}.exp.{e}."
             assert x.tensors == (p + "ffn_gate_up", p + "ffn_down")
             blob = f.expert_bytes(layer, e)
+            assert np.array_equal(f.read_expert(layer, e), blob)  # one aligned (O_DIRECT) read
+            assert np.array_equal(f.read_expert(layer, e, direct=False), blob)
             for n in x.tensors:
                 t = f.tensors[n]
                 assert np.array_equal(blob[t.offset - x.offset:t.end - x.offset], f.tensor_bytes(n))
