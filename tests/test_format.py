@@ -228,7 +228,7 @@ def test_writer_rejects_bad_input_clearly(tmp_path):
         with pytest.raises(CflowError, match="already written"):
             w.add_tensor("c", "f32", np.ones(4, np.float32), section="s1")
     with CflowFile(tmp_path / "m.cflow", verify=True) as f:
-        assert list(f.tensors) == ["a", "b"]
+        assert list(f.tensors) == ["a", "b"] and list(f.sections) == ["s1", "s2"]
 
 
 def test_decode_order():

@@ -112,7 +112,8 @@ class CflowWriter:
             return
         self._pad(ALIGN)
         name, off, crc = self._cur
-        self._sections[name] = Section(name, off, self._pos - off, crc)
+        if self._pos > off:  # a section left without bytes is not recorded
+            self._sections[name] = Section(name, off, self._pos - off, crc)
         self._cur = None
 
     # ------------------------------------------------------------------ tensors
@@ -144,6 +145,8 @@ class CflowWriter:
             raise CflowError(f"tensor {name!r}: tile {tile} / interleave {g} do not fit {bt.name} "
                              f"(TC a multiple of {bt.block_elems}, G dividing TR)")
         part_list, stripe = _parts(name, rows, tile, parts, fuse, stripe_rows)
+        if not encoded and not quant.can_encode(bt):
+            quant.encode(rows_data[:0], bt)  # raises the UnsupportedError before anything is written
 
         self._enter_section(section)
         self._pad(TENSOR_ALIGN)
