@@ -82,12 +82,12 @@ def test_header_fields_round_trip(tmp_path):
                       top_k=2, d_expert=32, delta_d=1, delta_e=2, combine="async_experts", act="gelu_tanh")
     tok = '{"version": "1.0", "model": {"type": "BPE", "vocab": {"é": 0}}}'
     with CflowWriter(path, cfg, tokenizer_json=tok, chat_template="{% for m in messages %}{{ m }}{% endfor %}",
-                     special_tokens={"bos": 1, "eos": [2, 3]}, metadata={"source": "x.gguf", "quant": "q4_0"}) as w:
+                     special_tokens={"bos_token_id": 1, "eos_token_ids": [2, 3], "add_bos": True}, metadata={"source": "x.gguf", "quant": "q4_0"}) as w:
         w.add_tensor("output_norm", "f32", np.arange(64, dtype=np.float32))
     with CflowFile(path) as f:
         assert f.config == cfg and f.config.delta_e == 2 and f.config.combine == "async_experts"
         assert f.tokenizer_json == tok and f.chat_template.startswith("{% for")
-        assert f.special_tokens == {"bos": 1, "eos": [2, 3]} and f.metadata["quant"] == "q4_0"
+        assert f.special_tokens == {"bos_token_id": 1, "eos_token_ids": [2, 3], "add_bos": True} and f.metadata["quant"] == "q4_0"
         assert f.tensors["output_norm"].shape == (64,)
         assert np.array_equal(f.dequantize("output_norm"), np.arange(64, dtype=np.float32))
 
