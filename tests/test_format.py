@@ -82,12 +82,12 @@ def test_header_fields_round_trip(tmp_path):
                       top_k=2, d_expert=32, delta_d=1, delta_e=2, combine="async_experts", act="gelu_tanh")
     tok = '{"version": "1.0", "model": {"type": "BPE", "vocab": {"é": 0}}}'
     with CflowWriter(path, cfg, tokenizer_json=tok, chat_template="{% for m in messages %}{{ m }}{% endfor %}",
-                     special_tokens={"bos": 1, "eos": [2, 3]}, metadata={"source": "x.gguf", "quant": "q4_0"}) as w:
+                     special_tokens={"bos_token_id": 1, "eos_token_ids": [2, 3], "add_bos": True}, metadata={"source": "x.gguf", "quant": "q4_0"}) as w:
         w.add_tensor("output_norm", "f32", np.arange(64, dtype=np.float32))
     with CflowFile(path) as f:
         assert f.config == cfg and f.config.delta_e == 2 and f.config.combine == "async_experts"
         assert f.tokenizer_json == tok and f.chat_template.startswith("{% for")
-        assert f.special_tokens == {"bos": 1, "eos": [2, 3]} and f.metadata["quant"] == "q4_0"
+        assert f.special_tokens == {"bos_token_id": 1, "eos_token_ids": [2, 3], "add_bos": True} and f.metadata["quant"] == "q4_0"
         assert f.tensors["output_norm"].shape == (64,)
         assert np.array_equal(f.dequantize("output_norm"), np.arange(64, dtype=np.float32))
 
@@ -181,6 +181,8 @@ def test_expert_table(tmp_path):
             p = f"blk.{layer}.exp.{e}."
             assert x.tensors == (p + "ffn_gate_up", p + "ffn_down")
             blob = f.expert_bytes(layer, e)
+            assert np.array_equal(f.read_expert(layer, e), blob)  # one aligned (O_DIRECT) read
+            assert np.array_equal(f.read_expert(layer, e, direct=False), blob)
             for n in x.tensors:
                 t = f.tensors[n]
                 assert np.array_equal(blob[t.offset - x.offset:t.end - x.offset], f.tensor_bytes(n))
@@ -226,7 +228,7 @@ def test_writer_rejects_bad_input_clearly(tmp_path):
         with pytest.raises(CflowError, match="already written"):
             w.add_tensor("c", "f32", np.ones(4, np.float32), section="s1")
     with CflowFile(tmp_path / "m.cflow", verify=True) as f:
-        assert list(f.tensors) == ["a", "b"]
+        assert list(f.tensors) == ["a", "b"] and list(f.sections) == ["s1", "s2"]
 
 
 def test_decode_order():

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cflow.config import ModelConfig
-from cflow.errors import CflowError, CflowFormatError
+from cflow.errors import CflowFormatError
 from cflow.format import CflowFile, CflowWriter
 from cflow.format.spec import MAGIC, PREAMBLE, crc32
 
@@ -23,7 +23,7 @@ def _build() -> bytes:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "m.cflow")
         with CflowWriter(path, CFG, tokenizer_json='{"model": {}}', chat_template="{{ m }}",
-                         special_tokens={"eos": 2}, metadata={"source": "test"}) as w:
+                         special_tokens={"bos_token_id": 1, "eos_token_ids": [2], "add_bos": True}, metadata={"source": "test"}) as w:
             w.add_tensor("tok_embd", "q8_0", rng.standard_normal((100, 64)))
             w.add_tensor("blk.0.attn_norm", "f32", rng.standard_normal(64))
             w.add_fused("blk.0.attn_qkv", "q4_0", [("q", rng.standard_normal((64, 64))), ("k", rng.standard_normal((32, 64))),
@@ -193,6 +193,9 @@ CRAFTED = {
     "expert overlap": (lambda: assemble(edited(lambda h: h["experts"][1].update(offset=h["experts"][0]["offset"]))), "outside the expert's range|overlap"),
     "expert unknown tensor": (lambda: assemble(edited(lambda h: h["experts"][0].update(tensors=["nope"]))), "'nope' is not in header.tensors"),
     "duplicate expert": (lambda: assemble(edited(lambda h: h["experts"].append(dict(h["experts"][0])))), "appears twice"),
+    "bad eos ids": (lambda: assemble(edited(lambda h: h["special_tokens"].update(eos_token_ids=["2"]))), "eos_token_ids"),
+    "bad bos id": (lambda: assemble(edited(lambda h: h["special_tokens"].update(bos_token_id=-1))), "bos_token_id=-1"),
+    "bad add_bos": (lambda: assemble(edited(lambda h: h["special_tokens"].update(add_bos=1))), "'add_bos' has type int"),
     "section checksum": (lambda: assemble(edited(lambda h: h["sections"][0].update(crc32=h["sections"][0]["crc32"] ^ 1))),
                          "section 'weights': checksum mismatch"),
     "dirty preamble page": (lambda: assemble(HEADER, payload=GOOD[:100] + b"x" + GOOD[101:HOFF]), "must be zero"),
@@ -211,6 +214,11 @@ def test_payload_checksums_are_checked_only_when_asked():
     expect_error(data, "checksum mismatch", verify=True)
 
 
-def test_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(CflowError, match="cannot read"):
+def test_missing_file_directory_and_fifo_are_clear_errors(tmp_path):
+    with pytest.raises(CflowFormatError, match="cannot read"):
         CflowFile(tmp_path / "none.cflow")
+    with pytest.raises(CflowFormatError, match="not a regular file"):
+        CflowFile(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(CflowFormatError, match="not a regular file"):  # opening a FIFO would block
+        CflowFile(tmp_path / "fifo")

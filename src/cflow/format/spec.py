@@ -339,6 +339,19 @@ def _no_overlaps(items, what: str) -> None:
         prev = it
 
 
+def check_special_tokens(sp: dict) -> None:
+    """The keys readers act on have fixed types; other keys are free."""
+    where = "header.special_tokens"
+    _get(sp, "bos_token_id", where, int, optional=True)
+    _get(sp, "add_bos", where, bool, optional=True)
+    eos = _get(sp, "eos_token_ids", where, list, optional=True) or []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in eos):
+        _fail(where, "eos_token_ids must be a list of token ids (integers in 0..2^31-1)")
+    bos = sp.get("bos_token_id")
+    if bos is not None and not 0 <= bos < 1 << 31:
+        _fail(where, f"bos_token_id={bos} is outside 0..2^31-1")
+
+
 def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
     """Check and decode the header bytes. Returns the JSON dict with three added keys:
     "_sections" {name: Section}, "_tensors" {name: Tensor}, "_experts" {(layer, expert): Expert}."""
@@ -357,6 +370,7 @@ def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
         _get(h, key, "header", str, optional=True)
     for key in ("special_tokens", "metadata"):
         _get(h, key, "header", dict, optional=True)
+    check_special_tokens(h.get("special_tokens") or {})
 
     sections: dict[str, Section] = {}
     for i, d in enumerate(_get(h, "sections", "header", list)):

@@ -28,7 +28,7 @@ from cflow.config import ModelConfig
 from cflow.errors import CflowError, CflowFormatError
 from cflow.format import quant
 from cflow.format.spec import (ALIGN, FUSE_MODES, MAX_DIM, MAX_TILE, TENSOR_ALIGN, VERSION, Expert, Part, Preamble,
-                               Section, Tensor, align_up, crc32, fuse_rows)
+                               Section, Tensor, check_special_tokens, align_up, crc32, fuse_rows)
 from cflow.format.tiles import DEFAULT_TILE, BlockType, block_type, pack_tiles
 
 CHUNK_BYTES = 32 << 20  # encode and write at most about this much at once (bounded RAM)
@@ -73,6 +73,7 @@ class CflowWriter:
                       "chat_template": chat_template, "special_tokens": dict(special_tokens or {}),
                       "metadata": dict(metadata or {})}
         json.dumps(self._head)  # fail now, not after the payload, on values JSON cannot hold
+        check_special_tokens(self._head["special_tokens"])
         self.tile, self.interleave = tuple(tile), interleave
         d = os.path.dirname(os.path.abspath(self.path))
         fd, self._tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".tmp-", dir=d)
@@ -112,7 +113,8 @@ class CflowWriter:
             return
         self._pad(ALIGN)
         name, off, crc = self._cur
-        self._sections[name] = Section(name, off, self._pos - off, crc)
+        if self._pos > off:  # a section left without bytes is not recorded
+            self._sections[name] = Section(name, off, self._pos - off, crc)
         self._cur = None
 
     # ------------------------------------------------------------------ tensors
@@ -144,6 +146,8 @@ class CflowWriter:
             raise CflowError(f"tensor {name!r}: tile {tile} / interleave {g} do not fit {bt.name} "
                              f"(TC a multiple of {bt.block_elems}, G dividing TR)")
         part_list, stripe = _parts(name, rows, tile, parts, fuse, stripe_rows)
+        if not encoded and not quant.can_encode(bt):
+            quant.encode(rows_data[:0], bt)  # raises the UnsupportedError before anything is written
 
         self._enter_section(section)
         self._pad(TENSOR_ALIGN)
