@@ -155,3 +155,13 @@ def test_cli_ctrl_c_is_a_clean_exit_130(tiny_dir, cli_cache):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def test_inference_path_imports_no_torch(tiny_dir, cli_cache):
+    code = ("import sys; from cflow.llm import LLM; "
+            f"llm = LLM({str(tiny_dir)!r}, engine='ref', quiet=True, cache={str(cli_cache)!r}); "
+            "assert llm.generate('Once', max_tokens=3) is not None; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr

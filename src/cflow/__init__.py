@@ -15,7 +15,6 @@ __version__ = "0.1.0"
 from cflow.errors import CflowError, CflowFormatError  # noqa: E402
 
 
-
 def __getattr__(name):  # cflow.LLM without importing the generation stack on `import cflow`
     if name == "LLM":
         from cflow.llm import LLM
