@@ -81,17 +81,20 @@ def _tile_permutation(bt: BlockType, rows: int, cols: int, tile: tuple[int, int]
         raise CflowFormatError(f"bad tile shape {tile} / interleave {interleave} for {bt.name} (QK={qk})")
     nbr = cols // qk  # blocks per row
     bpt = tc // qk  # blocks per full column tile
-    parts = []
-    for r0 in range(0, rows, tr):
-        nr = min(tr, rows - r0)
-        for b0 in range(0, nbr, bpt):
-            nb = min(bpt, nbr - b0)
-            for g0 in range(0, nr, interleave):
-                g = min(interleave, nr - g0)
-                r = r0 + g0 + np.arange(g)
-                b = b0 + np.arange(nb)
-                parts.append((r[None, :] * nbr + b[:, None]).reshape(-1))  # (nb, g) block-column-major
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    # Position in the payload of block (row r, block b), computed for all blocks at once:
+    # stripe start + earlier tiles of the stripe + earlier groups of the tile + (b, i) in the group.
+    r = np.arange(rows, dtype=np.int64)[:, None]  # (R, 1)
+    b = np.arange(nbr, dtype=np.int64)[None, :]  # (1, nbr)
+    s0 = r // tr * tr  # first row of the stripe
+    nr = np.minimum(tr, rows - s0)  # rows in the stripe
+    t0 = b // bpt * bpt  # first block of the column tile
+    nb = np.minimum(bpt, nbr - t0)  # blocks per row in the tile
+    g0 = (r - s0) // interleave * interleave  # first row of the group, in the stripe
+    g = np.minimum(interleave, nr - g0)  # rows in the group
+    pos = s0 * nbr + nr * t0 + g0 * nb + (b - t0) * g + (r - s0 - g0)  # (R, nbr)
+    perm = np.empty(rows * nbr, dtype=np.int64)
+    perm[pos.reshape(-1)] = np.arange(rows * nbr, dtype=np.int64)
+    return perm
 
 
 def pack_tiles(row_blocks: np.ndarray, bt: BlockType, cols: int, tile=DEFAULT_TILE, interleave: int = 1) -> np.ndarray:
@@ -117,3 +120,39 @@ def unpack_tiles(payload: np.ndarray, bt: BlockType, rows: int, cols: int, tile=
     out = np.empty_like(blocks)
     out[perm] = blocks
     return out.reshape(rows, -1)
+
+
+def fuse_rows(mats, mode: str, tile_rows: int = DEFAULT_TILE[0]):
+    """Order the rows of several matrices into one, so one tiled GEMV computes them all.
+
+    mats: 2-D arrays with the same number of columns (encoded rows, uint8 (R_i, bytes), or any
+    dtype). Rows are permuted as whole rows, so encode first or after: the result is the same.
+      * "stack": [Wq; Wk; Wv] one below the other (fused QKV). Returns (fused, offsets) where
+        outputs y[offsets[i]:offsets[i+1]] belong to mats[i].
+      * "glu": mats = [gate, up] of equal shape (ff, C), interleaved by half-stripes of
+        h = tile_rows // 2 rows: gate[0:h], up[0:h], gate[h:2h], up[h:2h], ... (the last
+        chunk: the r = ff - k*h remaining gate rows, then the r up rows). Every stripe of
+        tile_rows rows then holds a gate chunk and its up chunk, so the kernel applies the GLU
+        per stripe (csrc gemv_glu). Returns (fused, None); fused has 2*ff rows.
+    """
+    mats = [np.asarray(m) for m in mats]
+    if not mats or any(m.ndim != 2 for m in mats) or len({m.shape[1] for m in mats}) != 1:
+        raise CflowFormatError("fuse_rows: expected 2-D matrices with the same number of columns")
+    if mode == "stack":
+        offsets = np.cumsum([0] + [m.shape[0] for m in mats]).tolist()
+        return np.ascontiguousarray(np.concatenate(mats, axis=0)), offsets
+    if mode == "glu":
+        if len(mats) != 2 or mats[0].shape != mats[1].shape:
+            raise CflowFormatError("fuse_rows(glu): expected [gate, up] of equal shape")
+        if tile_rows <= 0 or tile_rows % 2:
+            raise CflowFormatError(f"fuse_rows(glu): tile rows must be even, got {tile_rows}")
+        return np.ascontiguousarray(np.concatenate(glu_chunks(mats[0], mats[1], tile_rows // 2), axis=0)), None
+    raise CflowFormatError(f"fuse_rows: unknown mode {mode!r} (stack | glu)")
+
+
+def glu_chunks(gate: np.ndarray, up: np.ndarray, h: int) -> list:
+    """gate[0:h], up[0:h], gate[h:2h], up[h:2h], ... (the row order of fuse_rows "glu")."""
+    parts = []
+    for r in range(0, gate.shape[0], h):
+        parts += [gate[r : r + h], up[r : r + h]]
+    return parts

