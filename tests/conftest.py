@@ -13,7 +13,17 @@ def tiny_hf(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_llm(tiny_hf):
+def tiny_cflow(tiny_hf):
+    """The tiny model converted with `cflow convert`."""
+    from cflow.cli import main
+
+    out = tiny_hf.parent / "tiny-llama.cflow"
+    assert main(["convert", str(tiny_hf), "-o", str(out), "--quiet"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_cflow):
     from cflow.llm import LLM
 
-    return LLM(str(tiny_hf), n_ctx=N_CTX)
+    return LLM(str(tiny_cflow), n_ctx=N_CTX, quiet=True)

@@ -92,6 +92,14 @@ async def _next(gen: Generation, watch: asyncio.Task):
     raise ClientGone
 
 
+def _display_name(name: str) -> str:
+    """A model id for clients: the name itself, or a path's file name without .cflow/.gguf."""
+    p = Path(name)
+    if len(p.parts) == 1:
+        return name
+    return p.name.removesuffix(".cflow").removesuffix(".gguf") or name
+
+
 def _model_error(e: Exception) -> ApiError:
     if isinstance(e, QueueFull):
         return ApiError(503, "server busy: the request queue is full, retry later", type="server_error", code="queue_full")
@@ -135,6 +143,7 @@ class Server:
     def __init__(self, llm, *, max_concurrency: int, api_key: str | None, max_body: int, max_queue: int,
                  default_max_tokens: int):
         self.llm, self.api_key, self.max_body, self.default_max_tokens = llm, api_key, max_body, default_max_tokens
+        self.name = _display_name(llm.name)
         self.slots = Slots(max_concurrency, max_queue)
         self.metrics = Metrics(self.slots)
         self.created = int(time.time())
@@ -242,7 +251,7 @@ class Server:
 
     def head(self, fmt, obj: str) -> dict:
         return {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "object": obj, "created": int(time.time()),
-                "model": self.llm.name}
+                "model": self.name}
 
     def done(self, last, t0: float) -> None:
         self.metrics.finished(last.usage, last.timings)
@@ -268,14 +277,13 @@ class Server:
             req = CompletionRequest.model_validate(await self.body(request))
         except ValidationError as e:
             raise from_validation(e) from None
-        bos = self.llm.tokenizer.bos_token_id
-        prompt = ([bos] if bos is not None else []) + self.llm.tokenizer.encode(req.text(), add_special_tokens=False)
+        prompt = self.llm.tokenizer.encode(req.text(), add_special_tokens=True)  # BOS as the model wants it
         if not prompt:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
         return await self.run(request, req, prompt, _Text)
 
     def model_card(self) -> dict:
-        return {"id": self.llm.name, "object": "model", "created": self.created, "owned_by": "cflow",
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "cflow",
                 "n_ctx": self.llm.n_ctx}
 
     async def models(self, request: Request):
@@ -284,14 +292,14 @@ class Server:
 
     async def model(self, request: Request):
         self.auth(request)
-        if request.path_params["model"] != self.llm.name:
-            raise ApiError(404, f"model {request.path_params['model']!r} not found; this server runs {self.llm.name!r}",
+        if request.path_params["model"] != self.name:
+            raise ApiError(404, f"model {request.path_params['model']!r} not found; this server runs {self.name!r}",
                            param="model", code="model_not_found")
         return JSONResponse(self.model_card())
 
     async def health(self, request: Request):
         s = self.slots
-        return JSONResponse({"status": "ok", "model": self.llm.name, "slots": s.n, "active": s.active, "queued": s.queued})
+        return JSONResponse({"status": "ok", "model": self.name, "slots": s.n, "active": s.active, "queued": s.queued})
 
     async def prometheus(self, request: Request):
         self.auth(request)
