@@ -21,6 +21,7 @@ ROPE_STYLES = ("neox", "interleaved")  # neox: rotate halves (HF llama); interle
 ACTIVATIONS = ("silu", "gelu_tanh")  # gated FFN: silu -> SwiGLU, gelu_tanh -> GeGLU
 COMBINE_STYLES = ("parallel_sqrt2", "delayed_sum", "async_experts")
 ROUTING_ANCHORS = ("pre_dense", "post_dense")
+RESIDUALS = ("single", "decoupled")  # decoupled: experts keep their own residual stream (arch1)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ModelConfig:
     combine: str = "delayed_sum"
     n_iter: int = 1  # weight sharing: the n_layer unique layers are applied n_iter times
     variant: str = ""  # named preset this config came from (arch1, arch2_4_combined, ...)
+    residual: str = "single"  # "decoupled": attention+dense and experts write separate streams
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.n_head:
@@ -74,6 +76,11 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_head * self.head_dim
+
+    @property
+    def n_layer_eff(self) -> int:
+        """Layer applications per token: n_layer unique layers applied n_iter times."""
+        return self.n_layer * self.n_iter
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
@@ -97,6 +104,7 @@ class ModelConfig:
         need(all(t in ("global", "sliding") for t in self.layer_types), "layer_types entries are 'global' or 'sliding'")
         need(self.n_expert == 0 or 0 < self.top_k <= self.n_expert, f"top_k={self.top_k} must be in 1..n_expert={self.n_expert}")
         need(self.n_expert == 0 or self.d_expert > 0, "d_expert must be > 0 when n_expert > 0")
+        need(self.residual in RESIDUALS, f"residual {self.residual!r} not in {RESIDUALS}")
         need(0 <= self.delta_d < self.n_layer and 0 <= self.delta_e < self.n_layer, "delays must be in 0..n_layer-1")
 
     def to_dict(self) -> dict[str, Any]:

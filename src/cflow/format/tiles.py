@@ -81,17 +81,20 @@ def _tile_permutation(bt: BlockType, rows: int, cols: int, tile: tuple[int, int]
         raise CflowFormatError(f"bad tile shape {tile} / interleave {interleave} for {bt.name} (QK={qk})")
     nbr = cols // qk  # blocks per row
     bpt = tc // qk  # blocks per full column tile
-    parts = []
-    for r0 in range(0, rows, tr):
-        nr = min(tr, rows - r0)
-        for b0 in range(0, nbr, bpt):
-            nb = min(bpt, nbr - b0)
-            for g0 in range(0, nr, interleave):
-                g = min(interleave, nr - g0)
-                r = r0 + g0 + np.arange(g)
-                b = b0 + np.arange(nb)
-                parts.append((r[None, :] * nbr + b[:, None]).reshape(-1))  # (nb, g) block-column-major
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    # Position in the payload of block (row r, block b), computed for all blocks at once:
+    # stripe start + earlier tiles of the stripe + earlier groups of the tile + (b, i) in the group.
+    r = np.arange(rows, dtype=np.int64)[:, None]  # (R, 1)
+    b = np.arange(nbr, dtype=np.int64)[None, :]  # (1, nbr)
+    s0 = r // tr * tr  # first row of the stripe
+    nr = np.minimum(tr, rows - s0)  # rows in the stripe
+    t0 = b // bpt * bpt  # first block of the column tile
+    nb = np.minimum(bpt, nbr - t0)  # blocks per row in the tile
+    g0 = (r - s0) // interleave * interleave  # first row of the group, in the stripe
+    g = np.minimum(interleave, nr - g0)  # rows in the group
+    pos = s0 * nbr + nr * t0 + g0 * nb + (b - t0) * g + (r - s0 - g0)  # (R, nbr)
+    perm = np.empty(rows * nbr, dtype=np.int64)
+    perm[pos.reshape(-1)] = np.arange(rows * nbr, dtype=np.int64)
+    return perm
 
 
 def pack_tiles(row_blocks: np.ndarray, bt: BlockType, cols: int, tile=DEFAULT_TILE, interleave: int = 1) -> np.ndarray:

@@ -1,0 +1,23 @@
+"""`cflow convert SRC -o OUT.cflow`: a GGUF file or Hugging Face directory to .cflow."""
+
+HELP = "convert a GGUF file or Hugging Face directory (or a known model name) to .cflow"
+
+
+def add_arguments(p):
+    p.add_argument("src", help="a .gguf file, an HF directory (config.json + *.safetensors), a known name or hf://...")
+    p.add_argument("-o", "--output", required=True, help="output .cflow path (written atomically)")
+    p.add_argument("--quant", default="keep", choices=("keep", "q4_0", "q4_1", "q8_0", "f16", "f32"),
+                   help="block type of the matrices (keep: GGUF blocks unchanged, HF dtypes kept)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def main(args) -> int:
+    import os
+
+    from cflow import hub
+    from cflow.convert import convert
+
+    src = hub.resolve(args.src, quiet=args.quiet)
+    out = convert(src, args.output, quant=args.quant, progress=not args.quiet)
+    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
+    return 0

@@ -1,0 +1,74 @@
+"""`cflow generate [-m MODEL] "prompt"`: stream a continuation to stdout, speed to stderr."""
+
+HELP = "generate text from a prompt (streams to stdout; speed summary on stderr)"
+
+
+def add_sampling_arguments(p):
+    p.add_argument("-m", "--model", default="smollm2-135m", help="model name, .cflow/.gguf path, HF directory or hf://...")
+    p.add_argument("-n", "--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--n-ctx", type=int, default=None, help="context length (default: the model's, at most 8192)")
+    p.add_argument("--engine", choices=("auto", "native", "ref"), default=None, help="decode engine (default auto)")
+    p.add_argument("--exact", action="store_true", help="fp32 activations (parity path) instead of the int8 fast path")
+
+
+def add_arguments(p):
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_sampling_arguments(p)
+
+
+def sampling_kwargs(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+
+
+def load_llm(args):
+    from cflow.llm import LLM
+
+    return LLM(args.model, threads=args.threads, n_ctx=args.n_ctx, fast=not args.exact, engine=args.engine)
+
+
+def speed_line(llm, final) -> str:
+    t, u = final.timings, final.usage
+    gbs = llm.engine.bytes_per_token * t.decode_tok_s / 1e9
+    return (f"prompt {u.prompt_tokens} tok, {t.prompt_tok_s:.1f} tok/s | decode {u.completion_tokens} tok, "
+            f"{t.decode_tok_s:.1f} tok/s, {gbs:.2f} GB/s | finish: {final.finish_reason}")
+
+
+def stream_to_stdout(gen):
+    """Print chunks as they come; return (text, final chunk). Ctrl-C closes the generator."""
+    import sys
+
+    final, text = None, []
+    try:
+        for c in gen:
+            if c.text:
+                sys.stdout.write(c.text)
+                sys.stdout.flush()
+                text.append(c.text)
+            final = c
+    finally:
+        gen.close()
+    return "".join(text), final
+
+
+def main(args) -> int:
+    import sys
+
+    llm = load_llm(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.encode(llm.render_chat([{"role": "user", "content": prompt}]))
+    _, final = stream_to_stdout(llm.complete(prompt, **sampling_kwargs(args)))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(speed_line(llm, final), file=sys.stderr)
+    return 0

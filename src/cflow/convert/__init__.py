@@ -1,0 +1,239 @@
+"""Conversion of existing checkpoints (GGUF files, Hugging Face directories) to cflow.
+
+    ckpt = load_source("model.gguf")          # or an HF directory: config.json + *.safetensors
+    convert("model.gguf", "model.cflow", quant="keep")
+
+A Checkpoint is the model in cflow's terms, in memory (arrays may be views of a mapped file):
+its ModelConfig, tensors under our names (see names.py) with the Q/K/V and gate/up matrices
+fused, the tokenizer (a Hugging Face tokenizers JSON string), the chat template and the special
+token ids. It reads like a CflowFile (config, tokenizer_json, chat_template, tensors,
+dequantize), so the reference engine runs either.
+
+Fused tensors: blk.{l}.attn_qkv stacks [Wq; Wk; Wv] by rows (biases likewise), and
+blk.{l}.ffn_gate_up stacks [W_gate; W_up]; `parts` records the row counts. Blocks are never
+re-encoded by fusion, so `keep` stays bit-identical to GGUF. When the parts have different
+block types (Q4_K_M files store some attn_v / ffn_up as Q6_K), `keep` stores them unfused
+(attn_q / attn_k / attn_v, ffn_gate / ffn_up) and readers accept both forms.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cflow.config import ModelConfig
+from cflow.errors import CflowError, CflowFormatError, UnsupportedError
+from cflow.format.tiles import BLOCK_TYPES, block_type
+
+QUANTS = ("keep", "q4_0", "q4_1", "q8_0", "f16", "f32")
+FLOAT_TYPES = {"f32": np.float32, "f16": np.float16}
+
+
+@dataclass
+class Tensor:
+    """One tensor: type (block-type name), shape (rows, cols) or (n,), data.
+
+    data: float types -> float array of `shape` (bf16 as uint16 bits); quantized types ->
+    uint8 (rows, cols / QK * block_bytes), each row GGUF-encoded.
+    parts: for fused tensors, [(name, rows), ...] in row order.
+    """
+
+    type: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    parts: list[tuple[str, int]] = field(default_factory=list)
+
+    def dequantize(self) -> np.ndarray:
+        return dequantize(self.type, self.data, self.shape)
+
+
+def dequantize(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Row blocks or float data -> float32 array of `shape`."""
+    if type_name in ("f32", "f16"):
+        return np.asarray(data, dtype=np.float32).reshape(shape)
+    if type_name == "bf16":
+        return (np.asarray(data).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gg_dequantize
+
+    qt = GGMLQuantizationType(block_type(type_name).code)
+    return gg_dequantize(np.asarray(data), qt).reshape(shape).astype(np.float32, copy=False)
+
+
+def quantize(type_name: str, w: np.ndarray) -> np.ndarray:
+    """float array (rows, cols) -> data for Tensor(type_name) (row blocks for quantized types)."""
+    if type_name in FLOAT_TYPES:
+        return np.ascontiguousarray(w, dtype=FLOAT_TYPES[type_name])
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gg_quantize
+
+    return gg_quantize(np.ascontiguousarray(w, dtype=np.float32), GGMLQuantizationType(block_type(type_name).code))
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tensors: dict[str, Tensor]
+    tokenizer_json: str | None = None
+    chat_template: str | None = None
+    special_tokens: dict = field(default_factory=dict)  # bos_token_id, eos_token_ids, ...
+    metadata: dict = field(default_factory=dict)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        if name not in self.tensors:
+            raise CflowFormatError(f"model has no tensor {name!r}")
+        return self.tensors[name].dequantize()
+
+    def unfuse(self, name: str) -> dict[str, np.ndarray]:
+        """A fused tensor's parts, dequantized: {part name: float32 (rows_p, cols)} (as CflowFile)."""
+        t = self.tensors[name]
+        if not t.parts:
+            raise CflowError(f"tensor {name!r} is not fused")
+        return split_parts(name, t, t.dequantize())
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def source_kind(path: str | os.PathLike) -> str:
+    """'gguf', 'hf' or 'cflow' for a local path; a clear error otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return "hf"
+        raise CflowError(f"{p} is a directory without config.json (expected a Hugging Face model directory)")
+    if not p.is_file():
+        raise CflowError(f"no such file or directory: {p}")
+    with open(p, "rb") as f:
+        magic = f.read(8)
+    if magic[:4] == b"GGUF":
+        return "gguf"
+    if p.suffix == ".cflow" or magic == b"\x89CFLOW\r\n":
+        return "cflow"
+    raise CflowFormatError(f"{p}: not a GGUF file, .cflow file or Hugging Face directory")
+
+
+def load_source(path: str | os.PathLike) -> Checkpoint:
+    """Read a GGUF file or an HF directory into a Checkpoint (weights stay mapped where possible)."""
+    kind = source_kind(path)
+    if kind == "gguf":
+        from cflow.convert.gguf import load_gguf
+
+        return load_gguf(path)
+    if kind == "hf":
+        from cflow.convert.hf import load_hf
+
+        return load_hf(path)
+    raise CflowError(f"{path} is already a .cflow file")
+
+
+def fuse_layers(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Fuse blk.{l}.attn_q/k/v -> attn_qkv and ffn_gate/up -> ffn_gate_up where the types agree."""
+    out = dict(tensors)
+    for layer in range(cfg.n_layer):
+        b = f"blk.{layer}."
+        for fused, names in (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_gate_up", ("ffn_gate", "ffn_up"))):
+            ts = [out.get(b + n) for n in names]
+            if any(t is None for t in ts):
+                continue
+            if len({t.type for t in ts}) == 1:
+                out[b + fused] = _stack(ts, [b + n for n in names])
+                for n in names:
+                    del out[b + n]
+            if fused == "attn_qkv" and all(b + n + ".bias" in out for n in names):
+                bs = [out.pop(b + n + ".bias") for n in names]
+                if b + fused in out:  # [bq; bk; bv], one f32 vector
+                    out[b + fused + ".bias"] = Tensor("f32", (sum(t.shape[0] for t in bs),),
+                                                      np.concatenate([t.dequantize() for t in bs]))
+                else:
+                    out.update({b + n + ".bias": t for n, t in zip(names, bs)})
+    return out
+
+
+def _stack(ts: list[Tensor], names: list[str]) -> Tensor:
+    rows = [t.shape[0] for t in ts]
+    shape = (sum(rows),) + tuple(ts[0].shape[1:])
+    data = np.concatenate([np.asarray(t.data) for t in ts], axis=0)
+    return Tensor(ts[0].type, shape, data, list(zip(names, rows)))
+
+
+def split_parts(name: str, t: Tensor, w: np.ndarray) -> dict[str, np.ndarray]:
+    """Dequantized fused tensor -> {part name: rows}; an unfused tensor maps to itself."""
+    if not t.parts:
+        return {name: w}
+    out, r = {}, 0
+    for pname, n in t.parts:
+        out[pname] = w[r : r + n]
+        r += n
+    return out
+
+
+def requantize(ckpt: Checkpoint, quant: str) -> Checkpoint:
+    """Re-encode every matrix to `quant` (norms and biases stay f32); 'keep' returns ckpt."""
+    if quant not in QUANTS:
+        raise UnsupportedError(f"unknown quantization {quant!r}; supported: {', '.join(QUANTS)}")
+    if quant == "keep":
+        return ckpt
+    bt = BLOCK_TYPES[quant]
+    out = {}
+    for name, t in ckpt.tensors.items():
+        if len(t.shape) != 2:
+            out[name] = t if t.type == "f32" else Tensor("f32", t.shape, t.dequantize(), t.parts)
+            continue
+        target = quant if t.shape[1] % bt.block_elems == 0 else "f16" if quant != "f32" else "f32"
+        if t.type == target:
+            out[name] = t
+            continue
+        out[name] = Tensor(target, t.shape, quantize(target, t.dequantize()), t.parts)
+    meta = dict(ckpt.metadata, quant=quant)
+    return Checkpoint(ckpt.config, out, ckpt.tokenizer_json, ckpt.chat_template, ckpt.special_tokens, meta)
+
+
+def check_tensors(ckpt: Checkpoint) -> None:
+    """Every tensor the architecture needs is present with the shape the config implies."""
+    c = ckpt.config
+    need = {"tok_embd": (c.vocab_size, c.d_model), "output_norm": (c.d_model,)}
+    if not c.tie_embeddings:
+        need["output"] = (c.vocab_size, c.d_model)
+    for layer in range(c.n_layer):
+        b = f"blk.{layer}."
+        need[b + "attn_norm"] = (c.d_model,)
+        need[b + "attn_output"] = (c.d_model, c.q_dim)
+        need[b + "ffn_norm"] = (c.d_model,)
+        need[b + "ffn_down"] = (c.d_model, c.d_ff)
+        if b + "attn_qkv" in ckpt.tensors:
+            need[b + "attn_qkv"] = (c.q_dim + 2 * c.kv_dim, c.d_model)
+        else:
+            need.update({b + "attn_q": (c.q_dim, c.d_model), b + "attn_k": (c.kv_dim, c.d_model), b + "attn_v": (c.kv_dim, c.d_model)})
+        if b + "ffn_gate_up" in ckpt.tensors:
+            need[b + "ffn_gate_up"] = (2 * c.d_ff, c.d_model)
+        else:
+            need.update({b + "ffn_gate": (c.d_ff, c.d_model), b + "ffn_up": (c.d_ff, c.d_model)})
+        if c.qk_norm:
+            need.update({b + "attn_q_norm": (c.head_dim,), b + "attn_k_norm": (c.head_dim,)})
+        if c.post_norms:
+            need.update({b + "attn_post_norm": (c.d_model,), b + "ffn_post_norm": (c.d_model,)})
+    for name, shape in need.items():
+        t = ckpt.tensors.get(name)
+        if t is None:
+            raise CflowFormatError(f"checkpoint has no tensor {name} (needed by arch {c.arch})")
+        if tuple(t.shape) != shape:
+            raise CflowFormatError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape} from the config")
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, *, quant: str = "keep", progress: bool = True) -> Path:
+    """Convert a GGUF file or an HF directory into a .cflow file (atomic: no partial file)."""
+    from cflow.convert.write import write_cflow
+
+    ckpt = requantize(load_source(src), quant)
+    write_cflow(ckpt, out, progress=progress)
+    return Path(out)

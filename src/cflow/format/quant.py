@@ -1,0 +1,72 @@
+"""Row encodings of each block type, bit-identical to GGUF's (a thin wrapper over gguf-py).
+
+encode: float32 (R, C) -> uint8 (R, C/QK * block_bytes), each row GGUF-encoded.
+decode: uint8 (R, C/QK * block_bytes) -> float32 (R, C).
+
+gguf-py (0.19) quantizes f32, f16, bf16, q8_0, q4_0, q4_1 and q5_0; it dequantizes all of them
+plus q4_k and q6_k. For q4_k and q6_k, writers pass already-encoded row blocks (uint8), which is
+what GGUF conversion does; `can_encode` says which types take float input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cflow.errors import CflowFormatError, UnsupportedError
+from cflow.format.tiles import BlockType
+
+# Types gguf-py can quantize from floats (checked against gguf-py 0.19; q4_k/q6_k raise
+# NotImplementedError there).
+_ENCODABLE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0")
+
+
+def _qtype(bt: BlockType):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(bt.code)
+
+
+def can_encode(bt: BlockType) -> bool:
+    """True when float input can be encoded into `bt` here (else pass GGUF-encoded bytes)."""
+    return bt.name in _ENCODABLE
+
+
+def row_bytes(bt: BlockType, cols: int) -> int:
+    """Bytes of one encoded row of `cols` weights."""
+    if cols % bt.block_elems:
+        raise CflowFormatError(f"{bt.name}: {cols} columns is not a multiple of the block size {bt.block_elems}")
+    return cols // bt.block_elems * bt.block_bytes
+
+
+def encode(x: np.ndarray, bt: BlockType) -> np.ndarray:
+    """float (R, C) -> uint8 (R, row_bytes(C)): GGUF's row encoding of block type `bt`."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise CflowFormatError(f"encode: expected a 2-D array, got shape {x.shape}")
+    row_bytes(bt, x.shape[1])
+    if bt.name == "f32":
+        return x.astype("<f4").view(np.uint8)
+    if bt.name == "f16":
+        return x.astype("<f2").view(np.uint8)
+    if not can_encode(bt):
+        raise UnsupportedError(
+            f"cannot quantize floats to {bt.name} (gguf-py has no {bt.name} quantizer); "
+            f"pass GGUF-encoded row blocks as uint8 (R, C/{bt.block_elems}*{bt.block_bytes})"
+        )
+    from gguf.quants import quantize
+
+    return np.ascontiguousarray(quantize(x, _qtype(bt))).view(np.uint8).reshape(x.shape[0], -1)
+
+
+def decode(rows: np.ndarray, bt: BlockType, cols: int) -> np.ndarray:
+    """uint8 (R, row_bytes(C)) -> float32 (R, C): GGUF's dequantization of block type `bt`."""
+    rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    if rows.ndim != 2 or rows.shape[1] != row_bytes(bt, cols):
+        raise CflowFormatError(f"decode: expected uint8 (R, {row_bytes(bt, cols)}) for {bt.name}, got {rows.shape}")
+    if bt.name == "f32":
+        return rows.view("<f4").astype(np.float32)
+    if bt.name == "f16":
+        return rows.view("<f2").astype(np.float32)
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(rows, _qtype(bt)), dtype=np.float32).reshape(rows.shape[0], cols)

@@ -1,0 +1,150 @@
+"""CflowFile: a `.cflow` file, mapped read-only, checked before anything is exposed.
+
+    with CflowFile("model.cflow") as f:
+        f.config                       # ModelConfig
+        f.tensors["blk.0.attn_qkv"]    # spec.Tensor: type, shape, tile, interleave, offset, nbytes, parts
+        f.tensor_bytes("blk.0.ffn_down")   # uint8 view of the tiled payload (no copy)
+        f.dequantize("blk.0.ffn_down")     # float32 (rows, cols), the GGUF dequantization
+        f.experts[(0, 3)]              # spec.Expert: section, offset, length, tensors
+
+Opening reads the preamble and the header (never the payload), checks the header checksum,
+the JSON structure, every section / tensor / expert offset and length against the file size
+and against each other, then maps the file. `verify=True` (or `verify()`) also checks every
+section's crc32, reading the file in chunks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from cflow.config import ModelConfig
+from cflow.errors import CflowError, CflowFormatError
+from cflow.format import quant
+from cflow.format.spec import PREAMBLE, Expert, Preamble, Section, Tensor, crc32, parse_header, unfuse_rows
+from cflow.format.tiles import unpack_tiles
+
+VERIFY_CHUNK = 16 << 20
+
+
+class CflowFile:
+    """A mapped, validated `.cflow` file. Use as a context manager or call close()."""
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = False):
+        self.path = os.fspath(path)
+        try:
+            with open(self.path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                self.preamble = Preamble.unpack(fh.read(PREAMBLE.size), size)
+                fh.seek(self.preamble.header_offset)
+                raw = fh.read(self.preamble.header_length)
+        except OSError as e:
+            raise CflowFormatError(f"{self.path}: cannot read: {e.strerror or e}") from None
+        if len(raw) != self.preamble.header_length:
+            raise CflowFormatError(f"{self.path}: file shrank while reading the header")
+        self.size = size
+        h = parse_header(raw, self.preamble)
+        self.sections: dict[str, Section] = h.pop("_sections")
+        self.tensors: dict[str, Tensor] = h.pop("_tensors")
+        self.experts: dict[tuple[int, int], Expert] = h.pop("_experts")
+        self.header: dict[str, Any] = h
+        try:
+            self.config = ModelConfig.from_dict(h["config"])
+        except Exception as e:  # ModelConfig raises CflowError; hostile values may raise others
+            raise CflowFormatError(f"header.config: {e}") from None
+        self.tokenizer_json: str | None = h.get("tokenizer")
+        self.chat_template: str | None = h.get("chat_template")
+        self.special_tokens: dict = h.get("special_tokens") or {}
+        self.metadata: dict = h.get("metadata") or {}
+        if verify:
+            self.verify()
+        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r", shape=(size,))
+
+    # ------------------------------------------------------------------ checks
+    def verify(self) -> None:
+        """Check every section's crc32 and that bytes outside sections (the rest of the preamble
+        page, gaps) are zero: every byte of the file is then covered by a check."""
+        with open(self.path, "rb") as fh:
+            pos = PREAMBLE.size
+            for s in sorted(self.sections.values(), key=lambda s: s.offset) + [None]:
+                end = s.offset if s else self.preamble.header_offset
+                fh.seek(pos)
+                while pos < end:
+                    b = fh.read(min(VERIFY_CHUNK, end - pos))
+                    if not b or b.count(0) != len(b):
+                        raise CflowFormatError(f"bytes [{pos}, {end}) outside every section must be zero")
+                    pos += len(b)
+                if s is None:
+                    break
+                pos = s.end
+            for s in self.sections.values():
+                fh.seek(s.offset)
+                crc, left = 0, s.length
+                while left:
+                    b = fh.read(min(VERIFY_CHUNK, left))
+                    if not b:
+                        raise CflowFormatError(f"section {s.name!r}: file ends inside the section")
+                    crc, left = crc32(b, crc), left - len(b)
+                if crc != s.crc32:
+                    raise CflowFormatError(f"section {s.name!r}: checksum mismatch (crc32 {crc:08x}, header says {s.crc32:08x})")
+
+    # ------------------------------------------------------------------ data
+    @property
+    def buffer(self) -> np.ndarray:
+        """The whole file as a read-only uint8 array (mapped, not read)."""
+        if self._mm is None:
+            raise CflowError(f"{self.path} is closed")
+        return self._mm
+
+    def tensor(self, name: str) -> Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CflowError(f"no tensor {name!r} in {self.path}") from None
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """uint8 (nbytes,): the tensor's tiled payload, a view into the mapping (no copy)."""
+        t = self.tensor(name)
+        return self.buffer[t.offset:t.end]
+
+    def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
+        """uint8 (length,): one expert's contiguous range, a view into the mapping."""
+        try:
+            e = self.experts[(layer, expert)]
+        except KeyError:
+            raise CflowError(f"no expert (layer {layer}, expert {expert}) in {self.path}") from None
+        return self.buffer[e.offset:e.offset + e.length]
+
+    def row_blocks(self, name: str) -> np.ndarray:
+        """uint8 (rows, row bytes): the tensor untiled into GGUF's row-major encoding (a copy)."""
+        t = self.tensor(name)
+        return unpack_tiles(self.tensor_bytes(name), t.type, t.rows, t.cols, t.tile, t.interleave)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """float32 array of the tensor's shape (fused tensors: rows in fused order)."""
+        t = self.tensor(name)
+        return quant.decode(self.row_blocks(name), t.type, t.cols).reshape(t.shape)
+
+    def unfuse(self, name: str) -> dict[str, np.ndarray]:
+        """A fused tensor's parts, dequantized: {part name: float32 (rows_p, cols)}."""
+        t = self.tensor(name)
+        if not t.parts:
+            raise CflowError(f"tensor {name!r} is not fused")
+        mats = unfuse_rows(self.dequantize(name), [p.rows for p in t.parts], t.fuse, t.stripe_rows)
+        return {p.name: m for p, m in zip(t.parts, mats)}
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Drop the mapping (views already handed out keep it alive until they go)."""
+        self._mm = None
+
+    def __enter__(self) -> "CflowFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CflowFile({self.path!r}, {len(self.tensors)} tensors, {len(self.experts)} experts, {self.size} bytes)"

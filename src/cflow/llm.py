@@ -1,0 +1,196 @@
+"""cflow.LLM: load a model by name or path and generate text (the Python API of API.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from cflow.errors import CflowError
+from cflow.generate import Chunk, check_budget, generate_step
+from cflow.tokenizer import Tokenizer
+
+# used when a model carries no chat template of its own
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _have_writer() -> bool:
+    try:
+        from cflow.format import CflowWriter  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def converted_path(src: Path, cache=None) -> Path:
+    """Where the conversion of a GGUF file / HF directory lives in the cache."""
+    from cflow import hub
+
+    src = src.resolve()
+    for name, m in hub.KNOWN_MODELS.items():
+        if src == (hub.model_dir(name, cache) / m.file).resolve():
+            return hub.model_dir(name, cache) / "model.cflow"
+    st = src.stat()
+    key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return hub.cache_dir(cache) / "converted" / f"{src.name}-{key}.cflow"
+
+
+def load_model(model: str, *, cache=None, quiet: bool = False):
+    """A model argument -> an open CflowFile (converting GGUF / HF sources into the cache once).
+
+    Without the .cflow writer available, GGUF / HF sources are read in memory instead.
+    """
+    from cflow import hub
+    from cflow.convert import load_source, source_kind
+
+    path = hub.resolve(model, cache=cache, quiet=quiet)
+    kind = source_kind(path)
+    if kind != "cflow":
+        if not _have_writer():
+            return load_source(path)
+        out = converted_path(path, cache)
+        if not out.is_file():
+            from cflow.convert import convert
+
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if not quiet:
+                print(f"converting {path} -> {out}", file=sys.stderr)
+            convert(path, out, progress=not quiet)
+        path = out
+    from cflow.format import CflowFile
+
+    return CflowFile(path)
+
+
+def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None):
+    """The native engine when built (or engine="native"), else the numpy reference engine."""
+    choice = engine or os.environ.get("CFLOW_ENGINE", "auto")
+    if choice not in ("auto", "native", "ref"):
+        raise CflowError(f"engine must be auto, native or ref, got {choice!r}")
+    if choice != "ref":
+        try:
+            from cflow.engine import Engine
+        except ImportError:
+            if choice == "native":
+                raise CflowError("the native engine is not available in this build") from None
+        else:
+            return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast)
+    from cflow.engine_ref import RefEngine
+
+    return RefEngine(src, threads=threads, n_ctx=n_ctx, fast=fast)
+
+
+class LLM:
+    """A loaded model: tokenizer, chat template and engine; generation shares one generator.
+
+    model: a name known to `cflow pull` (pulled on first use), a .cflow path, a .gguf path, an HF
+    directory (converted into the cache on first use) or hf://owner/repo/file.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", *, threads=None, n_ctx=None, fast=True,
+                 engine: str | None = None, cache=None, quiet: bool = False):
+        self.name = model
+        self.file = load_model(model, cache=cache, quiet=quiet)
+        self.config = self.file.config
+        self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.special_tokens)
+        self.chat_template = self.file.chat_template
+        self.engine = make_engine(self.file, threads=threads, n_ctx=n_ctx, fast=fast, engine=engine)
+        self.n_ctx = self.engine.n_ctx
+        self._template = None
+
+    # ------------------------------------------------------------------ prompts
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The model's own chat template (jinja2, sandboxed) applied to messages."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise CflowError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if self._template is None:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg):
+                raise CflowError(f"chat template: {msg}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            try:
+                self._template = env.from_string(self.chat_template or CHATML_TEMPLATE)
+            except TemplateError as e:
+                raise CflowError(f"the model's chat template does not parse: {e}") from None
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_token_id) if tok.bos_token_id is not None else ""
+        eos = tok.token_text(min(tok.eos_token_ids)) if tok.eos_token_ids else ""
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=bos or "", eos_token=eos or "")
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = [int(i) for i in prompt]
+        if any(not 0 <= i < self.config.vocab_size for i in ids):
+            raise CflowError(f"prompt token ids must be in 0..{self.config.vocab_size - 1}")
+        return ids
+
+    # ------------------------------------------------------------------ generation
+    def complete(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
+                 stop: list[str] | None = None, state=None) -> Iterator[Chunk]:
+        """Generate from a prompt (text or token ids): one Chunk per token, the last with
+        finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
+        plus max_tokens does not fit the context. Close the generator to cancel.
+
+        state: reuse an Engine state across calls (prompt-cache: the common prefix with the
+        tokens it holds is kept).
+        """
+        ids = self.encode_prompt(prompt)
+        check_budget(len(ids), max_tokens, self.n_ctx)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repetition_penalty=repetition_penalty, seed=seed)
+        from cflow.sampling import make_sampler
+
+        make_sampler(**sampling)  # bad settings fail here, not at the first token
+        cached = 0
+        if state is None:
+            state = self.engine.new_state()
+        else:
+            held = getattr(state, "_cflow_tokens", [])[: state.pos]
+            while cached < min(len(held), len(ids)) and held[cached] == ids[cached]:
+                cached += 1
+        return self._run(state, ids, max_tokens, stop, cached, sampling)
+
+    def _run(self, state, ids, max_tokens, stop, cached, sampling) -> Iterator[Chunk]:
+        out = list(ids)
+        try:
+            for chunk in generate_step(self.engine, state, self.tokenizer, ids, max_tokens=max_tokens, stop=stop,
+                                       cached=cached, **sampling):
+                out.extend(chunk.token_ids)
+                yield chunk
+        finally:
+            state._cflow_tokens = out[: state.pos]
+
+    def stream(self, prompt, **sampling) -> Iterator[str]:
+        """Text pieces only."""
+        for c in self.complete(prompt, **sampling):
+            if c.text:
+                yield c.text
+
+    def generate(self, prompt, **sampling) -> str:
+        return "".join(self.stream(prompt, **sampling))
+
+    def chat(self, messages: list[dict], *, stream: bool = False, **sampling):
+        """Reply to a conversation with the model's chat template; a str, or an iterator of pieces."""
+        ids = self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+        pieces = self.stream(ids, **sampling)
+        return pieces if stream else "".join(pieces)
+
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        """(len, vocab) float32 logits of a teacher-forced sequence, on a fresh state."""
+        ids = self.encode_prompt(list(token_ids))
+        check_budget(len(ids), 0 + 1, self.n_ctx + 1)
+        return self.engine.forward(self.engine.new_state(), ids, all_logits=True)

@@ -1,0 +1,309 @@
+"""The .cflow container: writer/reader round trips, fused groups, the expert table, atomic writes."""
+
+import os
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from hypothesis import given, settings, strategies as st
+
+from cflow.cli import main as cli
+from cflow.config import ModelConfig
+from cflow.errors import CflowError, UnsupportedError
+from cflow.format import CflowFile, CflowWriter, decode_order, fuse_rows
+from cflow.format import quant
+from cflow.format.spec import ALIGN, TENSOR_ALIGN, fused_row_order
+from cflow.format.tiles import BLOCK_TYPES, block_type, pack_tiles
+
+CFG = ModelConfig(arch="llama", vocab_size=300, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
+                  n_expert=4, top_k=2, d_expert=32)
+TYPES = sorted(BLOCK_TYPES)
+
+
+def encoded_rows(name: str, rows: int, cols: int, rng) -> np.ndarray:
+    """GGUF-encoded rows of block type `name`: quantized by gguf-py where it can, else random
+    blocks with finite f16 scales (q4_k, q6_k: gguf-py has no quantizer for them)."""
+    bt = block_type(name)
+    if quant.can_encode(bt):
+        return quant.encode(rng.standard_normal((rows, cols)).astype(np.float32), bt)
+    blocks = rng.integers(0, 256, size=(rows * cols // bt.block_elems, bt.block_bytes), dtype=np.uint8)
+    scales = (rng.standard_normal((blocks.shape[0], 2)) * 0.01).astype("<f2").view(np.uint8)
+    if name == "q4_k":  # d, dmin: bytes 0..3
+        blocks[:, 0:4] = scales
+    else:  # q6_k: d at bytes 208..209
+        blocks[:, 208:210] = scales[:, :2]
+    return blocks.reshape(rows, -1)
+
+
+def test_gguf_py_quantizers_are_what_quant_says():
+    x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    for name in TYPES:
+        bt = block_type(name)
+        if quant.can_encode(bt):
+            assert np.array_equal(quant.encode(x, bt), np.asarray(gguf_quantize(x, GGMLQuantizationType(bt.code))).view(np.uint8).reshape(2, -1))
+        else:
+            with pytest.raises(UnsupportedError, match="GGUF-encoded"):
+                quant.encode(x, bt)
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(TYPES), rows=st.integers(1, 300), nblk=st.integers(1, 5),
+       tile=st.sampled_from([(128, 256), (64, 512), (32, 256), (16, 1024)]), interleave=st.sampled_from([1, 4, 16]),
+       from_float=st.booleans())
+def test_round_trip_every_block_type(tmp_path_factory, name, rows, nblk, tile, interleave, from_float):
+    bt = block_type(name)
+    qk = bt.block_elems
+    cols = nblk * 256 + (37 if qk == 1 else 0)  # ragged last column tile; f32/f16/bf16: not a multiple of 32
+    rng = np.random.default_rng(rows * 7 + nblk)
+    path = tmp_path_factory.mktemp("rt") / "m.cflow"
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    from_float = from_float and quant.can_encode(bt)
+    enc = quant.encode(x, bt) if from_float else encoded_rows(name, rows, cols, rng)
+    with CflowWriter(path, CFG, tokenizer_json='{"model": {}}', chat_template="{{ x }}") as w:
+        t = w.add_tensor("w", name, x if from_float else enc, tile=tile, interleave=interleave)
+    assert (t.shape, t.tile, t.interleave) == ((rows, cols), tile, interleave)
+    with CflowFile(path, verify=True) as f:
+        t = f.tensors["w"]
+        assert (t.type, t.shape, t.tile, t.interleave) == (bt, (rows, cols), tile, interleave)
+        assert np.array_equal(f.tensor_bytes("w"), pack_tiles(enc, bt, cols, tile, interleave))
+        assert np.array_equal(f.row_blocks("w"), enc)  # bit-identical to GGUF's row encoding
+        want = gguf_dequantize(enc, GGMLQuantizationType(bt.code)) if name not in ("f32", "f16") else \
+            enc.view("<f4" if name == "f32" else "<f2").astype(np.float32)
+        assert np.array_equal(f.dequantize("w"), want)
+        if name == "f32" and from_float:
+            assert np.array_equal(f.dequantize("w"), x)
+
+
+def test_header_fields_round_trip(tmp_path):
+    path = tmp_path / "m.cflow"
+    cfg = ModelConfig(arch="pnt", vocab_size=300, d_model=64, n_layer=4, n_head=4, n_kv_head=4, n_expert=4,
+                      top_k=2, d_expert=32, delta_d=1, delta_e=2, combine="async_experts", act="gelu_tanh")
+    tok = '{"version": "1.0", "model": {"type": "BPE", "vocab": {"é": 0}}}'
+    with CflowWriter(path, cfg, tokenizer_json=tok, chat_template="{% for m in messages %}{{ m }}{% endfor %}",
+                     special_tokens={"bos": 1, "eos": [2, 3]}, metadata={"source": "x.gguf", "quant": "q4_0"}) as w:
+        w.add_tensor("output_norm", "f32", np.arange(64, dtype=np.float32))
+    with CflowFile(path) as f:
+        assert f.config == cfg and f.config.delta_e == 2 and f.config.combine == "async_experts"
+        assert f.tokenizer_json == tok and f.chat_template.startswith("{% for")
+        assert f.special_tokens == {"bos": 1, "eos": [2, 3]} and f.metadata["quant"] == "q4_0"
+        assert f.tensors["output_norm"].shape == (64,)
+        assert np.array_equal(f.dequantize("output_norm"), np.arange(64, dtype=np.float32))
+
+
+def test_layout_alignment_and_zero_copy(tmp_path):
+    path = tmp_path / "m.cflow"
+    rng = np.random.default_rng(1)
+    with CflowWriter(path, CFG) as w:
+        w.add_tensor("a", "q4_0", rng.standard_normal((3, 64)))
+        w.add_tensor("b", "f32", rng.standard_normal(5))
+        w.add_tensor("c", "q8_0", rng.standard_normal((130, 96)), section="other")
+    with CflowFile(path) as f:
+        assert [s.offset % ALIGN for s in f.sections.values()] == [0, 0]
+        assert all(s.length % ALIGN == 0 for s in f.sections.values())
+        assert all(t.offset % TENSOR_ALIGN == 0 for t in f.tensors.values())
+        assert f.preamble.header_offset % ALIGN == 0 and f.preamble.header_offset + f.preamble.header_length == f.size
+        v = f.tensor_bytes("c")
+        assert np.shares_memory(v, f.buffer) and not v.flags.writeable
+        assert f.tensors["c"].section == "other" and f.sections["other"].offset <= f.tensors["c"].offset
+
+
+def test_tile_offsets_follow_the_documented_formula(tmp_path):
+    path = tmp_path / "m.cflow"
+    rows, cols = 200, 600
+    x = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    with CflowWriter(path, CFG) as w:
+        w.add_tensor("w", "f32", x, tile=(128, 256), interleave=8)
+    with CflowFile(path) as f:
+        t = f.tensors["w"]
+        for s in range(2):
+            for tt in range(3):
+                o = t.tile_offset(s, tt)
+                assert f.buffer[o:o + 4].view("<f4")[0] == x[s * 128, tt * 256]
+
+
+def test_fused_groups(tmp_path):
+    path = tmp_path / "m.cflow"
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((n, 64)).astype(np.float32) for n in (64, 32, 32))
+    g, u = (rng.standard_normal((150, 64)).astype(np.float32) for _ in range(2))
+    with CflowWriter(path, CFG) as w:
+        w.add_fused("blk.0.attn_qkv", "f32", [("blk.0.attn_q", q), ("blk.0.attn_k", k), ("blk.0.attn_v", v)], "stack")
+        w.add_fused("blk.0.ffn_gate_up", "f32", [("blk.0.ffn_gate", g), ("blk.0.ffn_up", u)], "stripe", tile=(128, 256))
+        w.add_fused("blk.1.ffn_gate_up", "q8_0", [("g", quant.encode(g, block_type("q8_0"))),
+                                                  ("u", quant.encode(u, block_type("q8_0")))], "stripe", stripe_rows=32)
+    with CflowFile(path, verify=True) as f:
+        t = f.tensors["blk.0.attn_qkv"]
+        assert t.fuse == "stack" and [(p.name, p.rows) for p in t.parts] == [("blk.0.attn_q", 64), ("blk.0.attn_k", 32), ("blk.0.attn_v", 32)]
+        assert np.array_equal(f.dequantize("blk.0.attn_qkv"), np.concatenate([q, k, v]))
+        t = f.tensors["blk.0.ffn_gate_up"]
+        assert t.fuse == "stripe" and t.stripe_rows == 64  # TR / 2: one tile stripe = 64 gate + 64 up rows
+        fused = f.dequantize("blk.0.ffn_gate_up")
+        assert np.array_equal(fused[:64], g[:64]) and np.array_equal(fused[64:128], u[:64])
+        assert np.array_equal(fused[256:278], g[128:]) and np.array_equal(fused[278:], u[128:])  # ragged stripe
+        parts = f.unfuse("blk.0.ffn_gate_up")
+        assert np.array_equal(parts["blk.0.ffn_gate"], g) and np.array_equal(parts["blk.0.ffn_up"], u)
+        assert f.tensors["blk.1.ffn_gate_up"].stripe_rows == 32
+        want = quant.decode(quant.encode(g, block_type("q8_0")), block_type("q8_0"), 64)
+        assert np.array_equal(f.unfuse("blk.1.ffn_gate_up")["g"], want)
+
+
+def test_fused_row_order_small_example():
+    assert fused_row_order([5, 5], "stripe", 2).tolist() == [0, 1, 5, 6, 2, 3, 7, 8, 4, 9]
+    assert fused_row_order([2, 1, 1], "stack").tolist() == [0, 1, 2, 3]
+    a = np.arange(6).reshape(3, 2)
+    assert fuse_rows([a, a + 10], "stripe", 2)[:, 0].tolist() == [0, 2, 10, 12, 4, 14]
+
+
+def test_expert_table(tmp_path):
+    path = tmp_path / "m.cflow"
+    rng = np.random.default_rng(3)
+    want = {}
+    with CflowWriter(path, CFG) as w:
+        w.add_tensor("blk.0.ffn_gate_inp", "f32", rng.standard_normal((4, 64)))
+        for layer in range(2):
+            for e in range(4):
+                gu = [rng.standard_normal((32, 64)).astype(np.float32) for _ in range(2)]
+                down = rng.standard_normal((64, 32)).astype(np.float32)
+                want[(layer, e)] = (gu, down)
+                p = f"blk.{layer}.exp.{e}."
+                w.add_expert(layer, e, {
+                    p + "ffn_gate_up": {"type": "q8_0", "data": [(p + "ffn_gate", gu[0]), (p + "ffn_up", gu[1])], "fuse": "stripe"},
+                    p + "ffn_down": ("f32", down),
+                })
+    with CflowFile(path, verify=True) as f:
+        assert sorted(f.experts) == [(l, e) for l in range(2) for e in range(4)]
+        ranges = []
+        for (layer, e), x in f.experts.items():
+            assert x.section == "experts" and x.offset % ALIGN == 0
+            assert x.offset + -(-x.length // ALIGN) * ALIGN <= f.sections["experts"].end  # O_DIRECT read stays inside
+            p = f"blk.{layer}.exp.{e}."
+            assert x.tensors == (p + "ffn_gate_up", p + "ffn_down")
+            blob = f.expert_bytes(layer, e)
+            for n in x.tensors:
+                t = f.tensors[n]
+                assert np.array_equal(blob[t.offset - x.offset:t.end - x.offset], f.tensor_bytes(n))
+            assert np.array_equal(f.dequantize(p + "ffn_down"), want[(layer, e)][1])
+            assert f.unfuse(p + "ffn_gate_up")[p + "ffn_up"].shape == (32, 64)
+            ranges.append((x.offset, x.offset + x.length))
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_atomic_write_leaves_nothing_on_error(tmp_path):
+    path = tmp_path / "m.cflow"
+    with pytest.raises(RuntimeError):
+        with CflowWriter(path, CFG) as w:
+            w.add_tensor("a", "q4_0", np.ones((64, 64), np.float32))
+            raise RuntimeError("interrupted")
+    assert os.listdir(tmp_path) == []
+    # an existing file survives a failed rewrite untouched
+    with CflowWriter(path, CFG) as w:
+        w.add_tensor("a", "f32", np.ones((2, 3), np.float32))
+    before = path.read_bytes()
+    with pytest.raises(CflowError, match="already added"):
+        with CflowWriter(path, CFG) as w:
+            w.add_tensor("a", "f32", np.zeros((2, 3), np.float32))
+            w.add_tensor("a", "f32", np.zeros((2, 3), np.float32))
+    assert os.listdir(tmp_path) == ["m.cflow"] and path.read_bytes() == before
+
+
+def test_writer_rejects_bad_input_clearly(tmp_path):
+    with CflowWriter(tmp_path / "m.cflow", CFG) as w:
+        with pytest.raises(UnsupportedError, match="GGUF-encoded"):
+            w.add_tensor("k", "q4_k", np.ones((2, 256), np.float32))
+        with pytest.raises(CflowError, match="multiple of"):
+            w.add_tensor("x", "q4_0", np.ones((2, 40), np.float32))
+        with pytest.raises(CflowError, match="interleave"):
+            w.add_tensor("x", "f32", np.ones((2, 40), np.float32), interleave=3)
+        with pytest.raises(CflowError, match="not hold"):
+            w.add_tensor("x", "q8_0", np.zeros((2, 35), np.uint8), shape=(2, 64))
+        with pytest.raises(UnsupportedError, match="supported"):
+            w.add_tensor("x", "q3_k", np.ones((2, 256), np.float32))
+        w.add_tensor("a", "f32", np.ones(4, np.float32), section="s1")
+        w.add_tensor("b", "f32", np.ones(4, np.float32), section="s2")
+        with pytest.raises(CflowError, match="already written"):
+            w.add_tensor("c", "f32", np.ones(4, np.float32), section="s1")
+    with CflowFile(tmp_path / "m.cflow", verify=True) as f:
+        assert list(f.tensors) == ["a", "b"]
+
+
+def test_decode_order():
+    names = ["output", "blk.1.ffn_down", "blk.0.exp.1.ffn_down", "tok_embd", "blk.0.ffn_gate_up", "blk.10.attn_qkv",
+             "output_norm", "blk.0.attn_qkv", "blk.0.attn_norm", "blk.1.attn_qkv"]
+    assert decode_order(names) == ["tok_embd", "blk.0.attn_norm", "blk.0.attn_qkv", "blk.0.ffn_gate_up",
+                                   "blk.0.exp.1.ffn_down", "blk.1.attn_qkv", "blk.1.ffn_down", "blk.10.attn_qkv",
+                                   "output_norm", "output"]
+
+
+def test_cli_verify_and_inspect(tmp_path, capsys):
+    path = tmp_path / "m.cflow"
+    with CflowWriter(path, CFG) as w:
+        w.add_tensor("blk.0.ffn_down", "q4_0", np.ones((64, 96), np.float32))
+    assert cli(["verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "arch=llama" in out and "q4_0: 1" in out and out.strip().endswith("OK")
+    assert cli(["inspect", str(path)]) == 0
+    assert "blk.0.ffn_down" in capsys.readouterr().out
+    raw = bytearray(path.read_bytes())
+    raw[ALIGN + 5] ^= 1
+    path.write_bytes(bytes(raw))
+    assert cli(["verify", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cflow verify: error:") and "section 'weights': checksum mismatch" in err
+
+
+def _f16(b, i):
+    return float(np.frombuffer(bytes(b[i:i + 2]), "<f2")[0])
+
+
+def documented_dequantize(name: str, b: bytes) -> list[float]:
+    """One block, decoded by the formulas of docs/FORMAT.md ("Block types"), element by element."""
+    if name == "bf16":
+        return [float(np.frombuffer(bytes(2) + bytes(b), "<f4")[0])]
+    if name in ("q4_0", "q4_1", "q5_0"):
+        d = _f16(b, 0)
+        qs = b[{"q4_0": 2, "q4_1": 4, "q5_0": 6}[name]:]
+        q = [qs[j] & 0xF for j in range(16)] + [qs[j] >> 4 for j in range(16)]
+        if name == "q4_1":
+            return [d * q[j] + _f16(b, 2) for j in range(32)]
+        if name == "q5_0":
+            qh = int.from_bytes(bytes(b[2:6]), "little")
+            return [d * ((q[j] | ((qh >> j) & 1) << 4) - 16) for j in range(32)]
+        return [d * (q[j] - 8) for j in range(32)]
+    if name == "q8_0":
+        return [_f16(b, 0) * (v - 256 if v > 127 else v) for v in b[2:34]]
+    if name == "q4_k":
+        d, dmin, s, qs = _f16(b, 0), _f16(b, 2), b[4:16], b[16:144]
+        sc = [s[j] & 63 if j < 4 else (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4) for j in range(8)]
+        mn = [s[j + 4] & 63 if j < 4 else (s[j + 4] >> 4) | ((s[j] >> 6) << 4) for j in range(8)]
+        y = [0.0] * 256
+        for i in range(4):
+            for l in range(32):
+                y[64 * i + l] = d * sc[2 * i] * (qs[32 * i + l] & 0xF) - dmin * mn[2 * i]
+                y[64 * i + 32 + l] = d * sc[2 * i + 1] * (qs[32 * i + l] >> 4) - dmin * mn[2 * i + 1]
+        return y
+    if name == "q6_k":
+        ql, qh, d = b[0:128], b[128:192], _f16(b, 208)
+        sc = [v - 256 if v > 127 else v for v in b[192:208]]
+        y = [0.0] * 256
+        for h in range(2):
+            for l in range(32):
+                a, c, hb, s = ql[64 * h + l], ql[64 * h + l + 32], qh[32 * h + l], 8 * h + l // 16
+                y[128 * h + l] = d * sc[s] * (((a & 0xF) | ((hb >> 0) & 3) << 4) - 32)
+                y[128 * h + l + 32] = d * sc[s + 2] * (((c & 0xF) | ((hb >> 2) & 3) << 4) - 32)
+                y[128 * h + l + 64] = d * sc[s + 4] * (((a >> 4) | ((hb >> 4) & 3) << 4) - 32)
+                y[128 * h + l + 96] = d * sc[s + 6] * (((c >> 4) | ((hb >> 6) & 3) << 4) - 32)
+        return y
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k"])
+def test_documented_block_layouts_match_gguf(name):
+    bt = block_type(name)
+    rows = encoded_rows(name, 1, 512, np.random.default_rng(4))
+    want = quant.decode(rows, bt, 512)[0]
+    blocks = rows.reshape(-1, bt.block_bytes)
+    got = np.concatenate([np.float32(documented_dequantize(name, blk.tobytes())) for blk in blocks])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
