@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cflow import ops
@@ -16,7 +16,7 @@ from cflow.errors import CflowError
 
 ISAS = [i for i in ("scalar", "avx2", "avx512") if core.isa_supported(i)]
 RTOL = 1e-5
-fast = settings(max_examples=15, deadline=None)
+fast = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def rng(seed):
@@ -349,3 +349,12 @@ def test_bad_input_raises_cflow_error():
         ops.attn_decode(np.ones((4, 6), np.float32), kv, kv, 0)
     with pytest.raises(CflowError, match="differ in dtype"):
         ops.attn_decode(np.ones((4, 8), np.float32), kv, kv.astype(np.float16), 0)
+
+
+def test_core_never_writes_into_a_converted_copy():
+    """An output of the wrong dtype is refused, not silently converted (the result would be lost)."""
+    x = np.ones(8, np.float32)
+    with pytest.raises(TypeError):
+        core.ops.silu(np.empty(8, np.float64), x)
+    with pytest.raises(TypeError):
+        core.ops.softmax(np.ones((2, 8), np.float64))

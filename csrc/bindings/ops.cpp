@@ -1,6 +1,7 @@
 // Bindings of the small ops (norms, rope, softmax, activations, top-k, attention), as the
 // submodule cflow._core.ops. Each function checks every shape and index, then releases the GIL
-// and writes into caller-given output arrays (src/cflow/ops.py allocates them). The optional
+// and writes into caller-given output arrays (src/cflow/ops.py allocates them); those must
+// already be contiguous arrays of the right dtype (noconvert: never a silent temporary copy). The optional
 // `isa` argument (scalar|avx2|avx512) picks a path explicitly, for tests; None = best_isa().
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -169,7 +170,7 @@ void bind_ops(nb::module_& root) {
           nb::gil_scoped_release nogil;
           t.rmsnorm(y.data(), x.data(), w.data(), rows, n, eps, w_offset);
         },
-        "y"_a, "x"_a, "w"_a, "eps"_a, "w_offset"_a, "isa"_a = nb::none());
+        "y"_a.noconvert(), "x"_a, "w"_a, "eps"_a, "w_offset"_a, "isa"_a = nb::none());
 
   m.def("rope",
         [](F32 x, CI32 pos, const cflow::RopeTable& table, const std::string& style,
@@ -192,7 +193,7 @@ void bind_ops(nb::module_& root) {
           nb::gil_scoped_release nogil;
           t.rope(x.data(), T, nh, hd, pos.data(), table, st);
         },
-        "x"_a, "pos"_a, "table"_a, "style"_a, "isa"_a = nb::none());
+        "x"_a.noconvert(), "pos"_a, "table"_a, "style"_a, "isa"_a = nb::none());
 
   // In-place row-wise ops: x (..., n).
   for (auto [name, fn] : {std::pair{"softmax", &cflow::OpsTable::softmax},
@@ -204,7 +205,7 @@ void bind_ops(nb::module_& root) {
             nb::gil_scoped_release nogil;
             (t.*fn)(x.data(), rows, n);
           },
-          "x"_a, "isa"_a = nb::none());
+          "x"_a.noconvert(), "isa"_a = nb::none());
 
   // y = f(x), element-wise.
   for (auto [name, fn] : {std::pair{"silu", &cflow::OpsTable::silu},
@@ -217,7 +218,7 @@ void bind_ops(nb::module_& root) {
             nb::gil_scoped_release nogil;
             (t.*fn)(y.data(), x.data(), rows * n);
           },
-          "y"_a, "x"_a, "isa"_a = nb::none());
+          "y"_a.noconvert(), "x"_a, "isa"_a = nb::none());
 
   // h = f(g, u), element-wise.
   for (auto [name, fn] : {std::pair{"swiglu", &cflow::OpsTable::swiglu},
@@ -232,7 +233,7 @@ void bind_ops(nb::module_& root) {
             nb::gil_scoped_release nogil;
             (t.*fn)(h.data(), g.data(), u.data(), rows * n);
           },
-          "h"_a, "g"_a, "u"_a, "isa"_a = nb::none());
+          "h"_a.noconvert(), "g"_a, "u"_a, "isa"_a = nb::none());
 
   m.def("scale",
         [](F32 y, CF32 x, float s, const Isa& isa) {
@@ -242,7 +243,7 @@ void bind_ops(nb::module_& root) {
           nb::gil_scoped_release nogil;
           t.scale(y.data(), x.data(), s, rows * n);
         },
-        "y"_a, "x"_a, "s"_a, "isa"_a = nb::none());
+        "y"_a.noconvert(), "x"_a, "s"_a, "isa"_a = nb::none());
 
   m.def("f32_to_f16",
         [](U16 y, CF32 x, const Isa& isa) {
@@ -252,7 +253,7 @@ void bind_ops(nb::module_& root) {
           nb::gil_scoped_release nogil;
           t.f32_to_f16(y.data(), x.data(), rows * n);
         },
-        "y"_a, "x"_a, "isa"_a = nb::none());
+        "y"_a.noconvert(), "x"_a, "isa"_a = nb::none());
 
   m.def("f16_to_f32",
         [](F32 y, CU16 x, const Isa& isa) {
@@ -262,7 +263,7 @@ void bind_ops(nb::module_& root) {
           nb::gil_scoped_release nogil;
           t.f16_to_f32(y.data(), x.data(), rows * n);
         },
-        "y"_a, "x"_a, "isa"_a = nb::none());
+        "y"_a.noconvert(), "x"_a, "isa"_a = nb::none());
 
   m.def("topk",
         [](Arr<int32_t> idx, F32 val, CF32 x, const Isa& isa) {
@@ -277,14 +278,14 @@ void bind_ops(nb::module_& root) {
           nb::gil_scoped_release nogil;
           t.topk(idx.data(), val.data(), x.data(), n, k);
         },
-        "idx"_a, "val"_a, "x"_a, "isa"_a = nb::none());
+        "idx"_a.noconvert(), "val"_a.noconvert(), "x"_a, "isa"_a = nb::none());
 
-  m.def("attn_decode", &attn_decode<CF32>, "out"_a, "q"_a, "k"_a, "v"_a, "pos"_a, "scale"_a,
+  m.def("attn_decode", &attn_decode<CF32>, "out"_a.noconvert(), "q"_a, "k"_a.noconvert(), "v"_a.noconvert(), "pos"_a, "scale"_a,
         "window"_a, "softcap"_a, "head_begin"_a, "head_end"_a, "isa"_a = nb::none());
-  m.def("attn_decode", &attn_decode<CU16>, "out"_a, "q"_a, "k"_a, "v"_a, "pos"_a, "scale"_a,
+  m.def("attn_decode", &attn_decode<CU16>, "out"_a.noconvert(), "q"_a, "k"_a.noconvert(), "v"_a.noconvert(), "pos"_a, "scale"_a,
         "window"_a, "softcap"_a, "head_begin"_a, "head_end"_a, "isa"_a = nb::none());
-  m.def("attn_prefill", &attn_prefill<CF32>, "out"_a, "q"_a, "k"_a, "v"_a, "p0"_a, "scale"_a,
+  m.def("attn_prefill", &attn_prefill<CF32>, "out"_a.noconvert(), "q"_a, "k"_a.noconvert(), "v"_a.noconvert(), "p0"_a, "scale"_a,
         "window"_a, "softcap"_a, "head_begin"_a, "head_end"_a, "isa"_a = nb::none());
-  m.def("attn_prefill", &attn_prefill<CU16>, "out"_a, "q"_a, "k"_a, "v"_a, "p0"_a, "scale"_a,
+  m.def("attn_prefill", &attn_prefill<CU16>, "out"_a.noconvert(), "q"_a, "k"_a.noconvert(), "v"_a.noconvert(), "p0"_a, "scale"_a,
         "window"_a, "softcap"_a, "head_begin"_a, "head_end"_a, "isa"_a = nb::none());
 }
