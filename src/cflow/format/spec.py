@@ -331,12 +331,21 @@ def parse_expert(d: Any, i: int, sections: dict[str, Section], tensors: dict[str
     return Expert(layer, expert, sec_name, off, length, tuple(names))
 
 
-def _no_overlaps(items, what: str) -> None:
+def _table(entries: list, parse, key, label, span) -> dict:
+    """Parse a header list into {key: record}: unique keys, byte ranges [span) not overlapping."""
+    out = {}
+    for i, d in enumerate(entries):
+        x = parse(d, i)
+        if key(x) in out:
+            _fail(label(x), "appears twice")
+        out[key(x)] = x
     prev = None
-    for it in sorted(items, key=lambda x: x[1]):
-        if prev is not None and it[1] < prev[2]:
-            raise CflowFormatError(f"{what} {prev[0]} [{prev[1]}, {prev[2]}) and {it[0]} [{it[1]}, {it[2]}) overlap")
-        prev = it
+    for x in sorted(out.values(), key=lambda x: span(x)[0]):
+        if prev is not None and span(x)[0] < span(prev)[1]:
+            (a, b), (c, e) = span(prev), span(x)
+            raise CflowFormatError(f"{label(prev)} [{a}, {b}) and {label(x)} [{c}, {e}) overlap")
+        prev = x
+    return out
 
 
 def check_special_tokens(sp: dict) -> None:
@@ -372,28 +381,12 @@ def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
         _get(h, key, "header", dict, optional=True)
     check_special_tokens(h.get("special_tokens") or {})
 
-    sections: dict[str, Section] = {}
-    for i, d in enumerate(_get(h, "sections", "header", list)):
-        s = parse_section(d, i, pre)
-        if s.name in sections:
-            _fail(f"section {s.name!r}", "name appears twice")
-        sections[s.name] = s
-    _no_overlaps([(f"section {s.name!r}", s.offset, s.end) for s in sections.values()], "sections")
-
-    tensors: dict[str, Tensor] = {}
-    for i, d in enumerate(_get(h, "tensors", "header", list)):
-        t = parse_tensor(d, i, sections)
-        if t.name in tensors:
-            _fail(f"tensor {t.name!r}", "name appears twice")
-        tensors[t.name] = t
-    _no_overlaps([(f"tensor {t.name!r}", t.offset, t.end) for t in tensors.values()], "tensors")
-
-    experts: dict[tuple[int, int], Expert] = {}
-    for i, d in enumerate(_get(h, "experts", "header", list, optional=True) or []):
-        e = parse_expert(d, i, sections, tensors)
-        if (e.layer, e.expert) in experts:
-            _fail(f"expert (layer {e.layer}, expert {e.expert})", "appears twice")
-        experts[(e.layer, e.expert)] = e
-    _no_overlaps([(f"expert {k}", e.offset, e.offset + e.length) for k, e in experts.items()], "expert ranges")
+    sections = _table(_get(h, "sections", "header", list), lambda d, i: parse_section(d, i, pre),
+                      lambda s: s.name, lambda s: f"section {s.name!r}", lambda s: (s.offset, s.end))
+    tensors = _table(_get(h, "tensors", "header", list), lambda d, i: parse_tensor(d, i, sections),
+                     lambda t: t.name, lambda t: f"tensor {t.name!r}", lambda t: (t.offset, t.end))
+    experts = _table(_get(h, "experts", "header", list, optional=True) or [],
+                     lambda d, i: parse_expert(d, i, sections, tensors), lambda e: (e.layer, e.expert),
+                     lambda e: f"expert (layer {e.layer}, expert {e.expert})", lambda e: (e.offset, e.offset + e.length))
     h["_sections"], h["_tensors"], h["_experts"] = sections, tensors, experts
     return h
