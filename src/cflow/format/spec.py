@@ -244,6 +244,24 @@ def parse_section(d: Any, i: int, pre: Preamble) -> Section:
     return Section(name, off, length, _int(d, "crc32", where, 0, 0xFFFFFFFF))
 
 
+def _byte_range(d: dict, where: str, sections: dict[str, Section], length_key: str, align: int,
+                padded: bool = False) -> tuple[str, int, int]:
+    """(section, offset, length) of an entry; offset aligned, the range (rounded up to ALIGN
+    when `padded`: what one aligned read fetches) inside the section."""
+    name = _get(d, "section", where, str)
+    if name not in sections:
+        _fail(where, f"section {name!r} is not in header.sections")
+    sec = sections[name]
+    off = _int(d, "offset", where, 0, 1 << 62)
+    n = _int(d, length_key, where, 1, 1 << 62)
+    if off % align:
+        _fail(where, f"offset {off} is not a multiple of {align}")
+    end = off + (align_up(n) if padded else n)
+    if off < sec.offset or end > sec.end:
+        _fail(where, f"bytes [{off}, {end}) are outside section {name!r} [{sec.offset}, {sec.end})")
+    return name, off, n
+
+
 def parse_tensor(d: Any, i: int, sections: dict[str, Section]) -> Tensor:
     where = f"header.tensors[{i}]"
     if not isinstance(d, dict):
@@ -267,19 +285,10 @@ def parse_tensor(d: Any, i: int, sections: dict[str, Section]) -> Tensor:
         _fail(where, f"tile columns {tile[1]} and columns {cols} must be multiples of {bt.name}'s block size {bt.block_elems}")
     if tile[0] % g:
         _fail(where, f"interleave {g} does not divide the tile rows {tile[0]}")
-    sec_name = _get(d, "section", where, str)
-    if sec_name not in sections:
-        _fail(where, f"section {sec_name!r} is not in header.sections")
-    sec = sections[sec_name]
-    off = _int(d, "offset", where, 0, 1 << 62)
-    nbytes = _int(d, "nbytes", where, 1, 1 << 62)
+    sec_name, off, nbytes = _byte_range(d, where, sections, "nbytes", TENSOR_ALIGN)
     want = tiled_nbytes(bt, rows, cols)
     if nbytes != want:
         _fail(where, f"nbytes {nbytes} does not match shape {shape} of {bt.name} ({want} bytes)")
-    if off % TENSOR_ALIGN:
-        _fail(where, f"offset {off} is not a multiple of {TENSOR_ALIGN}")
-    if off < sec.offset or off + nbytes > sec.end:
-        _fail(where, f"bytes [{off}, {off + nbytes}) are outside section {sec.name!r} [{sec.offset}, {sec.end})")
     parts, fuse, stripe = (), None, 0
     if d.get("parts") is not None:
         plist = _get(d, "parts", where, list)
@@ -311,16 +320,7 @@ def parse_expert(d: Any, i: int, sections: dict[str, Section], tensors: dict[str
     layer = _int(d, "layer", where, 0, 1 << 24)
     expert = _int(d, "expert", where, 0, 1 << 24)
     where = f"expert (layer {layer}, expert {expert})"
-    sec_name = _get(d, "section", where, str)
-    if sec_name not in sections:
-        _fail(where, f"section {sec_name!r} is not in header.sections")
-    sec = sections[sec_name]
-    off = _int(d, "offset", where, 0, 1 << 62)
-    length = _int(d, "length", where, 1, 1 << 62)
-    if off % ALIGN:
-        _fail(where, f"offset {off} is not a multiple of {ALIGN}")
-    if off < sec.offset or off + align_up(length) > sec.end:
-        _fail(where, f"bytes [{off}, {off + align_up(length)}) are outside section {sec.name!r} [{sec.offset}, {sec.end})")
+    sec_name, off, length = _byte_range(d, where, sections, "length", ALIGN, padded=True)
     names = _get(d, "tensors", where, list)
     for n in names:
         if not isinstance(n, str) or n not in tensors:
