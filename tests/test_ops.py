@@ -58,7 +58,9 @@ def ref_rope(x, pos, theta, style):
     """x (T, H, D) float64; the textbook rotation of pairs by pos * theta^(-2i/D)."""
     x = x.astype(np.float64).copy()
     d = x.shape[-1]
-    ang = np.asarray(pos, dtype=np.float64)[:, None] * theta ** (-np.arange(0, d, 2) / d)
+    # The frequencies are fp32 (as in HF and in the table); angles and cos/sin in float64.
+    inv = (theta ** (-np.arange(0, d, 2) / d)).astype(np.float32).astype(np.float64)
+    ang = np.asarray(pos, dtype=np.float64)[:, None] * inv
     c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     if style == "neox":
         a, b = x[..., : d // 2].copy(), x[..., d // 2:].copy()
@@ -194,13 +196,14 @@ def test_rope_neox_matches_transformers_llama():
     q = r.normal(size=(T, nh, hd)).astype(np.float32)
     k = r.normal(size=(T, 1, hd)).astype(np.float32)
     pos = np.arange(100, 100 + T)
-    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = torch.from_numpy(pos.astype(np.float64))[:, None] * inv[None]
+    # HF's own fp32 frequencies, given to the table; HF's rotation done in float64.
+    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    ang = torch.from_numpy(pos.astype(np.float64))[:, None] * inv.double()[None]
     emb = torch.cat([ang, ang], -1)
     cos, sin = emb.cos()[None], emb.sin()[None]  # (1, T, hd)
     tq, tk = (torch.from_numpy(a).double().transpose(0, 1)[None] for a in (q, k))
     wq, wk = apply_rotary_pos_emb(tq, tk, cos, sin)
-    table = ops.rope_table(hd, 256, 500000.0)
+    table = ops.rope_table(hd, 256, inv_freq=inv.numpy())
     close(ops.rope(q, pos, table, "neox"), wq[0].transpose(0, 1).numpy(), atol=1e-5)
     close(ops.rope(k, pos, table, "neox"), wk[0].transpose(0, 1).numpy(), atol=1e-5)
 

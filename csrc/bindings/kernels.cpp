@@ -1,5 +1,191 @@
-// Bindings of the kernel library (GEMV, norms, rope, activations, thread pool).
+// Bindings of the kernel library: tile GEMVs (every type, activation path and ISA), the fused
+// GLU GEMV, the bandwidth probe and the thread count. Arrays in, pointers out; the GIL is
+// released around every kernel call.
 #include <nanobind/nanobind.h>
-namespace nb = nanobind;
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
-void bind_kernels(nb::module_& m) {}
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cflow/kernels.h"
+#include "cflow/probe.h"
+#include "cflow/threadpool.h"
+
+namespace nb = nanobind;
+using namespace cflow;
+
+namespace {
+
+using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using VecF = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using OutF = nb::ndarray<nb::numpy, float, nb::ndim<1>>;
+
+WType parse_wtype(const std::string& s) {
+  WType wt;
+  if (!wtype_from_name(s.c_str(), &wt)) throw nb::value_error(("unsupported weight type: " + s).c_str());
+  return wt;
+}
+
+AType parse_act(const std::string& s) {
+  if (s == "f32") return AType::F32;
+  if (s == "q8") return AType::Q8;
+  throw nb::value_error(("activation type must be 'f32' or 'q8', got " + s).c_str());
+}
+
+Isa parse_isa(const std::optional<std::string>& s) {
+  if (!s) return best_isa();
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512})
+    if (*s == isa_name(isa)) {
+      if (!isa_supported(isa)) throw nb::value_error(("ISA not supported by this CPU: " + *s).c_str());
+      return isa;
+    }
+  throw nb::value_error(("unknown ISA: " + *s).c_str());
+}
+
+OutF new_out(size_t n) {
+  float* p = new float[n ? n : 1];
+  nb::capsule owner(p, [](void* q) noexcept { delete[] (float*)q; });
+  return OutF(p, {n}, owner);
+}
+
+// Checks shapes and returns the validated tile shape; x must have cols values.
+TileShape check(WType wt, AType at, const Bytes& tiles, const VecF& x, int rows, int cols,
+                std::tuple<int, int> tile, int interleave) {
+  TileShape ts{std::get<0>(tile), std::get<1>(tile), interleave};
+  if (const char* err = check_tiling(wt, rows, cols, ts)) throw nb::value_error(err);
+  if (at == AType::Q8 && !has_q8_path(wt)) throw nb::value_error("this weight type has no int8 activation path");
+  if (tiles.shape(0) != tiled_nbytes(wt, rows, cols))
+    throw nb::value_error(("tiles: expected " + std::to_string(tiled_nbytes(wt, rows, cols)) + " bytes, got " +
+                           std::to_string(tiles.shape(0))).c_str());
+  if (x.shape(0) != (size_t)cols) throw nb::value_error("x: expected cols values");
+  return ts;
+}
+
+// A pool of exactly n threads (the global one, resized when needed).
+ThreadPool* pool_of(int threads) {
+  if (threads < 1) throw nb::value_error("threads must be >= 1");
+  if (threads == 1) return nullptr;
+  set_num_threads(threads);
+  return &global_pool();
+}
+
+}  // namespace
+
+void bind_kernels(nb::module_& m) {
+  m.def(
+      "gemv",
+      [](const std::string& wtype, Bytes tiles, VecF x, int rows, int cols, std::tuple<int, int> tile,
+         int interleave, const std::string& act, std::optional<std::string> isa, int threads) {
+        const WType wt = parse_wtype(wtype);
+        const AType at = parse_act(act);
+        const TileShape ts = check(wt, at, tiles, x, rows, cols, tile, interleave);
+        const Isa i = parse_isa(isa);
+        ThreadPool* pool = pool_of(threads);
+        OutF y = new_out(rows);
+        {
+          nb::gil_scoped_release nogil;
+          std::vector<uint8_t> xa(act_bytes(wt, at, cols));
+          prepare_act(wt, at, xa.data(), x.data(), cols);
+          cflow::gemv(wt, at, i, y.data(), xa.data(), tiles.data(), rows, cols, ts, pool);
+        }
+        return y;
+      },
+      nb::arg("wtype"), nb::arg("tiles"), nb::arg("x"), nb::arg("rows"), nb::arg("cols"),
+      nb::arg("tile") = std::make_tuple(128, 256), nb::arg("interleave") = 1, nb::arg("act") = "q8",
+      nb::arg("isa") = nb::none(), nb::arg("threads") = 1,
+      "y = W x over a tiled payload (uint8), x float32 (cols); act 'q8' quantizes x to int8 blocks.");
+
+  m.def(
+      "gemv_glu",
+      [](const std::string& wtype, Bytes tiles, VecF x, int ff, int cols, std::tuple<int, int> tile,
+         int interleave, const std::string& glu, const std::string& act, std::optional<std::string> isa,
+         int threads) {
+        const WType wt = parse_wtype(wtype);
+        const AType at = parse_act(act);
+        const TileShape ts = check(wt, at, tiles, x, 2 * ff, cols, tile, interleave);
+        if (ts.tr % 2) throw nb::value_error("gemv_glu: tile rows must be even");
+        Glu g;
+        if (glu == "silu") g = Glu::Silu;
+        else if (glu == "gelu_tanh") g = Glu::GeluTanh;
+        else throw nb::value_error("glu must be 'silu' or 'gelu_tanh'");
+        const Isa i = parse_isa(isa);
+        ThreadPool* pool = pool_of(threads);
+        OutF h = new_out(ff);
+        {
+          nb::gil_scoped_release nogil;
+          std::vector<uint8_t> xa(act_bytes(wt, at, cols));
+          prepare_act(wt, at, xa.data(), x.data(), cols);
+          cflow::gemv_glu(wt, at, i, g, h.data(), xa.data(), tiles.data(), ff, cols, ts, pool);
+        }
+        return h;
+      },
+      nb::arg("wtype"), nb::arg("tiles"), nb::arg("x"), nb::arg("ff"), nb::arg("cols"),
+      nb::arg("tile") = std::make_tuple(128, 256), nb::arg("interleave") = 1, nb::arg("glu") = "silu",
+      nb::arg("act") = "q8", nb::arg("isa") = nb::none(), nb::arg("threads") = 1,
+      "h = glu(gate x) * (up x) in one pass over a gate+up matrix fused by half-stripes.");
+
+  m.def(
+      "gemv_time",
+      [](const std::string& wtype, Bytes tiles, VecF x, int rows, int cols, std::tuple<int, int> tile,
+         int interleave, const std::string& act, std::optional<std::string> isa, int threads, int repeats,
+         int warmup) {
+        const WType wt = parse_wtype(wtype);
+        const AType at = parse_act(act);
+        const TileShape ts = check(wt, at, tiles, x, rows, cols, tile, interleave);
+        const Isa i = parse_isa(isa);
+        ThreadPool* pool = pool_of(threads);
+        std::vector<double> secs;
+        {
+          nb::gil_scoped_release nogil;
+          std::vector<uint8_t> xa(act_bytes(wt, at, cols));
+          std::vector<float> y(rows);
+          for (int r = 0; r < warmup + repeats; ++r) {  // the first `warmup` passes are not timed
+            const auto t0 = std::chrono::steady_clock::now();
+            prepare_act(wt, at, xa.data(), x.data(), cols);
+            cflow::gemv(wt, at, i, y.data(), xa.data(), tiles.data(), rows, cols, ts, pool);
+            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            if (r >= warmup) secs.push_back(s);
+          }
+        }
+        return secs;
+      },
+      nb::arg("wtype"), nb::arg("tiles"), nb::arg("x"), nb::arg("rows"), nb::arg("cols"),
+      nb::arg("tile") = std::make_tuple(128, 256), nb::arg("interleave") = 1, nb::arg("act") = "q8",
+      nb::arg("isa") = nb::none(), nb::arg("threads") = 1, nb::arg("repeats") = 5, nb::arg("warmup") = 1,
+      "Seconds of each of `repeats` GEMVs (activation quantization included), after `warmup` untimed ones.");
+
+  m.def(
+      "gemv_isa",
+      [](const std::string& wtype, const std::string& act, std::optional<std::string> isa) {
+        Isa used = Isa::Scalar;
+        if (!gemv_fn(parse_wtype(wtype), parse_act(act), parse_isa(isa), &used))
+          throw nb::value_error("no kernel for this weight/activation pair");
+        return std::string(isa_name(used));
+      },
+      nb::arg("wtype"), nb::arg("act") = "q8", nb::arg("isa") = nb::none(),
+      "ISA of the kernel that runs for (wtype, act) when `isa` (default: best) is allowed.");
+
+  m.def(
+      "probe_read",
+      [](double mib, int threads, int repeats, std::optional<std::string> isa) {
+        if (mib <= 0 || threads < 1 || repeats < 1) throw nb::value_error("probe_read: bad arguments");
+        const Isa i = parse_isa(isa);
+        nb::gil_scoped_release nogil;
+        return probe_read((size_t)(mib * (1 << 20)), threads, repeats, i);
+      },
+      nb::arg("mib") = 1024.0, nb::arg("threads") = 1, nb::arg("repeats") = 5, nb::arg("isa") = nb::none(),
+      "STREAM-like read bandwidth (GB/s) of each of `repeats` passes over a buffer of `mib` MiB.");
+
+  m.def("set_num_threads", [](int n) {
+    if (n < 1) throw nb::value_error("threads must be >= 1");
+    set_num_threads(n);
+  });
+  m.def("num_threads", [] { return num_threads(); });
+}

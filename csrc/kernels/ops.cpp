@@ -9,6 +9,7 @@
 #include <numeric>
 #include <vector>
 
+#include "cflow/blocks.h"
 #include "ops_table.h"
 
 namespace cflow {
@@ -36,38 +37,6 @@ RopeTable rope_table(int rot_dim, int max_pos, double theta) {
   for (int i = 0; i < rot_dim / 2; ++i)
     inv_freq[i] = (float)std::pow(theta, -2.0 * i / rot_dim);
   return rope_table_freqs(rot_dim, max_pos, inv_freq.data());
-}
-
-// ---- fp16 bit conversions ------------------------------------------------------------------
-
-static inline uint16_t half_from_float(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  const uint16_t sign = (uint16_t)((b >> 16) & 0x8000u);
-  b &= 0x7fffffffu;
-  if (b > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((b >> 13) & 0x3ffu);  // quiet NaN
-  if (b >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
-  if (b >= 0x38800000u) {                        // normal half (>= 2^-14)
-    b -= 0x38000000u;                            // rebias exponent 127 -> 15
-    b += 0xfffu + ((b >> 13) & 1u);              // round to nearest even
-    return sign | (uint16_t)(b >> 13);
-  }
-  float a;  // subnormal half: units of 2^-24, rounded to nearest even (1024 is the smallest normal)
-  std::memcpy(&a, &b, 4);
-  return sign | (uint16_t)std::nearbyint(a * 16777216.0f);
-}
-
-static inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0) {
-    const float f = (float)m * (1.0f / 16777216.0f);
-    return sign ? -f : f;
-  }
-  const uint32_t b = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
 }
 
 namespace ref {
@@ -161,7 +130,7 @@ template <class KV>
 static void attend_one(float* out, const float* q, const KV* kh, const KV* vh, int p,
                        const AttnShape& s) {
   auto ld = [](KV e) {
-    if constexpr (std::is_same<KV, uint16_t>::value) return half_to_float(e);
+    if constexpr (std::is_same<KV, uint16_t>::value) return fp16_to_f32(e);
     else return e;
   };
   const int hd = s.head_dim;
@@ -222,10 +191,10 @@ void scale(float* y, const float* x, float s, int n) {
   for (int i = 0; i < n; ++i) y[i] = s * x[i];
 }
 void f32_to_f16(uint16_t* y, const float* x, int n) {
-  for (int i = 0; i < n; ++i) y[i] = half_from_float(x[i]);
+  for (int i = 0; i < n; ++i) y[i] = f32_to_fp16(x[i]);
 }
 void f16_to_f32(float* y, const uint16_t* x, int n) {
-  for (int i = 0; i < n; ++i) y[i] = half_to_float(x[i]);
+  for (int i = 0; i < n; ++i) y[i] = fp16_to_f32(x[i]);
 }
 
 }  // namespace ref

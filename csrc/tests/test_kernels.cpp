@@ -114,3 +114,57 @@ TEST(scalar_reference_matches_naive_dot) {
     CHECK(ok);
   }
 }
+
+namespace {
+// Compares the kernel of `isa` for (wt, at) with the scalar kernel of the same pair:
+// |y - y_ref| <= 1e-5 * sum_j |w_ij x_j| per row (the fp32 rounding scale of a dot product).
+bool compare_isa(WType wt, AType at, Isa isa, int rows, int cols, const TileShape& ts) {
+  auto rm = random_rows(wt, rows, cols);
+  auto tiled = pack(wt, rm, rows, cols, ts);
+  auto x = random_x(cols);
+  std::vector<uint8_t> xa(act_bytes(wt, at, cols));
+  prepare_act(wt, at, xa.data(), x.data(), cols);
+  std::vector<double> yn, sc;
+  naive(wt, rm, rows, cols, x, yn, sc);
+  std::vector<float> y(rows, NAN), yr(rows, NAN);
+  gemv_fn(wt, at, Isa::Scalar)(yr.data(), xa.data(), tiled.data(), rows, cols, ts, 0, rows);
+  // two halves on stripe boundaries, as two threads would run them
+  const int mid = ((rows / ts.tr) / 2) * ts.tr;
+  GemvFn fn = gemv_fn(wt, at, isa);
+  fn(y.data(), xa.data(), tiled.data(), rows, cols, ts, 0, mid);
+  fn(y.data() + mid, xa.data(), tiled.data(), rows, cols, ts, mid, rows);
+  bool ok = true;
+  double worst = 0.0;
+  for (int r = 0; r < rows; ++r) {
+    ok &= std::fabs(y[r] - yr[r]) <= 1e-5 * sc[r] + 1e-30;
+    worst = std::max(worst, std::fabs(y[r] - yr[r]) / (sc[r] + 1e-30));
+  }
+  if (!ok)
+    std::fprintf(stderr, "worst |y - y_ref| / sum|w x| = %.3g; ", worst);
+  if (!ok)
+    std::fprintf(stderr, "mismatch: %s %s %s rows=%d cols=%d tile=(%d,%d,g=%d)\n", wtype_name(wt),
+                 at == AType::F32 ? "f32" : "q8", isa_name(isa), rows, cols, ts.tr, ts.tc, ts.g);
+  return ok;
+}
+}  // namespace
+
+TEST(simd_paths_match_scalar_on_ragged_shapes) {
+  std::uniform_int_distribution<int> ri(1, 300);
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa)) continue;
+    for (WType wt : kAll) {
+      const int qk = block_elems(wt);
+      for (AType at : {AType::F32, AType::Q8}) {
+        if (at == AType::Q8 && !has_q8_path(wt)) continue;
+        for (int g : {1, 2, 4, 8, 16}) {
+          const int rows = ri(rng());
+          const int cols = qk == 1 ? ri(rng()) + 7 : qk * (1 + ri(rng()) % (qk == 256 ? 5 : 20));
+          const int tc = qk == 256 ? 256 : (g % 2 ? 256 : 128);
+          CHECK(compare_isa(wt, at, isa, rows, cols, TileShape{128, tc, g}));
+        }
+        CHECK(compare_isa(wt, at, isa, 100, qk == 1 ? 300 : 8 * qk, TileShape{32, qk == 256 ? 512 : 64, 32}));
+        CHECK(compare_isa(wt, at, isa, 259, qk == 256 ? 1024 : 640, TileShape{128, qk == 256 ? 1024 : 640, 1}));
+      }
+    }
+  }
+}

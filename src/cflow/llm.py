@@ -77,9 +77,9 @@ def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None 
     if choice != "ref":
         try:
             from cflow.engine import Engine
-        except ImportError:
+        except (ImportError, CflowError) as e:  # not built, or no native core
             if choice == "native":
-                raise CflowError("the native engine is not available in this build") from None
+                raise CflowError(f"the native engine is not available in this build: {e}") from None
         else:
             return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast)
     from cflow.engine_ref import RefEngine

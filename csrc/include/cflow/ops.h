@@ -33,7 +33,8 @@ struct RopeTable {
   std::vector<float> cos, sin;  // (max_pos, rot_dim / 2)
 };
 
-// inv_freq[i] = theta^(-2i / rot_dim), i < rot_dim / 2 (angles computed in double).
+// inv_freq[i] = theta^(-2i / rot_dim) rounded to fp32 (as HF keeps it), i < rot_dim / 2;
+// angles and cos/sin are computed in double, then rounded.
 RopeTable rope_table(int rot_dim, int max_pos, double theta);
 // Same with caller-given frequencies (llama3 / linear / yarn scaling is computed by the caller).
 RopeTable rope_table_freqs(int rot_dim, int max_pos, const float* inv_freq /* (rot_dim/2) */);

@@ -6,6 +6,7 @@ HELP = "benchmarks: `kernels` (bandwidth probe + tile GEMVs), `decode` (end-to-e
 BENCHMARKS = {
     "kernels": "bandwidth probe, then every tile GEMV on a matrix larger than L3",
     "decode": "decode and prefill tokens/s of a model, bytes/token, % of the probe",
+    "load": "concurrent clients against `cflow serve`: errors, p50/p95 latency, tokens/s, server memory",
 }
 
 

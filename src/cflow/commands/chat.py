@@ -43,12 +43,11 @@ def main(args) -> int:
             messages.pop()
             continue
         try:
-            final = stream_to_stdout(llm.complete(ids, state=state, **kw))
+            reply, final = stream_to_stdout(llm.complete(ids, state=state, **kw))
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
             messages.pop()
             continue
         print()
-        messages.append({"role": "assistant", "content": llm.tokenizer.decode(
-            [t for t in getattr(state, "_cflow_tokens", [])[len(ids):]], skip_special_tokens=True)})
+        messages.append({"role": "assistant", "content": reply})
         print(speed_line(llm, final), file=sys.stderr)

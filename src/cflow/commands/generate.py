@@ -44,19 +44,20 @@ def speed_line(llm, final) -> str:
 
 
 def stream_to_stdout(gen):
-    """Print chunks as they come; return the final chunk (Ctrl-C closes the generator)."""
+    """Print chunks as they come; return (text, final chunk). Ctrl-C closes the generator."""
     import sys
 
-    final = None
+    final, text = None, []
     try:
         for c in gen:
             if c.text:
                 sys.stdout.write(c.text)
                 sys.stdout.flush()
+                text.append(c.text)
             final = c
     finally:
         gen.close()
-    return final
+    return "".join(text), final
 
 
 def main(args) -> int:
@@ -66,7 +67,7 @@ def main(args) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode(llm.render_chat([{"role": "user", "content": prompt}]))
-    final = stream_to_stdout(llm.complete(prompt, **sampling_kwargs(args)))
+    _, final = stream_to_stdout(llm.complete(prompt, **sampling_kwargs(args)))
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(speed_line(llm, final), file=sys.stderr)

@@ -120,3 +120,39 @@ def unpack_tiles(payload: np.ndarray, bt: BlockType, rows: int, cols: int, tile=
     out = np.empty_like(blocks)
     out[perm] = blocks
     return out.reshape(rows, -1)
+
+
+def fuse_rows(mats, mode: str, tile_rows: int = DEFAULT_TILE[0]):
+    """Order the rows of several matrices into one, so one tiled GEMV computes them all.
+
+    mats: 2-D arrays with the same number of columns (encoded rows, uint8 (R_i, bytes), or any
+    dtype). Rows are permuted as whole rows, so encode first or after: the result is the same.
+      * "stack": [Wq; Wk; Wv] one below the other (fused QKV). Returns (fused, offsets) where
+        outputs y[offsets[i]:offsets[i+1]] belong to mats[i].
+      * "glu": mats = [gate, up] of equal shape (ff, C), interleaved by half-stripes of
+        h = tile_rows // 2 rows: gate[0:h], up[0:h], gate[h:2h], up[h:2h], ... (the last
+        chunk: the r = ff - k*h remaining gate rows, then the r up rows). Every stripe of
+        tile_rows rows then holds a gate chunk and its up chunk, so the kernel applies the GLU
+        per stripe (csrc gemv_glu). Returns (fused, None); fused has 2*ff rows.
+    """
+    mats = [np.asarray(m) for m in mats]
+    if not mats or any(m.ndim != 2 for m in mats) or len({m.shape[1] for m in mats}) != 1:
+        raise CflowFormatError("fuse_rows: expected 2-D matrices with the same number of columns")
+    if mode == "stack":
+        offsets = np.cumsum([0] + [m.shape[0] for m in mats]).tolist()
+        return np.ascontiguousarray(np.concatenate(mats, axis=0)), offsets
+    if mode == "glu":
+        if len(mats) != 2 or mats[0].shape != mats[1].shape:
+            raise CflowFormatError("fuse_rows(glu): expected [gate, up] of equal shape")
+        if tile_rows <= 0 or tile_rows % 2:
+            raise CflowFormatError(f"fuse_rows(glu): tile rows must be even, got {tile_rows}")
+        return np.ascontiguousarray(np.concatenate(glu_chunks(mats[0], mats[1], tile_rows // 2), axis=0)), None
+    raise CflowFormatError(f"fuse_rows: unknown mode {mode!r} (stack | glu)")
+
+
+def glu_chunks(gate: np.ndarray, up: np.ndarray, h: int) -> list:
+    """gate[0:h], up[0:h], gate[h:2h], up[h:2h], ... (the row order of fuse_rows "glu")."""
+    parts = []
+    for r in range(0, gate.shape[0], h):
+        parts += [gate[r : r + h], up[r : r + h]]
+    return parts

@@ -1,0 +1,328 @@
+// Scalar reference GEMMs over the tiled layout, activation quantization and row dequantization.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cflow/cpu.h"
+#include "cflow/gemm.h"
+#include "gemm_tiles.h"
+
+namespace cflow {
+
+float fp16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float bf16_to_f32(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+BlockInfo block_info(int type) {
+  switch (type) {
+    case T_F32: return {1, 4};
+    case T_F16: return {1, 2};
+    case T_BF16: return {1, 2};
+    case T_Q4_0: return {32, 18};
+    case T_Q4_1: return {32, 20};
+    case T_Q5_0: return {32, 22};
+    case T_Q8_0: return {32, 34};
+  }
+  return {0, 0};
+}
+
+bool q8_supported(int type) {
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q8_0;
+}
+
+bool make_layout(TileLayout& L, const char** err) {
+  BlockInfo bi = block_info(L.type);
+  if (!bi.elems) { *err = "unsupported block type"; return false; }
+  L.qk = bi.elems;
+  L.bb = bi.bytes;
+  if (L.rows <= 0 || L.cols <= 0) { *err = "empty matrix"; return false; }
+  if (L.cols % L.qk) { *err = "columns not a multiple of the block size"; return false; }
+  if (L.tr <= 0 || L.tc <= 0 || L.tc % L.qk || L.g <= 0 || L.tr % L.g) {
+    *err = "bad tile shape or interleave";
+    return false;
+  }
+  return true;
+}
+
+size_t layout_nbytes(const TileLayout& L) { return (size_t)L.rows * (L.cols / L.qk) * L.bb; }
+
+int layout_units(const TileLayout& L) {
+  const int gps = L.tr / L.g, full = L.rows / L.tr, rem = L.rows % L.tr;
+  return full * gps + (rem + L.g - 1) / L.g;
+}
+
+int unit_row(const TileLayout& L, int u) {
+  const int gps = L.tr / L.g;
+  return std::min(L.rows, (u / gps) * L.tr + (u % gps) * L.g);
+}
+
+// ---------------------------------------------------------------- block decoding
+static inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+// Block -> qk floats.
+static void dequant_block(int type, const uint8_t* b, float* out) {
+  switch (type) {
+    case T_F32: std::memcpy(out, b, 4); return;
+    case T_F16: out[0] = fp16_to_f32(rd16(b)); return;
+    case T_BF16: out[0] = bf16_to_f32(rd16(b)); return;
+    case T_Q4_0: {
+      const float d = fp16_to_f32(rd16(b));
+      for (int j = 0; j < 16; ++j) {
+        out[j] = ((b[2 + j] & 15) - 8) * d;
+        out[j + 16] = ((b[2 + j] >> 4) - 8) * d;
+      }
+      return;
+    }
+    case T_Q4_1: {
+      const float d = fp16_to_f32(rd16(b)), m = fp16_to_f32(rd16(b + 2));
+      for (int j = 0; j < 16; ++j) {
+        out[j] = (b[4 + j] & 15) * d + m;
+        out[j + 16] = (b[4 + j] >> 4) * d + m;
+      }
+      return;
+    }
+    case T_Q5_0: {
+      const float d = fp16_to_f32(rd16(b));
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (b[6 + j] & 15) | (((qh >> j) & 1) << 4);
+        const int hi = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        out[j] = (lo - 16) * d;
+        out[j + 16] = (hi - 16) * d;
+      }
+      return;
+    }
+    case T_Q8_0: {
+      const float d = fp16_to_f32(rd16(b));
+      for (int j = 0; j < 32; ++j) out[j] = (int8_t)b[2 + j] * d;
+      return;
+    }
+  }
+}
+
+// Integer part of a block: q[0..31] as small integers, and (scale, offset) with
+// value_j = scale * q_j + offset.
+static void int_block(int type, const uint8_t* b, int* q, float* scale, float* offset) {
+  switch (type) {
+    case T_Q4_0:
+      *scale = fp16_to_f32(rd16(b));
+      *offset = -8 * *scale;
+      for (int j = 0; j < 16; ++j) { q[j] = b[2 + j] & 15; q[j + 16] = b[2 + j] >> 4; }
+      return;
+    case T_Q4_1:
+      *scale = fp16_to_f32(rd16(b));
+      *offset = fp16_to_f32(rd16(b + 2));
+      for (int j = 0; j < 16; ++j) { q[j] = b[4 + j] & 15; q[j + 16] = b[4 + j] >> 4; }
+      return;
+    case T_Q5_0: {
+      *scale = fp16_to_f32(rd16(b));
+      *offset = -16 * *scale;
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (b[6 + j] & 15) | (((qh >> j) & 1) << 4);
+        q[j + 16] = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      }
+      return;
+    }
+    case T_Q8_0:
+      *scale = fp16_to_f32(rd16(b));
+      *offset = 0;
+      for (int j = 0; j < 32; ++j) q[j] = (int8_t)b[2 + j];
+      return;
+  }
+}
+
+void dequant_group_row(const TileLayout& L, const Group& G, int i, float* out) {
+  for (int t = 0; t < G.ntiles; ++t) {
+    const uint8_t* tb = G.tile(t);
+    const int nb = G.nb_of(t);
+    for (int b = 0; b < nb; ++b)
+      dequant_block(L.type, tb + ((size_t)b * G.g + i) * G.bb, out + (size_t)(t * G.bpt + b) * L.qk);
+  }
+}
+
+void dequant_row(const TileLayout& L, const uint8_t* w, int r, float* out) {
+  const int sr = r / L.tr * L.tr, gs = sr + (r - sr) / L.g * L.g;  // start of r's group
+  for_groups(L, w, gs, r + 1, [&](const Group& G) { dequant_group_row(L, G, r - G.row, out); });
+}
+
+// ---------------------------------------------------------------- reference kernels
+void gemm_f32_ref(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
+                  float* y, int ldy) {
+  float blk[32];
+  std::vector<double> acc(n);
+  for_groups(L, w, r0, r1, [&](const Group& G) {
+    for (int i = 0; i < G.g; ++i) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int t = 0; t < G.ntiles; ++t) {
+        const uint8_t* tb = G.tile(t);
+        const int nb = G.nb_of(t);
+        for (int b = 0; b < nb; ++b) {
+          dequant_block(L.type, tb + ((size_t)b * G.g + i) * G.bb, blk);
+          const int c0 = (t * G.bpt + b) * L.qk;
+          for (int k = 0; k < n; ++k) {
+            const float* xk = x + (size_t)k * ldx + c0;
+            float s = 0;
+            for (int j = 0; j < L.qk; ++j) s += blk[j] * xk[j];
+            acc[k] += s;
+          }
+        }
+      }
+      for (int k = 0; k < n; ++k) y[(size_t)k * ldy + (G.row + i - r0)] = (float)acc[k];
+    }
+  });
+}
+
+void gemm_q8_ref(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
+  int q[32];
+  const int xb = x.cols / 32;
+  for_groups(L, w, r0, r1, [&](const Group& G) {
+    for (int i = 0; i < G.g; ++i) {
+      for (int k = 0; k < x.n; ++k) {
+        float acc = 0;
+        for (int t = 0; t < G.ntiles; ++t) {
+          const uint8_t* tb = G.tile(t);
+          const int nb = G.nb_of(t);
+          for (int b = 0; b < nb; ++b) {
+            float sc = 0, off = 0;
+            int_block(L.type, tb + ((size_t)b * G.g + i) * G.bb, q, &sc, &off);
+            const int cb = t * G.bpt + b;  // block column == activation block
+            const int8_t* xq = x.q + (size_t)k * x.cols + cb * 32;
+            int dot = 0;
+            for (int j = 0; j < 32; ++j) dot += q[j] * xq[j];
+            acc += sc * x.d[(size_t)k * xb + cb] * dot + off * x.s[(size_t)k * xb + cb];
+          }
+        }
+        y[(size_t)k * ldy + (G.row + i - r0)] = acc;
+      }
+    }
+  });
+}
+
+void quantize_acts_ref(const float* x, int ldx, int n, int cols, QActs& out) {
+  const int nb = cols / 32;
+  out.n = n;
+  out.cols = cols;
+  for (int k = 0; k < n; ++k) {
+    for (int b = 0; b < nb; ++b) {
+      const float* xb = x + (size_t)k * ldx + b * 32;
+      float amax = 0;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+      int sum = 0;
+      int8_t* q = out.q + (size_t)k * cols + b * 32;
+      for (int j = 0; j < 32; ++j) {
+        q[j] = (int8_t)std::nearbyint(xb[j] * id);
+        sum += q[j];
+      }
+      out.d[(size_t)k * nb + b] = d;
+      out.s[(size_t)k * nb + b] = d * sum;
+    }
+  }
+}
+
+void dot_rows_ref(const float* q, const float* K, size_t ldk, int n, int hd, float* out) {
+  for (int j = 0; j < n; ++j) {
+    const float* k = K + (size_t)j * ldk;
+    float s = 0;
+    for (int i = 0; i < hd; ++i) s += q[i] * k[i];
+    out[j] = s;
+  }
+}
+
+void mix_rows_ref(const float* p, const float* V, size_t ldv, int n, int hd, float* out) {
+  for (int j = 0; j < n; ++j) {
+    const float* v = V + (size_t)j * ldv;
+    for (int i = 0; i < hd; ++i) out[i] += p[j] * v[i];
+  }
+}
+
+// ---------------------------------------------------------------- dispatch
+static bool use_avx512() {
+  static const bool v = best_isa() == Isa::Avx512;
+  return v;
+}
+
+void gemm_f32(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
+              float* y, int ldy) {
+#if defined(CFLOW_X86)
+  if (use_avx512()) return gemm_f32_avx512(L, w, r0, r1, x, ldx, n, y, ldy);
+#endif
+  gemm_f32_ref(L, w, r0, r1, x, ldx, n, y, ldy);
+}
+
+void gemm_q8(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
+#if defined(CFLOW_X86)
+  if (use_avx512()) return gemm_q8_avx512(L, w, r0, r1, x, y, ldy);
+#endif
+  gemm_q8_ref(L, w, r0, r1, x, y, ldy);
+}
+
+void quantize_acts(const float* x, int ldx, int n, int cols, QActs& out) {
+#if defined(CFLOW_X86)
+  if (use_avx512()) return quantize_acts_avx512(x, ldx, n, cols, out);
+#endif
+  quantize_acts_ref(x, ldx, n, cols, out);
+}
+
+}  // namespace cflow
+
+namespace cflow {
+void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* out) {
+#if defined(CFLOW_X86)
+  if (use_avx512() && hd % 16 == 0) return dot_rows_avx512(q, K, ldk, n, hd, out);
+#endif
+  dot_rows_ref(q, K, ldk, n, hd, out);
+}
+
+void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* out) {
+#if defined(CFLOW_X86)
+  if (use_avx512() && hd % 16 == 0) return mix_rows_avx512(p, V, ldv, n, hd, out);
+#endif
+  mix_rows_ref(p, V, ldv, n, hd, out);
+}
+}  // namespace cflow
+
+namespace cflow {
+float read_sum_ref(const float* x, size_t n) {
+  float s[8] = {0};
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += x[i + j];
+  for (; i < n; ++i) s[0] += x[i];
+  return s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+}
+
+float read_sum(const float* x, size_t n) {
+#if defined(CFLOW_X86)
+  if (use_avx512()) return read_sum_avx512(x, n);
+#endif
+  return read_sum_ref(x, n);
+}
+}  // namespace cflow

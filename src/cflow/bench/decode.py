@@ -1,0 +1,175 @@
+"""`cflow bench decode`: decode and prefill speed of a model, next to the bandwidth probe and,
+with --vs llama.cpp, next to llama.cpp on the same GGUF with the same threads.
+
+cflow is timed the way a user sees it (wall clock around Engine.forward plus the greedy pick in
+Python); llama.cpp's figures come from its own perf counters (llama_perf_context: prompt and
+eval times), so none of the Python binding's overhead is charged to it. Runs alternate between
+the two so that the machine's load affects both alike. Decode: median of --runs runs of
+--tokens greedy tokens after a warm-up; prefill: median over the runs of a --prompt-token prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+
+from cflow.errors import CflowError
+
+PROBE_BYTES = 512 << 20
+
+
+def add_arguments(p):
+    p.add_argument("-m", "--model", default="smollm2-135m",
+                   help="model: a name known to `cflow pull`, a .cflow or .gguf path (default smollm2-135m)")
+    p.add_argument("--gguf", help="GGUF file for --vs llama.cpp (default: the model's own source)")
+    p.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")
+    p.add_argument("--vs", choices=["llama.cpp"], help="also run llama.cpp (llama-cpp-python, extra cflow[bench])")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per engine (default 5)")
+    p.add_argument("--tokens", type=int, default=128, help="decoded tokens per run (default 128)")
+    p.add_argument("--prompt", type=int, default=512, help="prefill prompt length (default 512)")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+
+
+def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
+    # A fixed pseudo-random prompt: both engines get exactly the same token ids.
+    return [int(t) for t in np.random.default_rng(seed).integers(100, min(vocab, 30000), size=n)]
+
+
+class CflowRunner:
+    def __init__(self, engine):
+        self.eng = engine
+        self.st = engine.new_state()
+
+    def decode(self, prompt: list[int], n: int) -> float:
+        self.st.reset()
+        logits = self.eng.forward(self.st, prompt)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            logits = self.eng.forward(self.st, [int(np.argmax(logits))])
+        return n / (time.perf_counter() - t0)
+
+    def prefill(self, prompt: list[int]) -> float:
+        self.st.reset()
+        t0 = time.perf_counter()
+        self.eng.forward(self.st, prompt)
+        return len(prompt) / (time.perf_counter() - t0)
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python's low-level API, timed by its perf counters."""
+
+    def __init__(self, gguf: str, threads: int, n_ctx: int):
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise CflowError("--vs llama.cpp needs llama-cpp-python: pip install 'cflow[bench]'") from e
+        self.lc = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.ctx = self.llm._ctx.ctx
+
+    def _perf(self):
+        return self.lc.llama_perf_context(self.ctx)
+
+    def decode(self, prompt: list[int], n: int) -> float:
+        llm = self.llm
+        llm.reset()
+        llm.eval(prompt)
+        self.lc.llama_perf_context_reset(self.ctx)
+        for _ in range(n):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        p = self._perf()
+        if p.n_eval != n:
+            raise CflowError(f"llama.cpp counted {p.n_eval} decode steps, expected {n}")
+        return p.n_eval / (p.t_eval_ms / 1e3)
+
+    def prefill(self, prompt: list[int]) -> float:
+        llm = self.llm
+        llm.reset()
+        self.lc.llama_perf_context_reset(self.ctx)
+        llm.eval(prompt)
+        p = self._perf()
+        return p.n_p_eval / (p.t_p_eval_ms / 1e3)
+
+
+def _resolve(model: str, gguf: str | None):
+    """(Engine source: a path or an opened file object, GGUF path or None)."""
+    import os
+
+    if model.endswith(".cflow"):
+        return model, gguf
+    try:
+        from cflow import hub
+    except ImportError:
+        raise CflowError(f"model {model!r}: this build resolves only .cflow paths") from None
+    r = hub.resolve(model)
+    return r.cflow_path() if hasattr(r, "cflow_path") else r, gguf or (os.fspath(r.gguf) if hasattr(r, "gguf") else None)
+
+
+def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int = 5, tokens: int = 128,
+        prompt_len: int = 512, log=print) -> dict:
+    """Measure `engine` (and llama.cpp on `gguf` when given); returns the --json record."""
+    from cflow._native import core
+
+    if engine.n_ctx < prompt_len + 1 or engine.n_ctx < 16 + tokens:
+        raise CflowError(f"n_ctx={engine.n_ctx} is too small for a {prompt_len}-token prompt")
+    vocab = engine.config.vocab_size
+    short, long_ = _prompt(vocab, 16, 1), _prompt(vocab, prompt_len, 2)
+    ours = CflowRunner(engine)
+    theirs = LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32)) if gguf else None
+    # warm-up (page in the weights, spin up the threads)
+    ours.decode(short, 8)
+    ours.prefill(long_[:64])
+    if theirs:
+        theirs.decode(short, 8)
+        theirs.prefill(long_[:64])
+    dec, pre, ldec, lpre = [], [], [], []
+    for r in range(runs):
+        dec.append(ours.decode(short, tokens))
+        if theirs:
+            ldec.append(theirs.decode(short, tokens))
+        pre.append(ours.prefill(long_))
+        if theirs:
+            lpre.append(theirs.prefill(long_))
+        log(f"  run {r + 1}/{runs}: cflow decode {dec[-1]:.1f} tok/s, prefill {pre[-1]:.1f} tok/s"
+            + (f" | llama.cpp decode {ldec[-1]:.1f} tok/s, prefill {lpre[-1]:.1f} tok/s" if theirs else ""))
+    probe = core.read_bandwidth(PROBE_BYTES, threads, 5)
+    d, p = statistics.median(dec), statistics.median(pre)
+    gbps = engine.bytes_per_token * d / 1e9
+    rec = {"model": name, "threads": threads, "decode_tok_s": round(d, 2), "prefill_tok_s": round(p, 2),
+           "bytes_per_token": int(engine.bytes_per_token), "gbps": round(gbps, 2), "probe_gbps": round(probe, 2),
+           "pct_of_probe": round(100 * gbps / probe, 1), "vs": {}}
+    if theirs:
+        ld, lp = statistics.median(ldec), statistics.median(lpre)
+        rec["vs"]["llama.cpp"] = {"decode_tok_s": round(ld, 2), "prefill_tok_s": round(lp, 2),
+                                  "ratio_decode": round(d / ld, 3), "ratio_prefill": round(p / lp, 3)}
+    return rec
+
+
+def report(rec: dict) -> str:
+    lines = [f"model {rec['model']}, {rec['threads']} threads",
+             f"  decode   {rec['decode_tok_s']:8.1f} tok/s   ({rec['bytes_per_token'] / 1e6:.1f} MB/token, "
+             f"{rec['gbps']:.1f} GB/s = {rec['pct_of_probe']:.0f}% of the probe's {rec['probe_gbps']:.1f} GB/s)",
+             f"  prefill  {rec['prefill_tok_s']:8.1f} tok/s"]
+    for k, v in rec["vs"].items():
+        lines.append(f"  {k}: decode {v['decode_tok_s']:.1f} tok/s (cflow x{v['ratio_decode']:.2f}), "
+                     f"prefill {v['prefill_tok_s']:.1f} tok/s (cflow x{v['ratio_prefill']:.2f})")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    from cflow.engine import Engine
+
+    if args.threads < 1 or args.runs < 1 or args.tokens < 1 or args.prompt < 1:
+        raise CflowError("--threads, --runs, --tokens and --prompt must be positive")
+    src, gguf = _resolve(args.model, args.gguf)
+    if args.vs and not gguf:
+        raise CflowError("--vs llama.cpp needs the model's GGUF: pass --gguf PATH")
+    eng = Engine(src, threads=args.threads, n_ctx=max(args.prompt + 1, 16 + args.tokens + 8, 1024))
+    rec = run(eng, name=args.model, threads=args.threads, gguf=gguf if args.vs else None, runs=args.runs,
+              tokens=args.tokens, prompt_len=args.prompt, log=(lambda *a: None) if args.json else print)
+    print(json.dumps(rec) if args.json else report(rec))
+    return 0

@@ -1,0 +1,115 @@
+"""`cflow bench kernels`: the read-bandwidth probe, then every tile GEMV in the same run.
+
+For each block type: a matrix of --matrix-mb MB of weights (cols = --cols), timed with 1 and 2
+threads in two layouts over the same bytes: "tiled" (tile (128, 256), interleave --interleave)
+and "row_major" (tile (128, cols), interleave 1: whole rows, the same kernel). Repeats of the
+two layouts alternate so both see the same machine noise. Reported: the median GB/s of weight
+bytes (activation quantization included in the time), its min..max, and % of the probe with the
+same thread count. The weights are random bytes with sane scales: a GEMV's speed does not
+depend on the values.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
+TILED_G = 16  # in-tile interleave of the tiled layout (docs/KERNELS.md: the measured winner)
+
+
+def add_arguments(p):
+    p.add_argument("--types", default=",".join(TYPES), help="comma-separated block types (default: all)")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per measurement (median; >= 5)")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    p.add_argument("--probe-mib", type=float, default=1024.0, help="probe buffer in MiB (>= 256)")
+    p.add_argument("--matrix-mb", type=float, default=128.0, help="weight bytes per matrix in MB (>= 64)")
+    p.add_argument("--cols", type=int, default=8192, help="matrix columns (multiple of 256)")
+    p.add_argument("--interleave", type=int, default=TILED_G, help="in-tile row interleave of the tiled layout")
+    p.add_argument("--act", choices=["auto", "q8", "f32"], default="auto",
+                   help="activation path: auto = q8 for quantized types, f32 for f32/f16/bf16")
+    p.add_argument("--isa", choices=["scalar", "avx2", "avx512"], default=None, help="cap the ISA (default: best)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON line")
+
+
+def _matrix(bt, cols: int, mb: float, rng):
+    """Random tiled weights of about `mb` MB with valid scales: (payload, rows)."""
+    import numpy as np
+
+    row_bytes = cols // bt.block_elems * bt.block_bytes
+    rows = max(128, int(mb * 1e6 / row_bytes) // 128 * 128)
+    w = rng.integers(0, 256, size=rows * row_bytes, dtype=np.uint8)
+    blocks = w.reshape(-1, bt.block_bytes)
+    half = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    if bt.name in ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k"):
+        blocks[:, 0:2] = half  # d
+    if bt.name in ("q4_1", "q4_k"):
+        blocks[:, 2:4] = half  # m / dmin
+    if bt.name == "q6_k":
+        blocks[:, 208:210] = half
+    if bt.name == "f32":
+        blocks[:] = np.frombuffer(np.float32(0.5).tobytes(), dtype=np.uint8)
+    if bt.name in ("f16", "bf16"):
+        blocks[:, 1] &= 0x3F  # finite, moderate values
+    return w, rows
+
+
+def main(args) -> int:
+    import numpy as np
+
+    from cflow import kernels as K
+    from cflow.errors import CflowError
+    from cflow.format.tiles import block_type
+
+    types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
+    threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    if args.repeats < 1 or not threads or min(threads) < 1:
+        raise CflowError("--repeats and --threads must be positive")
+    if args.cols % 256:
+        raise CflowError("--cols must be a multiple of 256")
+    bts = [block_type(t) for t in types]
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
+
+    probe = {}
+    for t in threads:
+        runs = K.probe_read(args.probe_mib, t, args.repeats, args.isa)
+        probe[t] = runs
+        log(f"probe  {t} thread(s), {args.probe_mib:.0f} MiB: median {statistics.median(runs):6.1f} GB/s "
+            f"(min {min(runs):.1f}, max {max(runs):.1f})")
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(args.cols).astype(np.float32)
+    tile_rm = (128, args.cols)
+    results = []
+    for bt in bts:
+        act = K.default_act(bt.name) if args.act == "auto" else args.act
+        if act == "q8" and bt.block_elems == 1:
+            act = "f32"
+        w, rows = _matrix(bt, args.cols, args.matrix_mb, rng)
+        isa = K.gemv_isa(bt.name, act, args.isa)
+        for t in threads:
+            layouts = {"tiled": ((128, 256), args.interleave), "row_major": (tile_rm, 1)}
+            secs = {name: [] for name in layouts}
+            for name, (tile, g) in layouts.items():  # warm-up
+                K._call(K.core.gemv_time, bt.name, w, x, rows, args.cols, tile, g, act, args.isa, t, 0, 1)
+            for _ in range(args.repeats):
+                for name, (tile, g) in layouts.items():
+                    secs[name] += K._call(K.core.gemv_time, bt.name, w, x, rows, args.cols, tile, g, act, args.isa, t, 1, 0)
+            pmed = statistics.median(probe[t])
+            for name in layouts:
+                gb = [w.size / s * 1e-9 for s in secs[name]]
+                med = statistics.median(gb)
+                r = {"type": bt.name, "layout": name, "threads": t, "gbps": round(med, 2),
+                     "pct_of_probe": round(100.0 * med / pmed, 1), "min_gbps": round(min(gb), 2),
+                     "max_gbps": round(max(gb), 2), "isa": isa, "act": act, "mb": round(w.size / 1e6, 1)}
+                results.append(r)
+                log(f"{bt.name:5s} {act:3s} {isa:6s} {name:9s} {t} thr: {med:6.1f} GB/s "
+                    f"({min(gb):.1f}..{max(gb):.1f}) {r['pct_of_probe']:5.1f}% of probe")
+        del w
+    out = {"probe_gbps": round(statistics.median(probe[max(threads)]), 2),
+           "probe": {str(t): round(statistics.median(v), 2) for t, v in probe.items()},
+           "probe_mib": args.probe_mib, "best_isa": K.best_isa(), "kernels": results}
+    if args.json:
+        sys.stdout.write(json.dumps(out) + "\n")
+    return 0

@@ -1,0 +1,43 @@
+"""`cflow serve`: the OpenAI-compatible API and the chat page over HTTP (docs/SERVER.md)."""
+
+HELP = "serve a model over an OpenAI-compatible HTTP API, with a chat page at /"
+
+
+def add_arguments(p):
+    p.add_argument("-m", "--model", default=None,
+                   help="model name known to `cflow pull`, .cflow / .gguf path or HF directory (default: the built-in default model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
+    p.add_argument("--n-ctx", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-concurrency", type=int, default=1,
+                   help="generations that run at once; later requests queue in arrival order (default %(default)s)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait; more get 503 (default %(default)s)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $CFLOW_API_KEY, else open)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def main(args) -> int:
+    import os
+
+    from cflow.errors import CflowError
+
+    try:
+        import uvicorn
+
+        from cflow.server import create_app
+    except ImportError as e:
+        raise CflowError(f"the server needs the serve extra: pip install 'cflow[serve]' ({e})") from e
+    from cflow.llm import LLM
+
+    if args.max_concurrency < 1:
+        raise CflowError("--max-concurrency must be at least 1")
+    kw = dict(threads=args.threads, n_ctx=args.n_ctx)
+    llm = LLM(args.model, **kw) if args.model else LLM(**kw)
+    api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None
+    app = create_app(llm, max_concurrency=args.max_concurrency, api_key=api_key, max_queue=args.max_queue)
+    print(f"cflow serve: {llm.name} (n_ctx {llm.n_ctx}) on http://{args.host}:{args.port}/  "
+          f"[{args.max_concurrency} slot(s){', API key required' if api_key else ''}]", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,247 @@
+"""The native engine: runs a converted `.cflow` model through the C++ plan executor.
+
+The step plan is built here ONCE per model: a flat op list (fused steps: norm+GEMV, GEMV+GLU,
+rope+KV write+attention, ...) with byte offsets of every weight inside the mapped file and ids
+of scratch buffers; barriers only where data dependence needs them. The C++ core checks every
+offset and shape against the mapped size before it runs anything, then one native call runs a
+whole forward (all layers, all threads, GIL released). Python never loops over layers.
+
+    eng = Engine("smollm2.cflow", threads=2)
+    st = eng.new_state()
+    logits = eng.forward(st, prompt_ids)          # prefill as a batch: (vocab,)
+    logits = eng.forward(st, [next_id])           # one decode step
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cflow.config import ModelConfig
+from cflow.errors import CflowError, CflowFormatError, UnsupportedError
+
+# Op kinds and flags: csrc/include/cflow/engine.h
+OP_BARRIER, OP_EMBED, OP_MATVEC, OP_GLU, OP_ATTN, OP_NORM_ADD = 0, 1, 2, 3, 4, 5
+F_ACCUM, F_LAST = 1, 2
+MAX_BATCH = 512  # tokens per native call when prefilling (bounds the scratch)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def default_threads() -> int:
+    """Cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class Plan:
+    """The step plan in the flat form the C++ executor takes."""
+
+    tensors: list[tuple] = field(default_factory=list)  # (off, nbytes, type, rows, cols, tr, tc, g)
+    names: list[str] = field(default_factory=list)
+    ops: list[tuple] = field(default_factory=list)  # (kind, w, bias, norm, src, dst, flags, layer, aux0, aux1, f0, f1)
+    buffers: list[int] = field(default_factory=list)  # per-token widths
+    buffer_names: list[str] = field(default_factory=list)
+    logits: int = -1
+    bytes_per_token: int = 0
+
+    def op(self, kind, *, w=-1, bias=-1, norm=-1, src=-1, dst=-1, flags=0, layer=0, aux0=0, aux1=0, f0=0.0, f1=0.0):
+        self.ops.append((kind, w, bias, norm, src, dst, flags, layer, aux0, aux1, f0, f1))
+
+    def barrier(self):
+        self.ops.append((OP_BARRIER, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0.0, 0.0))
+
+    def buffer(self, name: str, width: int) -> int:
+        self.buffer_names.append(name)
+        self.buffers.append(int(width))
+        return len(self.buffers) - 1
+
+    def arrays(self):
+        ti = np.array(self.tensors, dtype=np.int64).reshape(-1, 8)
+        oi = np.array([o[:10] for o in self.ops], dtype=np.int32).reshape(-1, 10)
+        of = np.array([o[10:] for o in self.ops], dtype=np.float32).reshape(-1, 2)
+        return ti, oi, of, np.array(self.buffers, dtype=np.int32)
+
+
+def build_plan(f, cfg: ModelConfig) -> Plan:
+    """The op list of one forward for a dense model (llama, qwen2, qwen3, gemma3).
+
+    f: an object with .tensors {name: entry with type (BlockType), rows, cols, tile, interleave,
+    offset, nbytes, stripe_rows}: a CflowFile.
+    """
+    if cfg.arch not in SUPPORTED_ARCHS:
+        raise UnsupportedError(f"the native engine runs {', '.join(SUPPORTED_ARCHS)}; not arch {cfg.arch!r} yet")
+    if cfg.n_expert:
+        raise UnsupportedError("mixture-of-experts layers are not in the native engine yet")
+    P = Plan()
+    ids: dict[str, int] = {}
+
+    def tensor(name: str, *, optional: bool = False) -> int:
+        if name in ids:
+            return ids[name]
+        t = f.tensors.get(name)
+        if t is None:
+            if optional:
+                return -1
+            raise CflowFormatError(f"the model has no tensor {name!r} (arch {cfg.arch})")
+        P.tensors.append((t.offset, t.nbytes, t.type.code, t.rows, t.cols, t.tile[0], t.tile[1], t.interleave))
+        P.names.append(name)
+        ids[name] = len(P.tensors) - 1
+        return ids[name]
+
+    def weight_bytes(i: int) -> int:
+        return P.tensors[i][1]
+
+    d, q, kv = cfg.d_model, cfg.q_dim, cfg.kv_dim
+    X = P.buffer("x", d)
+    QKV = P.buffer("qkv", q + 2 * kv)
+    ATT = P.buffer("att", q)
+    H = P.buffer("h", cfg.d_ff)
+    TMP = P.buffer("tmp", d) if cfg.post_norms else -1
+    LOGITS = P.buffer("logits", cfg.vocab_size)
+    P.logits = LOGITS
+
+    emb = tensor("tok_embd")
+    P.op(OP_EMBED, w=emb, dst=X)
+    P.barrier()
+    et = P.tensors[emb]
+    P.bytes_per_token += et[1] // et[3]  # one row
+    for l in range(cfg.n_layer):
+        b = f"blk.{l}."
+        wqkv = tensor(b + "attn_qkv")
+        P.op(OP_MATVEC, w=wqkv, bias=tensor(b + "attn_qkv.bias", optional=not cfg.qkv_bias),
+             norm=tensor(b + "attn_norm"), src=X, dst=QKV)
+        P.barrier()
+        sliding = cfg.layer_type(l) == "sliding"
+        theta = (cfg.rope_local_theta or cfg.rope_theta) if sliding else cfg.rope_theta
+        qn = tensor(b + "attn_q_norm") if cfg.qk_norm else -1
+        kn = tensor(b + "attn_k_norm") if cfg.qk_norm else -1
+        P.op(OP_ATTN, w=qn, bias=kn, src=QKV, dst=ATT, layer=l, aux0=cfg.sliding_window if sliding else 0, f0=theta)
+        P.barrier()
+        wo = tensor(b + "attn_output")
+        if cfg.post_norms:
+            P.op(OP_MATVEC, w=wo, src=ATT, dst=TMP)
+            P.barrier()
+            P.op(OP_NORM_ADD, norm=tensor(b + "attn_post_norm"), src=TMP, dst=X)
+        else:
+            P.op(OP_MATVEC, w=wo, src=ATT, dst=X, flags=F_ACCUM)
+        P.barrier()
+        gu = f.tensors.get(b + "ffn_gate_up")
+        if gu is None:
+            raise CflowFormatError(f"the model has no tensor {b + 'ffn_gate_up'!r}")
+        if getattr(gu, "fuse", "stripe") not in (None, "stripe") or not getattr(gu, "stripe_rows", 0):
+            raise CflowFormatError(f"{b}ffn_gate_up must be stripe-fused (gate/up interleaved by stripes)")
+        wgu = tensor(b + "ffn_gate_up")
+        P.op(OP_GLU, w=wgu, norm=tensor(b + "ffn_norm"), src=X, dst=H, aux0=gu.stripe_rows)
+        P.barrier()
+        wd = tensor(b + "ffn_down")
+        if cfg.post_norms:
+            P.op(OP_MATVEC, w=wd, src=H, dst=TMP)
+            P.barrier()
+            P.op(OP_NORM_ADD, norm=tensor(b + "ffn_post_norm"), src=TMP, dst=X)
+        else:
+            P.op(OP_MATVEC, w=wd, src=H, dst=X, flags=F_ACCUM)
+        P.barrier()
+        P.bytes_per_token += sum(weight_bytes(i) for i in (wqkv, wo, wgu, wd))
+    out = tensor("output", optional=cfg.tie_embeddings)
+    if out < 0:
+        out = emb
+    P.op(OP_MATVEC, w=out, norm=tensor("output_norm"), src=X, dst=LOGITS, flags=F_LAST, f1=cfg.final_logit_softcap)
+    P.bytes_per_token += weight_bytes(out)
+    return P
+
+
+class State:
+    """One sequence's KV cache. pos: tokens in the cache."""
+
+    def __init__(self, core_state, n_ctx: int):
+        self._st = core_state
+        self.n_ctx = n_ctx
+
+    @property
+    def pos(self) -> int:
+        return self._st.pos
+
+    def reset(self) -> None:
+        self._st.pos = 0
+
+    def truncate(self, n: int) -> None:
+        """Drop the tokens after the first n (prompt-cache reuse)."""
+        if not 0 <= n <= self._st.pos:
+            raise CflowError(f"truncate({n}): the cache holds {self._st.pos} tokens")
+        self._st.pos = n
+
+
+class Engine:
+    """A converted model on the native executor; one per model, any number of States.
+
+    fast=True: activations quantized to int8 once per op (integer dot products);
+    fast=False: fp32 activations, the parity path.
+    """
+
+    def __init__(self, path_or_cflowfile, *, threads: int | None = None, n_ctx: int | None = None,
+                 fast: bool = True):
+        from cflow._native import core
+
+        if isinstance(path_or_cflowfile, (str, os.PathLike)):
+            from cflow.format.reader import CflowFile
+
+            self.file = CflowFile(path_or_cflowfile)
+        else:
+            self.file = path_or_cflowfile
+        cfg: ModelConfig = self.file.config
+        self.config = cfg
+        self.n_ctx = int(n_ctx or cfg.max_seq_len)
+        if self.n_ctx <= 0:
+            raise CflowError(f"n_ctx must be positive, got {self.n_ctx}")
+        self.threads = int(threads or default_threads())
+        if self.threads < 1:
+            raise CflowError(f"threads must be >= 1, got {self.threads}")
+        self.fast = bool(fast)
+        self.plan = build_plan(self.file, cfg)
+        self.bytes_per_token = self.plan.bytes_per_token
+        idims = np.array([cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.vocab_size,
+                          self.n_ctx, 0 if cfg.rope_style == "neox" else 1, 0 if cfg.act == "silu" else 1], np.int32)
+        fdims = np.array([cfg.norm_eps, cfg.norm_offset, cfg.attn_scale, cfg.embed_scale], np.float32)
+        ti, oi, of, bw = self.plan.arrays()
+        buf = self.file.buffer
+        try:
+            self._core = core.EngineCore(buf, buf, idims, fdims, ti, oi, of, bw, self.plan.logits, self.threads,
+                                         self.fast)
+        except (RuntimeError, ValueError) as e:
+            raise CflowFormatError(f"cannot run this model: {e}") from None
+
+    def new_state(self) -> State:
+        """A fresh, empty KV cache."""
+        return State(self._core.new_state(), self.n_ctx)
+
+    def forward(self, state: State, token_ids, *, all_logits: bool = False) -> np.ndarray:
+        """Append token_ids at state.pos; logits float32 (vocab,) of the last token, or (len, vocab)."""
+        ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(-1))
+        n = ids.size
+        if n == 0:
+            raise CflowError("forward: no tokens")
+        if state.pos + n > self.n_ctx:
+            raise CflowError(f"context full: {state.pos} tokens in the cache + {n} new exceed n_ctx={self.n_ctx}")
+        V = self.config.vocab_size
+        if ids.min() < 0 or ids.max() >= V:
+            raise CflowError(f"token ids must be in 0..{V - 1}")
+        ids = ids.astype(np.int32)
+        out = np.empty((n, V) if all_logits else (V,), dtype=np.float32)
+        for s in range(0, n, MAX_BATCH):
+            chunk = ids[s:s + MAX_BATCH]
+            dst = out[s:s + chunk.size] if all_logits else out
+            try:
+                self._core.forward(state._st, chunk, all_logits, dst)
+            except RuntimeError as e:
+                raise CflowError(str(e)) from None
+        return out
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent per op kind since creation (needs CFLOW_PROFILE=1)."""
+        names = ["barrier", "embed", "matvec", "glu", "attn", "norm_add"]
+        return dict(zip(names, self._core.profile()))

@@ -1,0 +1,357 @@
+"""The OpenAI-compatible HTTP API and the chat page, as a Starlette app around one cflow.LLM.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
+GET /metrics, GET / (the chat page). Every error is an OpenAI-style error object; input a
+client controls never causes a 500. docs/SERVER.md documents fields, mapping and limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from dataclasses import asdict, is_dataclass
+from functools import partial
+from pathlib import Path
+
+import anyio
+import jinja2
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from cflow.errors import CflowError
+from cflow.server.metrics import Metrics
+from cflow.server.schemas import ApiError, ChatRequest, CompletionRequest, from_validation
+from cflow.server.slots import END, Generation, QueueFull, Slots
+
+STATIC = Path(__file__).parent / "static"
+MAX_BODY = 1 << 20  # bytes; a full context of text is far below this
+DEFAULT_MAX_TOKENS = 512  # when a request gives none (and the context has room)
+
+
+class ClientGone(Exception):
+    pass
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop (and so cancel the generation) when the client leaves.
+
+    Starlette only listens for the disconnect under ASGI spec < 2.4 and otherwise waits for a
+    failed send; a request still waiting for its slot sends nothing, so we always listen."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send):
+        async with anyio.create_task_group() as tg:
+            async def run_then_stop(fn):
+                with contextlib.suppress(OSError):
+                    await fn()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run_then_stop, partial(self.stream_response, send))
+            await run_then_stop(partial(self.listen_for_disconnect, receive))
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _plain(obj) -> dict | None:
+    if obj is None:
+        return None
+    if is_dataclass(obj):
+        return asdict(obj)
+    return obj._asdict() if hasattr(obj, "_asdict") else dict(vars(obj))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next(gen: Generation, watch: asyncio.Task):
+    """The generation's next item, or ClientGone as soon as the client leaves."""
+    if not gen.queue.empty():
+        return gen.queue.get_nowait()
+    if watch.done():
+        raise ClientGone
+    get = asyncio.ensure_future(gen.next())
+    done, _ = await asyncio.wait((get, watch), return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    raise ClientGone
+
+
+def _display_name(name: str) -> str:
+    """A model id for clients: the name itself, or a path's file name without .cflow/.gguf."""
+    p = Path(name)
+    if len(p.parts) == 1:
+        return name
+    return p.name.removesuffix(".cflow").removesuffix(".gguf") or name
+
+
+def _model_error(e: Exception) -> ApiError:
+    if isinstance(e, QueueFull):
+        return ApiError(503, "server busy: the request queue is full, retry later", type="server_error", code="queue_full")
+    if isinstance(e, CflowError):
+        return ApiError(400, str(e), code="invalid_value")
+    return ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
+
+
+class _Chat:
+    """Response shapes of /v1/chat/completions."""
+
+    prefix, obj, chunk_obj = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    @staticmethod
+    def choice(text, finish):
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+
+    @staticmethod
+    def delta(text, finish, first=False):
+        d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+
+
+class _Text:
+    """Response shapes of /v1/completions."""
+
+    prefix, obj, chunk_obj = "cmpl", "text_completion", "text_completion"
+
+    @staticmethod
+    def choice(text, finish):
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    @staticmethod
+    def delta(text, finish, first=False):
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+class Server:
+    """State of one app: the model, its slots and metrics."""
+
+    def __init__(self, llm, *, max_concurrency: int, api_key: str | None, max_body: int, max_queue: int,
+                 default_max_tokens: int):
+        self.llm, self.api_key, self.max_body, self.default_max_tokens = llm, api_key, max_body, default_max_tokens
+        self.name = _display_name(llm.name)
+        self.slots = Slots(max_concurrency, max_queue)
+        self.metrics = Metrics(self.slots)
+        self.created = int(time.time())
+
+    # ---- request checks
+    def auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def body(self, request: Request) -> dict:
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > self.max_body:
+            raise ApiError(413, f"request body of {size} bytes exceeds the limit of {self.max_body}", code="body_too_large")
+        buf = bytearray()
+        async for part in request.stream():
+            buf += part
+            if len(buf) > self.max_body:
+                raise ApiError(413, f"request body exceeds the limit of {self.max_body} bytes", code="body_too_large")
+        try:
+            data = json.loads(buf)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the JSON body must be an object", code="invalid_json")
+        return data
+
+    def sampling(self, req, prompt: list[int]) -> dict:
+        n_ctx, n = self.llm.n_ctx, len(prompt)
+        if req.max_tokens is not None and n + req.max_tokens > n_ctx:
+            raise ApiError(400, f"prompt of {n} tokens plus max_tokens {req.max_tokens} exceeds the context "
+                           f"of {n_ctx} tokens", param="max_tokens", code="context_length_exceeded")
+        if n >= n_ctx:
+            raise ApiError(400, f"prompt of {n} tokens leaves no room in the context of {n_ctx} tokens",
+                           param="messages" if isinstance(req, ChatRequest) else "prompt", code="context_length_exceeded")
+        kw = req.to_llm(min(self.default_max_tokens, n_ctx - n))
+        return kw
+
+    # ---- generation
+    async def run(self, request: Request, req, prompt: list[int], fmt):
+        sampling = self.sampling(req, prompt)
+        t0 = time.perf_counter()
+        gen = Generation(self.slots, self.llm, prompt, sampling)
+        watch = asyncio.create_task(_disconnected(request))
+        handed_off = False
+        try:
+            item = await _next(gen, watch)
+            if isinstance(item, Exception):
+                raise _model_error(item)
+            if req.stream:
+                handed_off = True
+                return EventStream(self.events(gen, item, fmt, req.include_usage(), t0),
+                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            text, last = [], None
+            while item is not END:
+                if isinstance(item, Exception):
+                    raise _model_error(item)
+                text.append(item.text)
+                last = item
+                item = await _next(gen, watch)
+            self.done(last, t0)
+            body = self.head(fmt, fmt.obj)
+            body["choices"] = [fmt.choice("".join(text), last.finish_reason)]
+            body["usage"] = _plain(last.usage)
+            body["timings"] = _plain(last.timings)
+            return JSONResponse(body)
+        except ClientGone:
+            self.metrics.cancelled.inc()
+            return Response(status_code=499)  # nobody is left to read it
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            if not handed_off:
+                gen.cancel()
+
+    async def events(self, gen: Generation, item, fmt, include_usage: bool, t0: float):
+        head, last, first = self.head(fmt, fmt.chunk_obj), None, True
+        try:
+            while item is not END:
+                if isinstance(item, Exception):
+                    yield _sse(_model_error(item).body())
+                    break
+                if item.text or item.finish_reason or first:
+                    chunk = dict(head, choices=[fmt.delta(item.text, item.finish_reason, first)])
+                    if item.finish_reason:
+                        chunk["timings"] = _plain(item.timings)
+                    yield _sse(chunk)
+                    first = False
+                last = item
+                item = await gen.next()
+            if last is not None and last.finish_reason:
+                self.done(last, t0)
+                if include_usage:
+                    yield _sse(dict(head, choices=[], usage=_plain(last.usage)))
+            yield "data: [DONE]\n\n"
+        finally:
+            if last is None or not last.finish_reason:
+                self.metrics.cancelled.inc()
+            gen.cancel()
+
+    def head(self, fmt, obj: str) -> dict:
+        return {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "object": obj, "created": int(time.time()),
+                "model": self.name}
+
+    def done(self, last, t0: float) -> None:
+        self.metrics.finished(last.usage, last.timings)
+        self.metrics.latency.observe(time.perf_counter() - t0)
+
+    # ---- endpoints
+    async def chat_completions(self, request: Request):
+        self.auth(request)
+        try:
+            req = ChatRequest.model_validate(await self.body(request))
+        except ValidationError as e:
+            raise from_validation(e) from None
+        try:
+            text = self.llm.render_chat([m.plain() for m in req.messages], add_generation_prompt=True)
+        except (jinja2.TemplateError, CflowError) as e:
+            raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+        prompt = self.llm.tokenizer.encode(text, add_special_tokens=False)
+        return await self.run(request, req, prompt, _Chat)
+
+    async def completions(self, request: Request):
+        self.auth(request)
+        try:
+            req = CompletionRequest.model_validate(await self.body(request))
+        except ValidationError as e:
+            raise from_validation(e) from None
+        prompt = self.llm.tokenizer.encode(req.text(), add_special_tokens=True)  # BOS as the model wants it
+        if not prompt:
+            raise ApiError(400, "prompt: must not be empty", param="prompt")
+        return await self.run(request, req, prompt, _Text)
+
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "cflow",
+                "n_ctx": self.llm.n_ctx}
+
+    async def models(self, request: Request):
+        self.auth(request)
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request):
+        self.auth(request)
+        if request.path_params["model"] != self.name:
+            raise ApiError(404, f"model {request.path_params['model']!r} not found; this server runs {self.name!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(self.model_card())
+
+    async def health(self, request: Request):
+        s = self.slots
+        return JSONResponse({"status": "ok", "model": self.name, "slots": s.n, "active": s.active, "queued": s.queued})
+
+    async def prometheus(self, request: Request):
+        self.auth(request)
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def page(self, request: Request):
+        return FileResponse(STATIC / "index.html")
+
+
+def create_app(llm, *, max_concurrency: int = 1, api_key: str | None = None, max_body: int = MAX_BODY,
+               max_queue: int = 256, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Starlette:
+    """The ASGI app serving `llm` (a cflow.LLM, or anything with its interface).
+
+    max_concurrency: generations that run at once; later requests wait in arrival order (at most
+    max_queue of them, then 503). api_key: if set, /v1/* and /metrics need `Authorization: Bearer KEY`.
+    """
+    if max_concurrency < 1 or max_queue < 0:
+        raise CflowError("max_concurrency must be >= 1 and max_queue >= 0")
+    srv = Server(llm, max_concurrency=max_concurrency, api_key=api_key, max_body=max_body, max_queue=max_queue,
+                 default_max_tokens=default_max_tokens)
+
+    def endpoint(name, fn):
+        async def handle(request: Request):
+            try:
+                resp = await fn(request)
+            except ApiError as e:
+                resp = JSONResponse(e.body(), status_code=e.status,
+                                    headers={"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
+            srv.metrics.requests.labels(name, str(resp.status_code)).inc()
+            return resp
+        return handle
+
+    routes = [
+        Route("/v1/chat/completions", endpoint("chat_completions", srv.chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint("completions", srv.completions), methods=["POST"]),
+        Route("/v1/models", endpoint("models", srv.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoint("models", srv.model), methods=["GET"]),
+        Route("/health", endpoint("health", srv.health), methods=["GET"]),
+        Route("/metrics", endpoint("metrics", srv.prometheus), methods=["GET"]),
+        Route("/", srv.page, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+
+    async def http_error(request, exc: HTTPException):
+        err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                       code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def server_error(request, exc: Exception):
+        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.state.server = srv
+    return app

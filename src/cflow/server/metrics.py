@@ -1,0 +1,38 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, slots):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("cflow_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("cflow_prompt_tokens", "prompt tokens processed", registry=r)
+        self.completion_tokens = Counter("cflow_completion_tokens", "tokens generated", registry=r)
+        self.cancelled = Counter("cflow_generations_cancelled", "generations stopped by a client leaving", registry=r)
+        self.decode_tok_s = Gauge("cflow_last_decode_tokens_per_second", "decode speed of the last finished generation", registry=r)
+        self.decode_hist = Histogram("cflow_decode_tokens_per_second", "decode speed of finished generations",
+                                     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
+        self.latency = Histogram("cflow_request_seconds", "time from request to last byte of a generation",
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        Gauge("cflow_queue_length", "requests waiting for a generation slot", registry=r).set_function(lambda: slots.queued)
+        Gauge("cflow_active_generations", "generations running now", registry=r).set_function(lambda: slots.active)
+        Gauge("cflow_slots", "concurrent generations allowed", registry=r).set_function(lambda: slots.n)
+
+    def finished(self, usage, timings) -> None:
+        """Count one completed generation."""
+        if usage is not None:
+            self.prompt_tokens.inc(usage.prompt_tokens)
+            self.completion_tokens.inc(usage.completion_tokens)
+        if timings is not None and timings.decode_tok_s:
+            self.decode_tok_s.set(timings.decode_tok_s)
+            self.decode_hist.observe(timings.decode_tok_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,257 @@
+"""Tiny Hugging Face models with random weights, laid out as a `.cflow` model in memory.
+
+The reference for the engine tests is HF transformers itself: the weights are quantized into
+the tile layout (gguf-py encodes the blocks, tiles.pack_tiles orders them), then the dequantized
+values are loaded back into the HF model, so both sides compute with identical weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from cflow.config import ModelConfig
+from cflow.format.tiles import block_type, pack_tiles
+
+ALIGN = 64
+
+
+@dataclass
+class Entry:  # the fields of a .cflow tensor index entry the engine reads
+    type: object
+    rows: int
+    cols: int
+    tile: tuple
+    interleave: int
+    offset: int
+    nbytes: int
+    fuse: str | None = None
+    stripe_rows: int = 0
+
+
+def _encode(a: np.ndarray, bt) -> tuple[np.ndarray, np.ndarray]:
+    """float (R, C) -> (GGUF-encoded rows uint8, dequantized float32 (R, C))."""
+    from gguf import GGMLQuantizationType, quants
+
+    if bt.name == "f32":
+        a = a.astype(np.float32)
+        return a.view(np.uint8).reshape(a.shape[0], -1), a
+    qt = GGMLQuantizationType[bt.name.upper()]
+    enc = quants.quantize(a.astype(np.float32), qt)
+    return enc, quants.dequantize(enc, qt).reshape(a.shape).astype(np.float32)
+
+
+class Builder:
+    """Accumulates tiled tensors into one uint8 buffer."""
+
+    def __init__(self, tile=(128, 256), interleave=1):
+        self.chunks, self.tensors, self.pos = [], {}, 0
+        self.tile, self.g = tile, interleave
+
+    def add(self, name, a, type_="f32", stripe_rows=0):
+        a = np.asarray(a, dtype=np.float32)
+        a2 = a.reshape(1, -1) if a.ndim == 1 else a
+        bt = block_type(type_ if a.ndim == 2 else "f32")
+        enc, deq = _encode(a2, bt)
+        payload = pack_tiles(enc, bt, a2.shape[1], self.tile, self.g)
+        pad = -self.pos % ALIGN
+        self.chunks.append(np.zeros(pad, np.uint8))
+        self.pos += pad
+        self.tensors[name] = Entry(bt, a2.shape[0], a2.shape[1], self.tile, self.g, self.pos, payload.size,
+                                   "stripe" if stripe_rows else None, stripe_rows)
+        self.chunks.append(payload)
+        self.pos += payload.size
+        return deq.reshape(a.shape)
+
+    def finish(self, cfg: ModelConfig):
+        buf = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.uint8)
+        return SimpleNamespace(config=cfg, buffer=buf, tensors=self.tensors)
+
+
+HF_CONFIGS = {
+    "llama": dict(cls="LlamaConfig", rope_theta=10000.0),
+    "qwen2": dict(cls="Qwen2Config", rope_theta=10000.0),
+    "qwen3": dict(cls="Qwen3Config", rope_theta=10000.0),
+    "gemma3": dict(cls="Gemma3TextConfig", rope_theta=1000000.0),
+}
+
+
+def tiny_hf(arch: str, *, seed=0, d=64, n_layer=2, n_head=4, n_kv=2, hd=16, ffn=128, vocab=256, **kw):
+    """A random-weight HF causal LM of `arch`, eval mode, fp32."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=n_layer,
+                  num_attention_heads=n_head, num_key_value_heads=n_kv, head_dim=hd, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+    spec = HF_CONFIGS[arch]
+    cls = getattr(transformers, spec["cls"])
+    extra = {"rope_theta": spec["rope_theta"]}
+    if arch == "gemma3":
+        extra.update(sliding_window=8, query_pre_attn_scalar=hd, rope_local_base_freq=10000.0,
+                     layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layer)],
+                     hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None)
+    if arch == "llama":
+        extra.update(tie_word_embeddings=False)
+    extra.update(kw)
+    conf = cls(**{**common, **extra})
+    conf._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(conf).eval()
+    # Random norms (HF initialises them to 1 or 0, which would hide a missing norm).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if arch != "gemma3" else 0.1 * torch.randn_like(p))
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1, stripe_rows=None):
+    """Lay out a tiny HF model as the engine's tensors; writes the dequantized weights back into
+    `model` so HF computes with exactly the weights the engine reads. Returns the file-like object."""
+    import torch
+
+    c = model.config
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}[c.model_type]
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    tied = bool(getattr(c, "tie_word_embeddings", False))
+    layer_types = []
+    if arch == "gemma3":
+        layer_types = ["sliding" if t == "sliding_attention" else "global" for t in c.layer_types]
+    cfg = ModelConfig(
+        arch=arch, vocab_size=c.vocab_size, d_model=c.hidden_size, n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads, n_kv_head=c.num_key_value_heads, head_dim=hd, d_ff=c.intermediate_size,
+        act="gelu_tanh" if arch == "gemma3" else "silu", max_seq_len=256, norm_eps=c.rms_norm_eps,
+        norm_offset=1.0 if arch == "gemma3" else 0.0, rope_theta=float(getattr(c, "rope_theta", 10000.0)),
+        tie_embeddings=tied, qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3"),
+        post_norms=arch == "gemma3", embed_scale=c.hidden_size ** 0.5 if arch == "gemma3" else 1.0,
+        attn_scale=c.query_pre_attn_scalar ** -0.5 if arch == "gemma3" else 0.0,
+        sliding_window=getattr(c, "sliding_window", 0) or 0 if arch == "gemma3" else 0, layer_types=layer_types,
+        rope_local_theta=float(getattr(c, "rope_local_base_freq", 0.0) or 0.0) if arch == "gemma3" else 0.0,
+    )
+    B = Builder(tile, interleave)
+    S = stripe_rows or tile[0] // 2
+    m = model.model
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    new = {}
+
+    def put(key, name, type_=wtype):
+        new[key] = B.add(name, sd[key], type_)
+
+    put("model.embed_tokens.weight", "tok_embd", embtype or wtype)
+    put("model.norm.weight", "output_norm")
+    if not tied:
+        put("lm_head.weight", "output", embtype or wtype)
+    for l in range(cfg.n_layer):
+        p, b = f"model.layers.{l}.", f"blk.{l}."
+        put(p + "input_layernorm.weight", b + "attn_norm")
+        qkv = [sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]
+        deq = B.add(b + "attn_qkv", np.concatenate(qkv), wtype)
+        for x, part in zip("qkv", np.split(deq, np.cumsum([a.shape[0] for a in qkv])[:-1])):
+            new[p + f"self_attn.{x}_proj.weight"] = part
+        if cfg.qkv_bias:
+            bias = np.concatenate([sd[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+            deq = B.add(b + "attn_qkv.bias", bias)
+            for x, part in zip("qkv", np.split(deq, np.cumsum([a.shape[0] for a in qkv])[:-1])):
+                new[p + f"self_attn.{x}_proj.bias"] = part
+        if cfg.qk_norm:
+            put(p + "self_attn.q_norm.weight", b + "attn_q_norm")
+            put(p + "self_attn.k_norm.weight", b + "attn_k_norm")
+        put(p + "self_attn.o_proj.weight", b + "attn_output")
+        if arch == "gemma3":
+            put(p + "post_attention_layernorm.weight", b + "attn_post_norm")
+            put(p + "pre_feedforward_layernorm.weight", b + "ffn_norm")
+            put(p + "post_feedforward_layernorm.weight", b + "ffn_post_norm")
+        else:
+            put(p + "post_attention_layernorm.weight", b + "ffn_norm")
+        g, u = sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]
+        F = g.shape[0]
+        order = np.concatenate([off + np.arange(j, min(F, j + S)) for j in range(0, F, S) for off in (0, F)])
+        fused = np.concatenate([g, u])[order]
+        deq = B.add(b + "ffn_gate_up", fused, wtype, stripe_rows=S)
+        cat = np.empty_like(deq)
+        cat[order] = deq
+        new[p + "mlp.gate_proj.weight"], new[p + "mlp.up_proj.weight"] = cat[:F], cat[F:]
+        put(p + "mlp.down_proj.weight", b + "ffn_down")
+    with torch.no_grad():
+        params = dict(model.state_dict())
+        for k, v in new.items():
+            params[k].copy_(torch.from_numpy(np.ascontiguousarray(v.reshape(params[k].shape))))
+    return B.finish(cfg)
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    """(len, vocab) float32 logits of HF's own forward."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def gguf_llama(path: str, *, tile=(128, 256), interleave=4, stripe_rows=64, max_seq_len=2048):
+    """A llama-arch GGUF (e.g. SmolLM2-135M Q4_1) laid out for the engine without re-encoding:
+    Q/K keep GGUF's permuted rows, so rope is 'interleaved' (as llama.cpp runs it)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    kv = {f.name: f for f in r.fields.values()}
+
+    def val(key):
+        f = kv[key]
+        v = f.parts[f.data[0]]
+        return v.tolist()[0] if len(v) == 1 else v.tolist()
+
+    T = {t.name: t for t in r.tensors}
+    emb = T["token_embd.weight"]
+    cfg = ModelConfig(
+        arch="llama", vocab_size=int(emb.shape[1]), d_model=int(val("llama.embedding_length")),
+        n_layer=int(val("llama.block_count")), n_head=int(val("llama.attention.head_count")),
+        n_kv_head=int(val("llama.attention.head_count_kv")), d_ff=int(val("llama.feed_forward_length")),
+        max_seq_len=max_seq_len, norm_eps=float(val("llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(val("llama.rope.freq_base")), rope_style="interleaved",
+        tie_embeddings="output.weight" not in T)
+    B = Builder(tile, interleave)
+
+    def raw(t):
+        bt = block_type(t.tensor_type.name.lower())
+        cols = int(t.shape[0])
+        data = np.asarray(t.data)
+        rows = data.reshape(-1, cols // bt.block_elems * bt.block_bytes) if bt.name != "f32" else \
+            data.astype(np.float32).reshape(-1, cols).view(np.uint8)
+        return bt, cols, np.ascontiguousarray(rows.view(np.uint8))
+
+    def add(name, rows_u8, bt, cols, stripe=0):
+        payload = pack_tiles(rows_u8, bt, cols, tile, interleave)
+        pad = -B.pos % ALIGN
+        B.chunks.append(np.zeros(pad, np.uint8))
+        B.pos += pad
+        B.tensors[name] = Entry(bt, rows_u8.shape[0], cols, tile, interleave, B.pos, payload.size,
+                                "stripe" if stripe else None, stripe)
+        B.chunks.append(payload)
+        B.pos += payload.size
+
+    bt, cols, rows = raw(emb)
+    add("tok_embd", rows, bt, cols)
+    bt, cols, rows = raw(T["output_norm.weight"])
+    add("output_norm", rows, bt, cols)
+    if "output.weight" in T:
+        bt, cols, rows = raw(T["output.weight"])
+        add("output", rows, bt, cols)
+    for l in range(cfg.n_layer):
+        p = f"blk.{l}."
+        for src, dst in (("attn_norm", "attn_norm"), ("ffn_norm", "ffn_norm"), ("attn_output", "attn_output"),
+                         ("ffn_down", "ffn_down")):
+            bt, cols, rows = raw(T[p + src + ".weight"])
+            add(p + dst, rows, bt, cols)
+        parts = [raw(T[p + f"attn_{x}.weight"]) for x in "qkv"]
+        add(p + "attn_qkv", np.concatenate([x[2] for x in parts]), parts[0][0], parts[0][1])
+        (bt, cols, g), (_, _, u) = raw(T[p + "ffn_gate.weight"]), raw(T[p + "ffn_up.weight"])
+        F = g.shape[0]
+        order = np.concatenate([off + np.arange(j, min(F, j + stripe_rows))
+                                for j in range(0, F, stripe_rows) for off in (0, F)])
+        add(p + "ffn_gate_up", np.concatenate([g, u])[order], bt, cols, stripe_rows)
+    return B.finish(cfg)

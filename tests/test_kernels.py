@@ -1,0 +1,206 @@
+"""Native tile GEMVs against GGML's block definitions (gguf-py) and against each other.
+
+The scalar fp32-activation kernel is the reference: it is anchored to gguf.quants.dequantize
+here, and every other kernel (ISA path, int8 path, fused variant) is compared with it.
+Errors are measured against s_i = sum_j |w_ij x_j| (the scale of fp32 rounding in a dot
+product): fp32 paths within 1e-5 * s_i; int8 paths within the bound of docs/KERNELS.md,
+sum_b (d_b / 2) sum_{j in b} |w_ij| + 1e-5 * s_i, d_b = max|x_b| / 127 the activation scale.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+from gguf import quants
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cflow import kernels as K
+from cflow.errors import CflowError
+from cflow.format.tiles import block_type, fuse_rows, pack_tiles
+
+GGML = {"f32": GT.F32, "f16": GT.F16, "bf16": GT.BF16, "q4_0": GT.Q4_0, "q4_1": GT.Q4_1,
+        "q5_0": GT.Q5_0, "q8_0": GT.Q8_0, "q4_k": GT.Q4_K, "q6_k": GT.Q6_K}
+TYPES = list(GGML)
+QUANT = [t for t in TYPES if block_type(t).block_elems > 1]
+ISAS = [i for i in ("scalar", "avx2", "avx512") if K.core.isa_supported(i)]
+
+
+def random_rows(name, rows, cols, rng):
+    """Row-major encoded (rows, cols): random blocks with sane scales (K-quants: gguf-py cannot
+    quantize them, so their bytes are random too, and decoded by gguf-py below)."""
+    bt = block_type(name)
+    if name in ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q8_0"):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        enc = quants.quantize(w, GGML[name])
+        return np.ascontiguousarray(enc.view(np.uint8).reshape(rows, -1))
+    b = rng.integers(0, 256, size=(rows * cols // bt.block_elems, bt.block_bytes), dtype=np.uint8)
+    scales = lambda n, s: (rng.uniform(-s, s, n).astype(np.float16)).view(np.uint8).reshape(n, 2)
+    if name == "q4_k":
+        b[:, 0:2], b[:, 2:4] = scales(len(b), 1e-2), scales(len(b), 1e-2)
+    else:
+        b[:, 208:210] = scales(len(b), 1e-2)
+    return b.reshape(rows, -1)
+
+
+def dequant(name, rm, rows, cols):
+    return quants.dequantize(rm.reshape(rows, -1), GGML[name]).astype(np.float64).reshape(rows, cols)
+
+
+def int8_bound(W, x):
+    """Per-row bound on |W x - W xq| for x quantized in blocks of 32 (d = max|x_b| / 127)."""
+    cols = x.size
+    d = np.abs(x.reshape(-1, 32)).max(axis=1) / 127.0  # (cols/32,)
+    return (np.abs(W).reshape(W.shape[0], -1, 32).sum(axis=2) * (d / 2)).sum(axis=1)
+
+
+def setup(name, rows, cols, tile, g, seed=0):
+    rng = np.random.default_rng(seed)
+    rm = random_rows(name, rows, cols, rng)
+    tiles = pack_tiles(rm, block_type(name), cols, tile, g)
+    W = dequant(name, rm, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    return tiles, W, x
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_scalar_reference_matches_gguf_dequantize(name):
+    qk = block_type(name).block_elems
+    rows, cols = 131, 768 if qk == 256 else 288  # ragged stripe (131 = 128 + 3) and column tile
+    tiles, W, x = setup(name, rows, cols, (128, 256), 4)
+    y = K.gemv(name, tiles, x, rows, cols, interleave=4, act="f32", isa="scalar")
+    yref = W @ x.astype(np.float64)
+    scale = np.abs(W) @ np.abs(x.astype(np.float64))
+    assert np.all(np.abs(y - yref) <= 1e-5 * scale)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_int8_paths_within_derived_bound(name):
+    qk = block_type(name).block_elems
+    rows, cols = 200, 1280 if qk == 256 else 608
+    tiles, W, x = setup(name, rows, cols, (128, 256), 8, seed=1)
+    xd = x.astype(np.float64)
+    yref = W @ xd
+    scale = np.abs(W) @ np.abs(xd)
+    # K-quants quantize x in blocks of 256 (one scale for 8 sub-blocks of 32): d over 256
+    xb = np.repeat(np.abs(x.reshape(-1, qk)).max(axis=1), qk // 32) if qk == 256 else None
+    if xb is None:
+        bound = int8_bound(W, x)
+    else:
+        bound = (np.abs(W).reshape(rows, -1, 32).sum(axis=2) * (xb / 127.0 / 2)).sum(axis=1)
+    for isa in ISAS:
+        y = K.gemv(name, tiles, x, rows, cols, interleave=8, act="q8", isa=isa)
+        err = np.abs(y - yref)
+        assert np.all(err <= bound + 1e-5 * scale), (isa, float((err / (bound + 1e-30)).max()))
+        assert err.max() > 0  # the int8 path really quantized x
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(TYPES), rows=st.integers(1, 300), nblk=st.integers(1, 12),
+       g=st.sampled_from([1, 2, 4, 8, 16, 32]), tc_blocks=st.sampled_from([1, 2, 8]),
+       act=st.sampled_from(["f32", "q8"]), isa=st.sampled_from(ISAS), threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**16))
+def test_every_path_matches_scalar(name, rows, nblk, g, tc_blocks, act, isa, threads, seed):
+    bt = block_type(name)
+    if act == "q8" and bt.block_elems == 1:
+        act = "f32"
+    qk = bt.block_elems if bt.block_elems > 1 else 32
+    cols = qk * nblk if bt.block_elems > 1 else 32 * nblk + 7 * (seed % 2)
+    tile = (128, qk * tc_blocks if bt.block_elems > 1 else 32 * tc_blocks)
+    tiles, W, x = setup(name, rows, cols, tile, g, seed)
+    yr = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa="scalar")
+    y = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa=isa, threads=threads)
+    scale = np.abs(W) @ np.abs(x.astype(np.float64))
+    assert np.all(np.abs(y - yr) <= 1e-5 * scale + 1e-30)
+
+
+def test_row_major_is_the_same_kernel():
+    rows, cols = 260, 1024
+    rng = np.random.default_rng(3)
+    rm = random_rows("q4_0", rows, cols, rng)
+    x = rng.standard_normal(cols).astype(np.float32)
+    bt = block_type("q4_0")
+    y_t = K.gemv("q4_0", pack_tiles(rm, bt, cols, (128, 256), 16), x, rows, cols, (128, 256), 16)
+    y_r = K.gemv("q4_0", pack_tiles(rm, bt, cols, (128, cols), 1), x, rows, cols, (128, cols), 1)
+    np.testing.assert_allclose(y_t, y_r, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_qkv_equals_separate_gemvs():
+    rng = np.random.default_rng(4)
+    cols, counts = 576, [576, 192, 192]  # SmolLM2-135M: 9 query / 3 KV heads of 64
+    mats = [random_rows("q4_1", n, cols, rng) for n in counts]
+    fused, offs = fuse_rows(mats, "stack")
+    assert offs == [0, 576, 768, 960]
+    bt = block_type("q4_1")
+    x = rng.standard_normal(cols).astype(np.float32)
+    q, k, v = K.gemv_qkv("q4_1", pack_tiles(fused, bt, cols, (128, 256), 16), x, counts, cols, interleave=16)
+    for m, y, n in zip(mats, (q, k, v), counts):
+        np.testing.assert_allclose(y, K.gemv("q4_1", pack_tiles(m, bt, cols, (128, 256), 16), x, n, cols, interleave=16),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("glu", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("ff", [256, 1536, 200])  # 200: a ragged last half-stripe (200 = 3*64 + 8)
+def test_fused_glu_equals_separate_gemvs(glu, ff):
+    rng = np.random.default_rng(5)
+    cols = 512
+    gate, up = random_rows("q8_0", ff, cols, rng), random_rows("q8_0", ff, cols, rng)
+    fused, _ = fuse_rows([gate, up], "glu")
+    bt = block_type("q8_0")
+    x = rng.standard_normal(cols).astype(np.float32)
+    h = K.gemv_glu("q8_0", pack_tiles(fused, bt, cols, (128, 256), 8), x, ff, cols, glu, interleave=8, threads=2)
+    g = K.gemv("q8_0", pack_tiles(gate, bt, cols), x, ff, cols).astype(np.float64)
+    u = K.gemv("q8_0", pack_tiles(up, bt, cols), x, ff, cols).astype(np.float64)
+    if glu == "silu":
+        ref = g / (1 + np.exp(-g)) * u
+    else:
+        ref = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    np.testing.assert_allclose(h, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_fuse_rows_glu_order_and_errors():
+    gate = np.arange(5)[:, None] * np.ones((1, 2))
+    up = 100 + gate
+    fused, _ = fuse_rows([gate, up], "glu", tile_rows=4)  # half-stripes of 2 rows
+    assert fused[:, 0].tolist() == [0, 1, 100, 101, 2, 3, 102, 103, 4, 104]
+    with pytest.raises(CflowError):
+        fuse_rows([gate, up[:3]], "glu")
+    with pytest.raises(CflowError):
+        fuse_rows([gate], "zip")
+
+
+def test_bad_arguments_give_clear_errors():
+    x = np.zeros(64, np.float32)
+    with pytest.raises(CflowError, match="weight bytes"):
+        K.gemv("q4_0", np.zeros(10, np.uint8), x, 2, 64)
+    with pytest.raises(CflowError, match="interleave"):
+        K.gemv("q4_0", np.zeros(2 * 36, np.uint8), x, 2, 64, interleave=3)
+    with pytest.raises(CflowError, match="int8"):
+        K.gemv("f16", np.zeros(2 * 128, np.uint8), x, 2, 64, act="q8")
+    with pytest.raises(CflowError):
+        K.gemv("q4_0", np.zeros(2 * 36, np.uint8), x, 2, 64, isa="neon")
+
+
+def test_isa_fallback_is_reported():
+    assert K.gemv_isa("q4_k", "q8", "scalar") == "scalar"
+    assert K.gemv_isa("q4_0", "q8") == K.best_isa()  # Q4_0 int8 has a kernel on every ISA
+
+
+def test_probe_and_bench_json():
+    runs = K.probe_read(16, threads=2, repeats=3)
+    assert len(runs) == 3 and all(r > 0 for r in runs)
+    out = subprocess.run(
+        [sys.executable, "-m", "cflow", "bench", "kernels", "--json", "--types", "q4_0,f16", "--repeats", "1",
+         "--probe-mib", "16", "--matrix-mb", "2", "--cols", "1024"],
+        capture_output=True, text=True, check=True,
+    )
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1
+    d = json.loads(lines[0])
+    assert d["probe_gbps"] > 0
+    got = {(k["type"], k["layout"], k["threads"]) for k in d["kernels"]}
+    assert got == {(t, l, n) for t in ("q4_0", "f16") for l in ("tiled", "row_major") for n in (1, 2)}
+    assert all(k["gbps"] > 0 and k["pct_of_probe"] > 0 for k in d["kernels"])

@@ -1,0 +1,167 @@
+"""Generation on a tiny llama model (numpy reference engine): samplers, UTF-8 streaming, stop
+strings, context limits, and the CLI's handling of bad input and Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cflow.errors import CflowError
+from cflow.sampling import make_sampler, min_p_filter, top_k_filter, top_p_filter
+from cflow.tokenizer import StreamDecoder, Tokenizer
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from models_tiny import build
+
+    d = tmp_path_factory.mktemp("llama")
+    build("llama", d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir, tmp_path_factory):
+    from cflow.llm import LLM
+
+    return LLM(str(tiny_dir), engine="ref", quiet=True, cache=tmp_path_factory.mktemp("cache"))
+
+
+# ------------------------------------------------------------------ samplers
+def test_filters_keep_what_they_should():
+    p = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    assert np.count_nonzero(top_k_filter(p, 2)) == 2
+    assert np.flatnonzero(top_p_filter(p, 0.7)).tolist() == [0, 1]
+    assert np.flatnonzero(top_p_filter(p, 0.71)).tolist() == [0, 1, 2]
+    assert np.flatnonzero(min_p_filter(p, 0.3)).tolist() == [0, 1, 2]
+
+
+def test_sampler_greedy_seeded_and_penalised():
+    logits = np.array([1.0, 3.0, 2.9, -1.0])
+    assert make_sampler()(logits, []) == 1
+    assert make_sampler(repetition_penalty=2.0)(logits, [1]) == 2  # 3/2 < 2.9
+    s1, s2 = make_sampler(temperature=1.0, seed=7), make_sampler(temperature=1.0, seed=7)
+    a, b = [s1(logits, []) for _ in range(50)], [s2(logits, []) for _ in range(50)]
+    assert a == b and len(set(a)) > 1
+    s = make_sampler(temperature=1.0, top_k=1, seed=3)
+    assert {s(logits, []) for _ in range(20)} == {1}
+    with pytest.raises(CflowError):
+        make_sampler(top_p=0.0)
+    with pytest.raises(CflowError):
+        make_sampler(temperature=-1)
+
+
+# ------------------------------------------------------------------ streaming text
+def test_stream_decoder_never_splits_a_character(tiny_dir):
+    tok = Tokenizer((tiny_dir / "tokenizer.json").read_text(), {})
+    text = "héllo wörld 🤗 ñandú 日本語 fox"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens
+    dec = StreamDecoder(tok)
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids) == text
+
+
+def test_stop_strings_are_never_emitted(llm):
+    full = llm.generate("Once upon a time", max_tokens=40)
+    assert len(full) > 12
+    stop = full[6:10]
+    cut = full[: full.find(stop)]
+    chunks = list(llm.complete("Once upon a time", max_tokens=40, stop=[stop]))
+    text = "".join(c.text for c in chunks)
+    assert text == cut and chunks[-1].finish_reason == "stop"
+    assert all(stop not in c.text for c in chunks)
+
+
+def test_length_finish_usage_and_state_reuse(llm):
+    chunks = list(llm.complete("Once upon a time", max_tokens=5))
+    last = chunks[-1]
+    assert last.finish_reason in ("length", "stop") and last.usage.completion_tokens <= 5
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+    assert last.timings.prompt_s > 0
+    st = llm.engine.new_state()
+    a = llm.generate("Once upon a time", max_tokens=8, state=st)
+    b = llm.generate("Once upon a time", max_tokens=8, state=st)  # prefix reused from the cache
+    assert a == b == llm.generate("Once upon a time", max_tokens=8)
+
+
+def test_chat_template_is_the_models_own(llm):
+    s = llm.render_chat([{"role": "user", "content": "hi"}])
+    assert s == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert isinstance(llm.chat([{"role": "user", "content": "hi"}], max_tokens=4), str)
+
+
+def test_context_overflow_is_a_clear_error_before_anything(tiny_dir, tmp_path):
+    from cflow.llm import LLM
+
+    small = LLM(str(tiny_dir), engine="ref", n_ctx=16, quiet=True, cache=tmp_path)
+    with pytest.raises(CflowError, match=r"exceeds the context of 16"):
+        small.complete("Once upon a time " * 10, max_tokens=4)
+    with pytest.raises(CflowError, match="context full"):
+        small.engine.forward(small.engine.new_state(), list(range(3, 20)))
+
+
+def test_unknown_model_names_the_known_ones():
+    from cflow.llm import LLM
+
+    with pytest.raises(CflowError, match="did you mean 'smollm2-135m'"):
+        LLM("smollm2-13m")
+    with pytest.raises(CflowError, match="no such file"):
+        LLM("./missing/model.gguf")
+
+
+# ------------------------------------------------------------------ CLI
+@pytest.fixture(scope="module")
+def cli_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli-cache")
+
+
+def _cli(*args, cache=None, **kw):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    if cache:
+        env["CFLOW_CACHE"] = str(cache)
+    return subprocess.Popen([sys.executable, "-m", "cflow", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, **kw)
+
+
+def test_cli_generate_streams_and_reports_speed(tiny_dir, cli_cache):
+    p = _cli("generate", "-m", str(tiny_dir), "--engine", "ref", "-n", "12", "Once upon a time", cache=cli_cache)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    assert out.strip() and "decode" in err and "tok/s" in err and "GB/s" in err
+
+
+def test_cli_bad_model_is_exit_2(tmp_path):
+    p = _cli("generate", "-m", "no-such-model", "hi", cache=tmp_path)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 2 and "cflow generate: error: unknown model 'no-such-model'" in err
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x05" * 40)
+    p = _cli("generate", "-m", str(bad), "hi", cache=tmp_path)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 2 and "truncated or malformed GGUF" in err
+
+
+def test_cli_ctrl_c_is_a_clean_exit_130(tiny_dir, cli_cache):
+    p = _cli("generate", "-m", str(tiny_dir), "--engine", "ref", "-n", "480", "--temperature", "1", "--seed", "1",
+             "Once upon a time", cache=cli_cache)
+    p.stdout.read(1)  # generation has started
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def test_inference_path_imports_no_torch(tiny_dir, cli_cache):
+    code = ("import sys; from cflow.llm import LLM; "
+            f"llm = LLM({str(tiny_dir)!r}, engine='ref', quiet=True, cache={str(cli_cache)!r}); "
+            "assert llm.generate('Once', max_tokens=3) is not None; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr

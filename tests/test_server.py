@@ -1,0 +1,253 @@
+"""`cflow serve` over real HTTP: a uvicorn server on a loopback port, the official `openai`
+client, and a tiny real model (conftest)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_util import serving, wait_for
+
+HI = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def url(tiny_llm):
+    with serving(tiny_llm, max_body=64 * 1024) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_prompt_tokens(llm, messages):
+    return len(llm.tokenizer.encode(llm.render_chat(messages), add_special_tokens=False))
+
+
+def test_chat_completion(client, tiny_llm):
+    r = client.chat.completions.create(model="any", messages=HI, max_tokens=12, temperature=0)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and r.model == "tiny-llama"
+    assert c.message.role == "assistant" and isinstance(c.message.content, str) and c.message.content
+    assert c.finish_reason == "length"  # the tiny model's greedy answer never ends early (tiny_model.py)
+    assert r.usage.prompt_tokens == chat_prompt_tokens(tiny_llm, HI)
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_streamed_chat_equals_the_whole_answer(client):
+    whole = client.chat.completions.create(model="any", messages=HI, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="any", messages=HI, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_stream_ends_with_done(url):
+    body = {"messages": HI, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+
+
+def test_completion_and_stop_string(client, tiny_llm):
+    r = client.completions.create(model="any", prompt="Once upon a time", max_tokens=20, temperature=0)
+    text = r.choices[0].text
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 20
+    assert r.usage.prompt_tokens == len(tiny_llm.tokenizer.encode("Once upon a time", add_special_tokens=True))
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
+    r2 = client.completions.create(model="any", prompt="Once upon a time", max_tokens=20, temperature=0, stop=[stop])
+    assert r2.choices[0].finish_reason == "stop"
+    assert r2.choices[0].text == text[:text.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="any", prompt="Once upon a time", max_tokens=20, temperature=0, stop=stop, stream=True))
+    assert streamed == r2.choices[0].text
+
+
+def test_seed_makes_sampling_repeatable(client):
+    kw = dict(model="any", prompt="The quick", max_tokens=12, temperature=1.0, top_p=0.9,
+              extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    assert a == b
+
+
+def test_models_health_metrics(client, url, tiny_llm):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny-llama"]
+    assert client.models.retrieve("tiny-llama").id == "tiny-llama"
+    h = httpx.get(url + "/health").json()
+    assert h["status"] == "ok" and h["slots"] == 1 and h["queued"] == 0
+    m = httpx.get(url + "/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+    for name in ("cflow_requests_total", "cflow_completion_tokens_total", "cflow_decode_tokens_per_second_bucket",
+                 "cflow_queue_length", "cflow_active_generations"):
+        assert name in m.text
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    ({"messages": HI, "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded"),
+    ({"messages": HI, "max_tokens": "12"}, 400, "max_tokens", "invalid_value"),
+    ({"messages": HI, "temperature": "hot"}, 400, "temperature", "invalid_value"),
+    ({"messages": HI, "temperature": 7}, 400, "temperature", "invalid_value"),
+    ({"messages": HI, "n": 2}, 400, "n", "invalid_value"),
+    ({"messages": HI, "logprobs": True}, 400, "logprobs", "invalid_value"),
+    ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content.0.type", "invalid_value"),
+    ({"messages": []}, 400, "messages", "invalid_value"),
+    ({"max_tokens": 5}, 400, "messages", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x" * 20000}]}, 400, "messages", "context_length_exceeded"),
+])
+def test_bad_chat_requests_get_openai_errors(client, body, status, param, code):
+    extra = {k: v for k, v in body.items() if k != "messages"}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="any", messages=body.get("messages", openai.NOT_GIVEN),
+                                       extra_body=extra)
+    assert e.value.status_code == status
+    err = e.value.body
+    assert err["type"] == "invalid_request_error" and err["code"] == code and err["param"] == param
+    assert err["message"]
+
+
+@pytest.mark.parametrize("data, status, code", [
+    (b'{"prompt": "hi", ', 400, "invalid_json"),
+    (b'["prompt"]', 400, "invalid_json"),
+    (b"\xff\xfe", 400, "invalid_json"),
+    (b'{"prompt": 42}', 400, "invalid_value"),
+    (b'{"prompt": "' + b"a" * 70000 + b'"}', 413, "body_too_large"),
+])
+def test_bad_bodies(url, data, status, code):
+    r = httpx.post(url + "/v1/completions", content=data, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    assert r.json()["error"]["code"] == code
+
+
+def test_chunked_body_over_the_limit(url):
+    def body():
+        for _ in range(100):
+            yield b"x" * 1024
+    r = httpx.post(url + "/v1/completions", content=body())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_unknown_routes_and_methods(url):
+    r = httpx.get(url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.get(url + "/v1/models/no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_server_survives_bad_requests(client, url):
+    for _ in range(3):
+        httpx.post(url + "/v1/chat/completions", content=b"{bad")
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    r = client.completions.create(model="any", prompt="still alive?", max_tokens=3)
+    assert r.usage.completion_tokens == 3
+    assert httpx.get(url + "/health").json()["active"] == 0
+
+
+def test_api_key(tiny_llm):
+    with serving(tiny_llm, api_key="s3cret") as u:
+        bad = openai.OpenAI(base_url=u + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        assert httpx.post(u + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        assert httpx.get(u + "/metrics").status_code == 401
+        assert httpx.get(u + "/health").status_code == 200  # liveness stays open
+        good = openai.OpenAI(base_url=u + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model="any", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def _metric(url, name):
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+def _long_stream(url):
+    """A streamed chat request that would run for thousands of tokens; returns (client, response)
+    once its first token has arrived. (The line iterator is kept on the response: collecting it
+    would close the stream.)"""
+    http = httpx.Client(timeout=120)
+    body = {"messages": HI, "max_tokens": 4000, "temperature": 0, "stream": True}
+    r = http.send(http.build_request("POST", url + "/v1/chat/completions", json=body), stream=True)
+    r.lines = r.iter_lines()
+    assert next(r.lines).startswith("data: ")
+    return http, r
+
+
+def test_disconnect_frees_the_slot_for_the_next_queued_request(tiny_llm):
+    with serving(tiny_llm, max_concurrency=1) as u:
+        client = openai.OpenAI(base_url=u + "/v1", api_key="x", max_retries=0, timeout=120)
+        http, long = _long_stream(u)
+        done = {}
+
+        def queued():
+            done["r"] = client.completions.create(model="any", prompt="next", max_tokens=5, temperature=0)
+            done["t"] = time.monotonic()
+
+        t = threading.Thread(target=queued)
+        t.start()
+        wait_for(lambda: httpx.get(u + "/health").json()["queued"] == 1, what="the second request to queue")
+        assert httpx.get(u + "/health").json()["active"] == 1 and "r" not in done
+        long.close()  # the client leaves mid-stream
+        http.close()
+        t.join(60)
+        assert done["r"].usage.completion_tokens == 5
+        assert _metric(u, "cflow_generations_cancelled_total") == 1
+        assert _metric(u, "cflow_completion_tokens_total") == 5  # the long one never finished
+        wait_for(lambda: httpx.get(u + "/health").json()["active"] == 0, what="the slot to free")
+
+
+def test_queue_is_first_come_first_served_and_a_queued_client_can_leave(tiny_llm):
+    with serving(tiny_llm, max_concurrency=1) as u:
+        http, long = _long_stream(u)
+        order, health = [], lambda: httpx.get(u + "/health").json()
+
+        def ask(i):
+            httpx.post(u + "/v1/completions", json={"prompt": f"n{i}", "max_tokens": 3}, timeout=120)
+            order.append(i)
+
+        threads = []
+        for i in range(3):
+            threads.append(threading.Thread(target=ask, args=(i,)))
+            threads[-1].start()
+            wait_for(lambda: health()["queued"] == i + 1, what=f"request {i} to queue")
+        # a fourth client gives up while queued: it leaves the queue
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(u + "/v1/completions", json={"prompt": "impatient", "max_tokens": 3}, timeout=1.0)
+        wait_for(lambda: health()["queued"] == 3, what="the impatient client to leave the queue")
+        long.close()
+        http.close()
+        for th in threads:
+            th.join(60)
+        assert order == [0, 1, 2]
+        assert _metric(u, "cflow_completion_tokens_total") == 9
+
+
+def test_queue_limit_gives_503(tiny_llm):
+    with serving(tiny_llm, max_concurrency=1, max_queue=0) as u:
+        http, long = _long_stream(u)
+        r = httpx.post(u + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        long.close()
+        http.close()

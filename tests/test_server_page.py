@@ -1,0 +1,73 @@
+"""The chat page at / in headless Chromium (Debian's `chromium`, driven by Playwright): a
+streamed answer appears, the next turn carries the history, and Stop cancels a generation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+from server_util import serving, wait_for
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def page(tiny_llm):
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM, "install Debian's chromium (apt-get install -y chromium); see README.md"
+    with serving(tiny_llm) as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        p = browser.new_page()
+        p.goto(url + "/")
+        p.url_base = url
+        yield p
+        browser.close()
+
+
+def test_page_streams_an_answer_and_keeps_history(page, tiny_llm):
+    page.wait_for_function("document.getElementById('model').textContent.includes('context')")
+    assert "tiny-llama" in page.inner_text("#model")
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "24")
+    bodies = []
+    page.on("request", lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith("/chat/completions") else None)
+
+    page.fill("#prompt", "What is the capital of France?")
+    page.press("#prompt", "Enter")
+    answer = page.locator(".msg.assistant").last
+    page.wait_for_function("document.querySelectorAll('.msg.assistant .text')[0]?.textContent.length > 0")
+    page.wait_for_selector(".msg.assistant .stats:has-text('decode')")  # the server's speed, at the end
+    assert answer.locator(".text").inner_text().strip()
+    assert "tok/s" in answer.locator(".stats").inner_text()
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+    page.fill("#prompt", "And of Italy?")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant >> nth=1 >> .stats:has-text('decode')")
+    assert [m["role"] for m in bodies[1]["messages"]] == ["user", "assistant", "user"]
+    assert bodies[1]["messages"][1]["content"] == answer.locator(".text").inner_text()
+    assert bodies[1]["stream"] is True and bodies[1]["temperature"] == 0
+
+
+def test_stop_button_cancels_the_generation(page):
+    url = page.url_base
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "4000")
+    page.fill("#prompt", "Tell me a very long story.")
+    page.click("#send")
+    last = "document.querySelectorAll('.msg.assistant .text')"
+    page.wait_for_function(f"{last}[{last}.length - 1].textContent.length > 5")
+    page.click("#stop")
+    page.wait_for_selector(".msg.assistant .stats:has-text('stopped')")
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+    def metric(name):
+        line = next(x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith(name + " "))
+        return float(line.split()[-1])
+
+    wait_for(lambda: httpx.get(url + "/health").json()["active"] == 0, what="the generation to stop")
+    assert metric("cflow_generations_cancelled_total") >= 1
+    assert metric("cflow_completion_tokens_total") < 4000  # the stopped answer never completed
