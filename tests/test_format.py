@@ -156,6 +156,16 @@ def test_fused_row_order_small_example():
     assert fuse_rows([a, a + 10], "stripe", 2)[:, 0].tolist() == [0, 2, 10, 12, 4, 14]
 
 
+def test_stripe_fusion_is_the_order_the_glu_kernel_consumes():
+    from cflow.format.tiles import fuse_rows as kernel_fuse_rows
+
+    rng = np.random.default_rng(5)
+    for ff, tr in ((300, 128), (64, 128), (130, 64)):
+        g, u = rng.standard_normal((ff, 32)), rng.standard_normal((ff, 32))
+        assert np.array_equal(fuse_rows([g, u], "stripe", tr // 2), kernel_fuse_rows([g, u], "glu", tr)[0])
+    assert np.array_equal(fuse_rows([g, u, g], "stack"), kernel_fuse_rows([g, u, g], "stack")[0])
+
+
 def test_expert_table(tmp_path):
     path = tmp_path / "m.cflow"
     rng = np.random.default_rng(3)

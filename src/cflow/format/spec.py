@@ -244,6 +244,24 @@ def parse_section(d: Any, i: int, pre: Preamble) -> Section:
     return Section(name, off, length, _int(d, "crc32", where, 0, 0xFFFFFFFF))
 
 
+def _byte_range(d: dict, where: str, sections: dict[str, Section], length_key: str, align: int,
+                padded: bool = False) -> tuple[str, int, int]:
+    """(section, offset, length) of an entry; offset aligned, the range (rounded up to ALIGN
+    when `padded`: what one aligned read fetches) inside the section."""
+    name = _get(d, "section", where, str)
+    if name not in sections:
+        _fail(where, f"section {name!r} is not in header.sections")
+    sec = sections[name]
+    off = _int(d, "offset", where, 0, 1 << 62)
+    n = _int(d, length_key, where, 1, 1 << 62)
+    if off % align:
+        _fail(where, f"offset {off} is not a multiple of {align}")
+    end = off + (align_up(n) if padded else n)
+    if off < sec.offset or end > sec.end:
+        _fail(where, f"bytes [{off}, {end}) are outside section {name!r} [{sec.offset}, {sec.end})")
+    return name, off, n
+
+
 def parse_tensor(d: Any, i: int, sections: dict[str, Section]) -> Tensor:
     where = f"header.tensors[{i}]"
     if not isinstance(d, dict):
@@ -267,19 +285,10 @@ def parse_tensor(d: Any, i: int, sections: dict[str, Section]) -> Tensor:
         _fail(where, f"tile columns {tile[1]} and columns {cols} must be multiples of {bt.name}'s block size {bt.block_elems}")
     if tile[0] % g:
         _fail(where, f"interleave {g} does not divide the tile rows {tile[0]}")
-    sec_name = _get(d, "section", where, str)
-    if sec_name not in sections:
-        _fail(where, f"section {sec_name!r} is not in header.sections")
-    sec = sections[sec_name]
-    off = _int(d, "offset", where, 0, 1 << 62)
-    nbytes = _int(d, "nbytes", where, 1, 1 << 62)
+    sec_name, off, nbytes = _byte_range(d, where, sections, "nbytes", TENSOR_ALIGN)
     want = tiled_nbytes(bt, rows, cols)
     if nbytes != want:
         _fail(where, f"nbytes {nbytes} does not match shape {shape} of {bt.name} ({want} bytes)")
-    if off % TENSOR_ALIGN:
-        _fail(where, f"offset {off} is not a multiple of {TENSOR_ALIGN}")
-    if off < sec.offset or off + nbytes > sec.end:
-        _fail(where, f"bytes [{off}, {off + nbytes}) are outside section {sec.name!r} [{sec.offset}, {sec.end})")
     parts, fuse, stripe = (), None, 0
     if d.get("parts") is not None:
         plist = _get(d, "parts", where, list)
@@ -311,16 +320,7 @@ def parse_expert(d: Any, i: int, sections: dict[str, Section], tensors: dict[str
     layer = _int(d, "layer", where, 0, 1 << 24)
     expert = _int(d, "expert", where, 0, 1 << 24)
     where = f"expert (layer {layer}, expert {expert})"
-    sec_name = _get(d, "section", where, str)
-    if sec_name not in sections:
-        _fail(where, f"section {sec_name!r} is not in header.sections")
-    sec = sections[sec_name]
-    off = _int(d, "offset", where, 0, 1 << 62)
-    length = _int(d, "length", where, 1, 1 << 62)
-    if off % ALIGN:
-        _fail(where, f"offset {off} is not a multiple of {ALIGN}")
-    if off < sec.offset or off + align_up(length) > sec.end:
-        _fail(where, f"bytes [{off}, {off + align_up(length)}) are outside section {sec.name!r} [{sec.offset}, {sec.end})")
+    sec_name, off, length = _byte_range(d, where, sections, "length", ALIGN, padded=True)
     names = _get(d, "tensors", where, list)
     for n in names:
         if not isinstance(n, str) or n not in tensors:
@@ -331,12 +331,21 @@ def parse_expert(d: Any, i: int, sections: dict[str, Section], tensors: dict[str
     return Expert(layer, expert, sec_name, off, length, tuple(names))
 
 
-def _no_overlaps(items, what: str) -> None:
+def _table(entries: list, parse, key, label, span) -> dict:
+    """Parse a header list into {key: record}: unique keys, byte ranges [span) not overlapping."""
+    out = {}
+    for i, d in enumerate(entries):
+        x = parse(d, i)
+        if key(x) in out:
+            _fail(label(x), "appears twice")
+        out[key(x)] = x
     prev = None
-    for it in sorted(items, key=lambda x: x[1]):
-        if prev is not None and it[1] < prev[2]:
-            raise CflowFormatError(f"{what} {prev[0]} [{prev[1]}, {prev[2]}) and {it[0]} [{it[1]}, {it[2]}) overlap")
-        prev = it
+    for x in sorted(out.values(), key=lambda x: span(x)[0]):
+        if prev is not None and span(x)[0] < span(prev)[1]:
+            (a, b), (c, e) = span(prev), span(x)
+            raise CflowFormatError(f"{label(prev)} [{a}, {b}) and {label(x)} [{c}, {e}) overlap")
+        prev = x
+    return out
 
 
 def check_special_tokens(sp: dict) -> None:
@@ -372,28 +381,12 @@ def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
         _get(h, key, "header", dict, optional=True)
     check_special_tokens(h.get("special_tokens") or {})
 
-    sections: dict[str, Section] = {}
-    for i, d in enumerate(_get(h, "sections", "header", list)):
-        s = parse_section(d, i, pre)
-        if s.name in sections:
-            _fail(f"section {s.name!r}", "name appears twice")
-        sections[s.name] = s
-    _no_overlaps([(f"section {s.name!r}", s.offset, s.end) for s in sections.values()], "sections")
-
-    tensors: dict[str, Tensor] = {}
-    for i, d in enumerate(_get(h, "tensors", "header", list)):
-        t = parse_tensor(d, i, sections)
-        if t.name in tensors:
-            _fail(f"tensor {t.name!r}", "name appears twice")
-        tensors[t.name] = t
-    _no_overlaps([(f"tensor {t.name!r}", t.offset, t.end) for t in tensors.values()], "tensors")
-
-    experts: dict[tuple[int, int], Expert] = {}
-    for i, d in enumerate(_get(h, "experts", "header", list, optional=True) or []):
-        e = parse_expert(d, i, sections, tensors)
-        if (e.layer, e.expert) in experts:
-            _fail(f"expert (layer {e.layer}, expert {e.expert})", "appears twice")
-        experts[(e.layer, e.expert)] = e
-    _no_overlaps([(f"expert {k}", e.offset, e.offset + e.length) for k, e in experts.items()], "expert ranges")
+    sections = _table(_get(h, "sections", "header", list), lambda d, i: parse_section(d, i, pre),
+                      lambda s: s.name, lambda s: f"section {s.name!r}", lambda s: (s.offset, s.end))
+    tensors = _table(_get(h, "tensors", "header", list), lambda d, i: parse_tensor(d, i, sections),
+                     lambda t: t.name, lambda t: f"tensor {t.name!r}", lambda t: (t.offset, t.end))
+    experts = _table(_get(h, "experts", "header", list, optional=True) or [],
+                     lambda d, i: parse_expert(d, i, sections, tensors), lambda e: (e.layer, e.expert),
+                     lambda e: f"expert (layer {e.layer}, expert {e.expert})", lambda e: (e.offset, e.offset + e.length))
     h["_sections"], h["_tensors"], h["_experts"] = sections, tensors, experts
     return h
