@@ -29,6 +29,7 @@ def add_arguments(p):
     r.add_argument("--log-every", type=int, default=10)
     r.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: only at the end)")
     r.add_argument("--eval-batches", type=int, default=8, help="batches in the periodic held-out loss")
+    r.add_argument("--final-eval-batches", type=int, default=0, help="batches of the final held-out evaluation (0: the whole split)")
     r.add_argument("--ckpt-every", type=int, default=100)
     r.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt if present")
     r.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) after this step, e.g. to test resume")

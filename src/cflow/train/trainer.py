@@ -246,7 +246,7 @@ def train(args) -> dict:
         bar.close()
     result = {}
     if end == args.steps and rank == 0:
-        ev = evaluate(model, test_ids, args.seq_len, args.batch, None, autocast)
+        ev = evaluate(model, test_ids, args.seq_len, args.batch, args.final_eval_batches or None, autocast)
         result = {"step": args.steps, "test_loss": ev["loss"], "test_ppl": ev["ppl"], "test_acc": ev["acc"],
                   "test_tokens": ev["tokens"], "params": model.n_params(), "active_params": model.n_params(active=True)}
         log.write(json.dumps({"step": args.steps, "val_loss": ev["loss"], "val_ppl": ev["ppl"], "val_acc": ev["acc"], "final": True}) + "\n")

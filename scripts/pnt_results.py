@@ -1,0 +1,68 @@
+"""Table and loss curves of the PNT experiment: python scripts/pnt_results.py runs/exp [docs/img/pnt_loss.png]
+
+Prints a Markdown table (one row per preset; mean and spread when several seeds ran) built from
+each run's final.json and `cflow analyze`'s arithmetic at the trained and at the paper's size.
+"""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from cflow.analysis.bandwidth import analyze  # noqa: E402
+from cflow.config import ModelConfig  # noqa: E402
+from cflow.models.presets import PRESETS, preset  # noqa: E402
+
+
+def main() -> None:
+    root = Path(sys.argv[1])
+    png = Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    runs = {}
+    for d in sorted(root.glob("*-s*")):
+        if (d / "final.json").exists():
+            runs.setdefault(d.name.rsplit("-s", 1)[0], []).append(d)
+    print("| arch | seeds | params | active/token | test ppl | top-1 acc | MB/token total / crit. (trained, Q4) "
+          "| MB/token total / crit. (paper size, Q4) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in PRESETS:
+        if name not in runs:
+            continue
+        fin = [json.loads((d / "final.json").read_text()) for d in runs[name]]
+        head = json.loads(open(runs[name][0] / "metrics.jsonl").readline())
+        cfg = ModelConfig.from_dict(head["config"])
+        ppl = [r["test_ppl"] for r in fin]
+        acc = [100 * r["test_acc"] for r in fin]
+        fmt = (lambda v, p: f"{statistics.mean(v):.{p}f} ± {statistics.stdev(v):.{p}f}" if len(v) > 1 else f"{v[0]:.{p}f}")
+        a_t, a_p = analyze(cfg), analyze(preset(name))
+        cell = lambda a: f"{a['total_mb_per_token']:.3f} / {a['critical_path_mb_per_token']['vertical_pipeline']:.3f}"  # noqa: E731
+        print(f"| {name} | {len(fin)} | {fin[0]['params'] / 1e6:.2f}M | {fin[0]['active_params'] / 1e6:.2f}M | "
+              f"{fmt(ppl, 2)} | {fmt(acc, 2)}% | {cell(a_t)} | {cell(a_p)} |")
+    if png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for name in PRESETS:
+            for i, d in enumerate(runs.get(name, [])):
+                rows = [json.loads(x) for x in open(d / "metrics.jsonl")]
+                tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+                va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+                kw = dict(label=name if i == 0 else None, color=f"C{list(PRESETS).index(name)}", lw=1, alpha=0.8)
+                ax1.plot(*zip(*tr), **kw)
+                ax2.plot(*zip(*va), marker="o", **kw)
+        for ax, t in ((ax1, "training loss"), (ax2, "held-out loss")):
+            ax.set_xlabel("step")
+            ax.set_ylabel("nats/token")
+            ax.set_title(t)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(png, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Export a PNT training checkpoint to `.cflow` (tensor names: docs/ARCHITECTURES.md, "Export").
+
+The header carries the ModelConfig (delta_d, delta_e, routing_anchor, combine, residual,
+n_iter ...) and the tokenizer; experts sit behind the expert offset table, one contiguous
+range per (layer, expert), so the engine reads only the top-k chosen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cflow.format.writer import CflowWriter
+from cflow.train import checkpoint
+
+
+def tensor_map(sd: dict, cfg) -> tuple[list, dict]:
+    """(dense tensors [(name, kind, data)], experts {(layer, e): {name: (kind, data)}}) from a
+    PNT state dict. kind: "mat" (quantized), "norm" (f32), ("stack"|"stripe", parts)."""
+    f = lambda k: sd[k].float().numpy()  # noqa: E731
+    out = [("tok_embd", "embd", f("tok_embd.weight"))]
+    experts = {}
+    q, kv = cfg.q_dim, cfg.kv_dim
+    for l in range(cfg.n_layer):
+        p = f"layers.{l}."
+        b = f"blk.{l}."
+        wqkv = f(p + "attn.wqkv.weight")
+        out += [(b + "attn_norm", "norm", f(p + "attn_norm.weight")),
+                (b + "attn_qkv", "stack", [(b + "attn_q", wqkv[:q]), (b + "attn_k", wqkv[q:q + kv]),
+                                           (b + "attn_v", wqkv[q + kv:])]),
+                (b + "attn_output", "mat", f(p + "attn.wo.weight"))]
+        if cfg.post_norms:
+            out.append((b + "attn_post_norm", "norm", f(p + "attn_post_norm.weight")))
+        gu = f(p + "ffn_gate_up")
+        out += [(b + "ffn_norm", "norm", f(p + "ffn_norm.weight")),
+                (b + "ffn_gate_up", "stripe", [(b + "ffn_gate", gu[:cfg.d_ff]), (b + "ffn_up", gu[cfg.d_ff:])]),
+                (b + "ffn_down", "mat", f(p + "ffn_down"))]
+        if cfg.post_norms:
+            out.append((b + "ffn_post_norm", "norm", f(p + "ffn_post_norm.weight")))
+        out += [(b + "exp_norm", "norm", f(p + "exp_norm.weight")),
+                (b + "ffn_gate_inp", "norm", f(p + "moe.router.weight"))]  # router kept f32
+        if cfg.post_norms:
+            out.append((b + "exp_post_norm", "norm", f(p + "exp_post_norm.weight")))
+        if cfg.combine == "async_experts":
+            out.append((b + "exp_gain", "norm", f(p + "exp_gain")))
+        wgu, wd = f(p + "moe.w_gate_up"), f(p + "moe.w_down")
+        for e in range(cfg.n_expert):
+            x = f"{b}exp.{e}."
+            experts[(l, e)] = {x + "ffn_gate_up": ("stripe", [(x + "ffn_gate", wgu[e, :cfg.d_expert]),
+                                                              (x + "ffn_up", wgu[e, cfg.d_expert:])]),
+                               x + "ffn_down": ("mat", wd[e])}
+    out.append(("output_norm", "norm", f("output_norm.weight")))
+    out.append(("output", "embd", f("tok_embd.weight") if cfg.tie_embeddings else f("output.weight")))
+    return out, experts
+
+
+def _spec(kind, data, wtype, etype):
+    if kind == "norm":
+        return dict(type="f32", data=np.ascontiguousarray(data))
+    if kind == "embd":
+        return dict(type=etype, data=data)
+    if kind == "mat":
+        return dict(type=wtype, data=data)
+    return dict(type=wtype, data=data, fuse=kind)
+
+
+def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q8_0") -> int:
+    """Write `path`; returns the number of tensors written."""
+    ck = checkpoint.load(ckpt)
+    cfg = ck["config"]
+    dense, experts = tensor_map(ck["model"], cfg)
+    n = 0
+    meta = {"source": "cflow train", "step": ck["step"]}
+    with CflowWriter(path, cfg, tokenizer_json=ck["tokenizer"], special_tokens={"eos": "<|endoftext|>"},
+                     metadata=meta) as w:
+        for name, kind, data in dense:
+            s = _spec(kind, data, wtype, etype)
+            if "fuse" in s:
+                w.add_fused(name, s["type"], s["data"], s["fuse"])
+            else:
+                w.add_tensor(name, s["type"], s["data"])
+            n += 1
+        for (l, e), ts in experts.items():
+            w.add_expert(l, e, {name: _spec(kind, data, wtype, etype) for name, (kind, data) in ts.items()})
+            n += len(ts)
+    return n
