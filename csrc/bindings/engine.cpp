@@ -65,13 +65,6 @@ PyEngine* make_engine(nb::object owner, Arr<const uint8_t> buf, Arr<const int32_
 }  // namespace
 
 void bind_engine(nb::module_& m) {
-  m.def(
-      "read_bandwidth",
-      [](size_t nbytes, int threads, int reps) {
-        nb::gil_scoped_release nogil;
-        return read_bandwidth(nbytes, threads, reps);
-      },
-      "nbytes"_a, "threads"_a, "reps"_a = 5, "Best read bandwidth (GB/s) of a STREAM-like sum over nbytes.");
   nb::class_<State>(m, "EngineState", "KV cache of one sequence")
       .def_rw("pos", &State::pos)
       .def_ro("n_ctx", &State::n_ctx);

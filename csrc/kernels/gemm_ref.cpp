@@ -5,37 +5,10 @@
 
 #include "cflow/cpu.h"
 #include "cflow/gemm.h"
+#include "cflow/kernels.h"
 #include "gemm_tiles.h"
 
 namespace cflow {
-
-float fp16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exp = 127 - 15 + 1;
-      while (!(mant & 0x400)) { mant <<= 1; --exp; }
-      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000 | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-float bf16_to_f32(uint16_t h) {
-  uint32_t bits = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 BlockInfo block_info(int type) {
   switch (type) {
@@ -46,6 +19,8 @@ BlockInfo block_info(int type) {
     case T_Q4_1: return {32, 20};
     case T_Q5_0: return {32, 22};
     case T_Q8_0: return {32, 34};
+    case T_Q4_K: return {256, 144};  // fp32 path only (dequantize + FMA)
+    case T_Q6_K: return {256, 210};
   }
   return {0, 0};
 }
@@ -83,46 +58,9 @@ int unit_row(const TileLayout& L, int u) {
 // ---------------------------------------------------------------- block decoding
 static inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 
-// Block -> qk floats.
-static void dequant_block(int type, const uint8_t* b, float* out) {
-  switch (type) {
-    case T_F32: std::memcpy(out, b, 4); return;
-    case T_F16: out[0] = fp16_to_f32(rd16(b)); return;
-    case T_BF16: out[0] = bf16_to_f32(rd16(b)); return;
-    case T_Q4_0: {
-      const float d = fp16_to_f32(rd16(b));
-      for (int j = 0; j < 16; ++j) {
-        out[j] = ((b[2 + j] & 15) - 8) * d;
-        out[j + 16] = ((b[2 + j] >> 4) - 8) * d;
-      }
-      return;
-    }
-    case T_Q4_1: {
-      const float d = fp16_to_f32(rd16(b)), m = fp16_to_f32(rd16(b + 2));
-      for (int j = 0; j < 16; ++j) {
-        out[j] = (b[4 + j] & 15) * d + m;
-        out[j + 16] = (b[4 + j] >> 4) * d + m;
-      }
-      return;
-    }
-    case T_Q5_0: {
-      const float d = fp16_to_f32(rd16(b));
-      uint32_t qh;
-      std::memcpy(&qh, b + 2, 4);
-      for (int j = 0; j < 16; ++j) {
-        const int lo = (b[6 + j] & 15) | (((qh >> j) & 1) << 4);
-        const int hi = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-        out[j] = (lo - 16) * d;
-        out[j + 16] = (hi - 16) * d;
-      }
-      return;
-    }
-    case T_Q8_0: {
-      const float d = fp16_to_f32(rd16(b));
-      for (int j = 0; j < 32; ++j) out[j] = (int8_t)b[2 + j] * d;
-      return;
-    }
-  }
+// Block -> qk floats (the kernel library's reference decoder, shared by every path).
+static inline void dequant_block(int type, const uint8_t* b, float* out) {
+  ref::dequantize(static_cast<WType>(type), b, 1, out);
 }
 
 // Integer part of a block: q[0..31] as small integers, and (scale, offset) with
@@ -309,20 +247,3 @@ void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* 
 }
 }  // namespace cflow
 
-namespace cflow {
-float read_sum_ref(const float* x, size_t n) {
-  float s[8] = {0};
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) s[j] += x[i + j];
-  for (; i < n; ++i) s[0] += x[i];
-  return s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
-}
-
-float read_sum(const float* x, size_t n) {
-#if defined(CFLOW_X86)
-  if (use_avx512()) return read_sum_avx512(x, n);
-#endif
-  return read_sum_ref(x, n);
-}
-}  // namespace cflow

@@ -117,7 +117,4 @@ class Engine {
   std::vector<double> prof_;
 };
 
-// Best read bandwidth in GB/s over `reps` passes of `threads` threads over nbytes of memory.
-double read_bandwidth(size_t nbytes, int threads, int reps);
-
 }  // namespace cflow

@@ -9,10 +9,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cflow/blocks.h"  // fp16_to_f32, bf16_to_f32
+
 namespace cflow {
 
 // GGML block type codes (tiles.py BLOCK_TYPES).
-enum BlockCode : int { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_BF16 = 30 };
+enum BlockCode : int { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_BF16 = 30 };
 
 struct BlockInfo {
   int elems;  // QK: weights per block
@@ -67,12 +69,6 @@ void mix_rows_ref(const float* p, const float* V, size_t ldv, int n, int hd, flo
 void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* out);
 void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
 
-// Sum of n floats: the read loop of the bandwidth probe (streams memory, nothing else).
-float read_sum_ref(const float* x, size_t n);
-float read_sum(const float* x, size_t n);
-
-float fp16_to_f32(uint16_t h);
-float bf16_to_f32(uint16_t h);
 
 #if defined(CFLOW_X86)
 void gemm_q8_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy);
@@ -80,7 +76,6 @@ void gemm_f32_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, cons
                      float* y, int ldy);
 void dot_rows_avx512(const float* q, const float* K, size_t ldk, int n, int hd, float* out);
 void mix_rows_avx512(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
-float read_sum_avx512(const float* x, size_t n);
 void quantize_acts_avx512(const float* x, int ldx, int n, int cols, QActs& out);
 #endif
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from cflow.errors import CflowError
 
-PROBE_BYTES = 512 << 20
+PROBE_MIB = 512
 
 
 def add_arguments(p):
@@ -95,24 +95,21 @@ class LlamaCppRunner:
         return p.n_p_eval / (p.t_p_eval_ms / 1e3)
 
 
-def _resolve(model: str, gguf: str | None):
-    """(Engine source: a path or an opened file object, GGUF path or None)."""
-    import os
+def _resolve(model: str, gguf: str | None, quiet: bool):
+    """(opened model for the Engine, GGUF path for llama.cpp or None)."""
+    from cflow import hub
+    from cflow.llm import load_model
 
-    if model.endswith(".cflow"):
-        return model, gguf
-    try:
-        from cflow import hub
-    except ImportError:
-        raise CflowError(f"model {model!r}: this build resolves only .cflow paths") from None
-    r = hub.resolve(model)
-    return r.cflow_path() if hasattr(r, "cflow_path") else r, gguf or (os.fspath(r.gguf) if hasattr(r, "gguf") else None)
+    src = hub.resolve(model, quiet=quiet)
+    if gguf is None and str(src).endswith(".gguf"):
+        gguf = str(src)
+    return load_model(model, quiet=quiet), gguf
 
 
 def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int = 5, tokens: int = 128,
         prompt_len: int = 512, log=print) -> dict:
     """Measure `engine` (and llama.cpp on `gguf` when given); returns the --json record."""
-    from cflow._native import core
+    from cflow.kernels import probe_read
 
     if engine.n_ctx < prompt_len + 1 or engine.n_ctx < 16 + tokens:
         raise CflowError(f"n_ctx={engine.n_ctx} is too small for a {prompt_len}-token prompt")
@@ -136,7 +133,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
             lpre.append(theirs.prefill(long_))
         log(f"  run {r + 1}/{runs}: cflow decode {dec[-1]:.1f} tok/s, prefill {pre[-1]:.1f} tok/s"
             + (f" | llama.cpp decode {ldec[-1]:.1f} tok/s, prefill {lpre[-1]:.1f} tok/s" if theirs else ""))
-    probe = core.read_bandwidth(PROBE_BYTES, threads, 5)
+    probe = max(probe_read(PROBE_MIB, threads, 5))
     d, p = statistics.median(dec), statistics.median(pre)
     gbps = engine.bytes_per_token * d / 1e9
     rec = {"model": name, "threads": threads, "decode_tok_s": round(d, 2), "prefill_tok_s": round(p, 2),
@@ -165,7 +162,7 @@ def main(args) -> int:
 
     if args.threads < 1 or args.runs < 1 or args.tokens < 1 or args.prompt < 1:
         raise CflowError("--threads, --runs, --tokens and --prompt must be positive")
-    src, gguf = _resolve(args.model, args.gguf)
+    src, gguf = _resolve(args.model, args.gguf, args.json)
     if args.vs and not gguf:
         raise CflowError("--vs llama.cpp needs the model's GGUF: pass --gguf PATH")
     eng = Engine(src, threads=args.threads, n_ctx=max(args.prompt + 1, 16 + args.tokens + 8, 1024))

@@ -165,20 +165,6 @@ void mix_rows_avx512(const float* p, const float* V, size_t ldv, int n, int hd, 
   }
 }
 
-float read_sum_avx512(const float* x, size_t n) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  size_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    a0 = _mm512_add_ps(a0, _mm512_loadu_ps(x + i));
-    a1 = _mm512_add_ps(a1, _mm512_loadu_ps(x + i + 16));
-    a2 = _mm512_add_ps(a2, _mm512_loadu_ps(x + i + 32));
-    a3 = _mm512_add_ps(a3, _mm512_loadu_ps(x + i + 48));
-  }
-  float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-  for (; i < n; ++i) s += x[i];
-  return s;
-}
-
 void quantize_acts_avx512(const float* x, int ldx, int n, int cols, QActs& out) {
   const int nb = cols / 32;
   out.n = n;
