@@ -44,7 +44,7 @@ def llm(gguf_path):
 
 
 def test_teacher_forced_logits_and_top1(llm, reference):
-    ids = llm.tokenizer.encode(TEXT)[:256]
+    ids = llm.tokenizer.encode(TEXT + TEXT)[:256]  # the text is 222 tokens
     assert len(ids) == 256
     ours = llm.logits(ids)
     with torch.no_grad():
