@@ -1,6 +1,14 @@
 """Session fixtures: a tiny real model (built once per test session) and cflow.LLM over it."""
 
+import os
+
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two test workers share the machine's cores: one thread each for torch and for the engine
+    # (tests that pass threads= explicitly still run the thread pool).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("CFLOW_THREADS", "1")
 
 N_CTX = 4096  # room for a generation long enough to still be running when a test cancels it
 

@@ -1,5 +1,6 @@
 """Tiny random-weight models of every supported architecture, converted from safetensors, against
-Hugging Face transformers itself: teacher-forced logits and greedy continuations."""
+Hugging Face transformers itself: teacher-forced logits and greedy continuations, on the native
+engine and on the numpy reference engine."""
 
 import numpy as np
 import pytest
@@ -9,9 +10,10 @@ torch = pytest.importorskip("torch")
 from models_tiny import build  # noqa: E402
 
 from cflow.convert import load_source  # noqa: E402
-from cflow.engine_ref import RefEngine  # noqa: E402
+from cflow.llm import LLM  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+ENGINES = ["native", "ref"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -34,10 +36,11 @@ def test_config_maps_the_architecture(tiny):
         assert c.layer_types == ["sliding", "global", "sliding"] and c.sliding_window == 5
 
 
-def test_teacher_forced_logits_match_transformers(tiny):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_teacher_forced_logits_match_transformers(tiny, engine):
     arch, d, model = tiny
     ids = [int(i) for i in np.random.default_rng(1).integers(3, 301, 64)]  # longer than gemma's window
-    eng = RefEngine(d)
+    eng = LLM(str(d), engine=engine, fast=False, quiet=True, cache=d / "cache").engine
     ours = eng.forward(eng.new_state(), ids, all_logits=True)
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].float().numpy()
@@ -49,11 +52,10 @@ def test_teacher_forced_logits_match_transformers(tiny):
     assert rel_err(step, ours[:20]).max() < 1e-4
 
 
-def test_greedy_continuation_matches_transformers(tiny):
-    from cflow.llm import LLM
-
+@pytest.mark.parametrize("engine", ENGINES)
+def test_greedy_continuation_matches_transformers(tiny, engine):
     arch, d, model = tiny
-    llm = LLM(str(d), engine="ref", quiet=True)
+    llm = LLM(str(d), engine=engine, fast=False, quiet=True, cache=d / "cache")
     prompt = llm.tokenizer.encode("Once upon a time", add_special_tokens=True)
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,

@@ -101,7 +101,7 @@ def test_eval_and_vocab_mismatch(tmp_path, tok, capsys):
 def test_ddp_two_processes_match_one(tmp_path, tok):
     """torchrun, 2 gloo processes, each half of the global batch: same losses as one process."""
     common = ["-m", "cflow", "train", "--arch", "arch2_4_sync", "--data", SAMPLE, "--tokenizer", tok,
-              "--steps", "4", "--ckpt-every", "0"] + TINY
+              "--steps", "4", "--ckpt-every", "0", "--final-eval-batches", "1"] + TINY
     one = subprocess.run([sys.executable] + common + ["--out", str(tmp_path / "one")], env=ENV,
                          capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]

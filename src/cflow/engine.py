@@ -30,7 +30,16 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def default_threads() -> int:
-    """Cores this process may run on."""
+    """CFLOW_THREADS when set, else the cores this process may run on."""
+    env = os.environ.get("CFLOW_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise CflowError(f"CFLOW_THREADS must be a positive integer, got {env!r}") from None
+        if n < 1:
+            raise CflowError(f"CFLOW_THREADS must be a positive integer, got {env!r}")
+        return n
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - non-Linux

@@ -70,10 +70,9 @@ def load_model(model: str, *, cache=None, quiet: bool = False):
 
 
 def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None):
-    """The numpy reference engine by default; the native engine with engine="native" or "auto"
-    (or CFLOW_ENGINE=native|auto). The native engine stays opt-in until its parity tests against
-    transformers (tests/test_engine.py) have been seen passing."""
-    choice = engine or os.environ.get("CFLOW_ENGINE", "ref")
+    """The engine for an opened model: "auto" (the default; also CFLOW_ENGINE) is the native engine
+    when this build has it, else the numpy reference engine; "native" and "ref" force one."""
+    choice = engine or os.environ.get("CFLOW_ENGINE", "auto")
     if choice not in ("auto", "native", "ref"):
         raise CflowError(f"engine must be auto, native or ref, got {choice!r}")
     if choice != "ref":

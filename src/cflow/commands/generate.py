@@ -15,7 +15,7 @@ def add_sampling_arguments(p):
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--n-ctx", type=int, default=None, help="context length (default: the model's, at most 8192)")
-    p.add_argument("--engine", choices=("auto", "native", "ref"), default=None, help="decode engine (default ref; native is opt-in, see docs/MODELS.md)")
+    p.add_argument("--engine", choices=("auto", "native", "ref"), default=None, help="decode engine: auto (default: native when built), native, ref (numpy reference)")
     p.add_argument("--exact", action="store_true", help="fp32 activations (parity path) instead of the int8 fast path")
 
 
