@@ -155,145 +155,58 @@ void gemv_nib_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols,
                    });
 }
 
-// Q8_0 x int8: signed x signed, so the weights are offset to unsigned (w ^ 0x80 = w + 128) and
-// -128 * (lane sums of x) starts the accumulator. Four rows at a time (independent chains),
-// one 256-bit vpdpbusd per block and row; rows found with TileRow, so any interleave works.
-inline void rows_q8_0(float* y, const TileRow* rows, int n, const block_q8a* xa, int nb) {
-  const __m256i bias = _mm256_set1_epi8((char)0x80);
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int b = 0; b < nb; ++b) {
-    const block_q8a& a = xa[b];
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)a.qs);
-    const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)a.lsum8), 7));
-    const __m256 dx = _mm256_set1_ps(a.d);
-    for (int k = 0; k < 4; ++k) {
-      if (k >= n) break;
-      const uint8_t* p = rows[k].base + b * rows[k].stride;
-      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 2)), bias);
-      const __m256i s = _mm256_dpbusd_epi32(c, w, xv);
-      const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)*(const uint16_t*)p)), dx);
-      acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[k]);
-    }
+// ---- the shared kernels (x86/gemv_simd.h): every other type and path ----
+// Integer dot products are 256-bit VNNI (AVX512_VNNI + VL): vpdpbusd for unsigned x signed
+// bytes; the K-quants' sub-block scales enter by maddubs + vpdpwssd (int16 pair sums times the
+// int16 scale, accumulated in int32). Q8_0 weights are offset to unsigned (w ^ 0x80 = w + 128)
+// and -128 * (lane sums of x) starts the accumulator. fp32 paths are 512-bit, masked tails.
+struct V {
+  using reg = __m512;
+  static constexpr int W = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float a) { return _mm512_set1_ps(a); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static __mmask16 mask(int n) { return (__mmask16)((1u << n) - 1); }
+  static reg load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(mask(n), p); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
+  static void add_n(float* y, reg a, int n) {
+    _mm512_mask_storeu_ps(y, mask(n), _mm512_add_ps(_mm512_maskz_loadu_ps(mask(n), y), a));
   }
-  for (int k = 0; k < n; ++k) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[k]), _mm256_extractf128_ps(acc[k], 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    y[k] += _mm_cvtss_f32(h);
+  static reg cvt_e(int e, __m256i h) {  // 16 fp16 or bf16 values -> floats
+    if (e == 1) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-}
-
-void gemv_q8_0_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                  int row_begin, int row_end) {
-  const block_q8a* x = (const block_q8a*)xv;
-  walk_tiles_whole(y, w, rows, cols, ts, QK, 34, row_begin, row_end,
-                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
-                     for (int i = 0; i < nr; i += 4) {
-                       const int n = nr - i < 4 ? nr - i : 4;
-                       TileRow tr[4] = {TileRow(tile, nr, nb, ts.g, 34, i), TileRow(tile, nr, nb, ts.g, 34, i),
-                                        TileRow(tile, nr, nb, ts.g, 34, i), TileRow(tile, nr, nb, ts.g, 34, i)};
-                       for (int k = 1; k < n; ++k) tr[k] = TileRow(tile, nr, nb, ts.g, 34, i + k);
-                       rows_q8_0(y + r + i, tr, n, x + cb0, nb);
-                     }
-                   });
-}
-
-// ---- fp32-activation paths (parity): dequantize 32 weights into two zmm, FMA with x ----
-// The weights are formed exactly as the scalar reference forms them (d * (q - 8) is one
-// rounding of the exact product either way), so only the summation order differs.
-
-// Q4_0 (w = d*q - 8d) and Q4_1 (w = d*q + m): one fma per 16 weights.
-template <int BB, bool HAS_M>
-struct DeqNib {
-  static constexpr int kBB = BB;
-  static inline void deq(const uint8_t* p, __m512& w0, __m512& w1) {
-    const __m128i q = _mm_loadu_si128((const __m128i*)(p + (HAS_M ? 4 : 2)));
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    const __m512 d = _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)p));
-    const __m512 off = HAS_M ? _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)(p + 2))) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, lo4))), d, off);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), lo4))), d, off);
+  template <int E>
+  static reg load_e(const uint8_t* p) {
+    if (E == 0) return _mm512_loadu_ps((const float*)p);
+    return cvt_e(E, _mm256_loadu_si256((const __m256i*)p));
   }
-};
-using DeqQ4_0 = DeqNib<18, false>;
-using DeqQ4_1 = DeqNib<20, true>;
-
-struct DeqQ8_0 {
-  static constexpr int kBB = 34;
-  static inline void deq(const uint8_t* p, __m512& w0, __m512& w1) {
-    const __m512 d = _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)p));
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 2)))), d);
-    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 18)))), d);
+  template <int E>
+  static reg load_e_n(const uint8_t* p, int n) {
+    if (E == 0) return load_n((const float*)p, n);
+    return cvt_e(E, _mm256_maskz_loadu_epi16(mask(n), p));
   }
+  static void fma32(__m256i q, float d0, float o0, float d1, float o1, const float* x, reg& a0, reg& a1) {
+    auto w = [](__m128i b, float d, float o) {
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(d), _mm512_set1_ps(o));
+    };
+    a0 = fmadd(w(_mm256_castsi256_si128(q), d0, o0), load(x), a0);
+    a1 = fmadd(w(_mm256_extracti128_si256(q, 1), d1, o1), load(x + 16), a1);
+  }
+  static __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+  static __m256i dot_sc(__m256i acc, __m256i u, __m256i s, __m256i sc) {
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), sc);
+  }
+  static __m256i dot_s8(__m256i w, __m256i s, __m256i lsum8) {
+    const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(lsum8, 7));
+    return _mm256_dpbusd_epi32(c, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), s);
+  }
+  static __m256i bits32(uint32_t b) { return _mm256_movm_epi8(b); }
 };
 
-template <class D>
-void gemv_deq_f32(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                  int row_begin, int row_end) {
-  const float* x = (const float*)xv;
-  walk_tiles_whole(y, w, rows, cols, ts, QK, D::kBB, row_begin, row_end,
-                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
-                     const float* xt = x + (size_t)cb0 * QK;
-                     for (int i = 0; i < nr; i += 2) {  // two rows at a time: independent chains
-                       const int n = nr - i < 2 ? nr - i : 2;
-                       const TileRow r0(tile, nr, nb, ts.g, D::kBB, i), r1(tile, nr, nb, ts.g, D::kBB, i + n - 1);
-                       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-                       for (int b = 0; b < nb; ++b) {
-                         const __m512 x0 = _mm512_loadu_ps(xt + b * QK), x1 = _mm512_loadu_ps(xt + b * QK + 16);
-                         __m512 w0, w1;
-                         D::deq(r0.base + b * r0.stride, w0, w1);
-                         a0 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a0));
-                         D::deq(r1.base + b * r1.stride, w0, w1);
-                         a1 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a1));
-                       }
-                       y[r + i] += _mm512_reduce_add_ps(a0);
-                       if (n == 2) y[r + i + 1] += _mm512_reduce_add_ps(a1);
-                     }
-                   });
-}
-
-// F32 / F16 / BF16 rows: contiguous inside a tile only with interleave 1; other interleaves
-// (elements of g rows interleaved one by one) run the scalar kernel.
-template <int BB>
-inline __m512 load16(const uint8_t* p) {
-  if (BB == 4) return _mm512_loadu_ps((const float*)p);
-  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-}
-inline __m512 load16_bf16(const uint8_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-template <int BB, bool BF, GemvFn REF>
-void gemv_elem_f32(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                   int row_begin, int row_end) {
-  if (ts.g != 1) return REF(y, xv, w, rows, cols, ts, row_begin, row_end);
-  const float* x = (const float*)xv;
-  walk_tiles_whole(y, w, rows, cols, ts, 1, BB, row_begin, row_end,
-                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
-                     const float* xt = x + cb0;
-                     const int n16 = nb / 16 * 16;
-                     for (int i = 0; i < nr; ++i) {
-                       const uint8_t* row = tile + (size_t)i * nb * BB;
-                       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-                       int j = 0;
-                       for (; j + 32 <= n16; j += 32) {
-                         a0 = _mm512_fmadd_ps(BF ? load16_bf16(row + j * BB) : load16<BB>(row + j * BB), _mm512_loadu_ps(xt + j), a0);
-                         a1 = _mm512_fmadd_ps(BF ? load16_bf16(row + (j + 16) * BB) : load16<BB>(row + (j + 16) * BB), _mm512_loadu_ps(xt + j + 16), a1);
-                       }
-                       for (; j < n16; j += 16)
-                         a0 = _mm512_fmadd_ps(BF ? load16_bf16(row + j * BB) : load16<BB>(row + j * BB), _mm512_loadu_ps(xt + j), a0);
-                       float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-                       for (; j < nb; ++j) {
-                         float v;
-                         if (BB == 4) std::memcpy(&v, row + j * 4, 4);
-                         else if (BF) v = bf16_to_f32(*(const uint16_t*)(row + j * 2));
-                         else v = fp16_to_f32(*(const uint16_t*)(row + j * 2));
-                         s += v * xt[j];
-                       }
-                       y[r + i] += s;
-                     }
-                   });
-}
+#include "../gemv_simd.h"
 
 }  // namespace
 }  // namespace avx512
@@ -301,15 +214,9 @@ void gemv_elem_f32(float* y, const void* xv, const uint8_t* w, int rows, int col
 const GemvTable& gemv_table_avx512() {
   static GemvTable t = {};
   static const bool filled = [] {
+    avx512::fill_table(t);
     t[wtype_index(WType::Q4_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_0>;
     t[wtype_index(WType::Q4_1)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_1>;
-    t[wtype_index(WType::Q8_0)][(int)AType::Q8] = avx512::gemv_q8_0_q8;
-    t[wtype_index(WType::Q4_0)][(int)AType::F32] = avx512::gemv_deq_f32<avx512::DeqQ4_0>;
-    t[wtype_index(WType::Q4_1)][(int)AType::F32] = avx512::gemv_deq_f32<avx512::DeqQ4_1>;
-    t[wtype_index(WType::Q8_0)][(int)AType::F32] = avx512::gemv_deq_f32<avx512::DeqQ8_0>;
-    t[wtype_index(WType::F32)][(int)AType::F32] = avx512::gemv_elem_f32<4, false, ref::gemv_f32_f32>;
-    t[wtype_index(WType::F16)][(int)AType::F32] = avx512::gemv_elem_f32<2, false, ref::gemv_f16_f32>;
-    t[wtype_index(WType::BF16)][(int)AType::F32] = avx512::gemv_elem_f32<2, true, ref::gemv_bf16_f32>;
     return true;
   }();
   (void)filled;
