@@ -52,30 +52,40 @@ inline void add_quad_n(float* y, __m512 acc, int n) {
 
 // ---- quad loaders of the 4-bit types: qs (block k's 16 bytes in lane k), d (and m) ----
 
-// Q4_0 / Q4_1 blocks: scale words at 0 (and 1), qs from byte QSOFF.
-template <int BB, int QSOFF, bool HAS_M>
+// Q4_0 / Q4_1 / Q5_0 blocks: scale words at 0 (and m at 1, or Q5_0's qh at 1..2), qs from
+// byte QSOFF. ZS: the int8 path subtracts 2^ZS * (lane sums of x) (Q4_0: 8, Q5_0: 16; Q4_1: m).
+// Q5_0's fifth bits come out as two 64-bit masks in h (low, high nibbles; bit 16k + j: weight
+// j resp. 16 + j of block k, matching byte 16k + j of qs).
+template <int BB, int QSOFF, bool HAS_M, int ZS, bool HAS_H = false>
 struct Nib {
-  static constexpr int kBB = BB;
+  static constexpr int kBB = BB, kZeroShift = ZS;
+  static constexpr bool kHasM = HAS_M, kHasH = HAS_H;
   static constexpr int kWords = BB / 2;
   static const WordIdx& idx_qs() {
     static const WordIdx w = make_idx([](int i) { return (i / 8) * kWords + QSOFF / 2 + i % 8; });
     return w;
   }
-  static const WordIdx& idx_dm() {  // words 0..15: d of block i/4; 16..31: m of block (i-16)/4
-    static const WordIdx w = make_idx([](int i) { return ((i % 16) / 4) * kWords + (i >= 16 ? 1 : 0); });
+  // words 0..15: d of block i/4; 16..31: m of block (i-16)/4, or (HAS_H) words 16+k, 20+k:
+  // the low and high qh word of block k.
+  static const WordIdx& idx_dm() {
+    static const WordIdx w = make_idx([](int i) {
+      if (i < 16 || !HAS_H) return ((i % 16) / 4) * kWords + (i >= 16 ? 1 : 0);
+      return i < 24 ? ((i - 16) % 4) * kWords + 1 + (i - 16) / 4 : 0;
+    });
     return w;
   }
   // 4 contiguous blocks at p.
-  static inline void load(const uint8_t* p, __m512i& qs, __m512& d, __m512& m) {
+  static inline void load(const uint8_t* p, __m512i& qs, __m512& d, __m512& m, __m128i& hm) {
     const __m512i a = _mm512_loadu_si512(p);
     const __m512i b = _mm512_maskz_loadu_epi16((__mmask32)((1u << (2 * BB - 32)) - 1), p + 64);
     qs = _mm512_permutex2var_epi16(a, load_idx(idx_qs()), b);
     const __m512i dm = _mm512_permutex2var_epi16(a, load_idx(idx_dm()), b);
     d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
     if (HAS_M) m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+    if (HAS_H) hm = _mm512_extracti32x4_epi32(dm, 2);
   }
   // 4 blocks at 4 pointers.
-  static inline void load4(const uint8_t* const* p, __m512i& qs, __m512& d, __m512& m) {
+  static inline void load4(const uint8_t* const* p, __m512i& qs, __m512& d, __m512& m, __m128i& hm) {
     __m512i q = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(p[0] + QSOFF)));
     q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i*)(p[1] + QSOFF)), 1);
     q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i*)(p[2] + QSOFF)), 2);
@@ -86,38 +96,55 @@ struct Nib {
     const __m512i sel_d = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     d = _mm512_permutexvar_ps(sel_d, dm);
     if (HAS_M) m = _mm512_permutexvar_ps(_mm512_add_epi32(sel_d, _mm512_set1_epi32(4)), dm);
+    if (HAS_H) {
+      uint64_t lo = 0, hi = 0;
+      for (int k = 0; k < 4; ++k) {
+        uint32_t qh;
+        std::memcpy(&qh, p[k] + 2, 4);
+        lo |= (uint64_t)(qh & 0xFFFF) << (16 * k);
+        hi |= (uint64_t)(qh >> 16) << (16 * k);
+      }
+      hm = _mm_set_epi64x((long long)hi, (long long)lo);
+    }
   }
 };
 
-using Q4_0 = Nib<18, 2, false>;
-using Q4_1 = Nib<20, 4, true>;
+using Q4_0 = Nib<18, 2, false, 3>;
+using Q4_1 = Nib<20, 4, true, 0>;
+using Q5_0 = Nib<22, 6, false, 4, true>;
 
 // One quad (4 rows) over nb column blocks of 4-bit weights. CONTIG: the quad's 4 blocks of
 // column block b are contiguous at q0 + b * stride (rows of one interleave group, g >= 4);
 // else row k's block b is at rows[k].base + b * rows[k].stride.
 template <class T, bool CONTIG>
 inline __m512 quad_nib(const uint8_t* q0, size_t stride, const TileRow* rows, const block_q8a* xa, int nb) {
-  constexpr bool kOff = !std::is_same<T, Q4_1>::value;  // Q4_0: q - 8; Q4_1: d*q + m
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  constexpr bool kOff = !T::kHasM;  // Q4_0: q - 8, Q5_0: q - 16; Q4_1: d*q + m
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(16);
   __m512 acc = _mm512_setzero_ps();
   __m512 accm = _mm512_setzero_ps();
   for (int b = 0; b < nb; ++b) {
     const block_q8a& a = xa[b];
     __m512i qs;
     __m512 d, m;
-    if (CONTIG) T::load(q0 + b * stride, qs, d, m);
+    __m128i h;
+    if (CONTIG) T::load(q0 + b * stride, qs, d, m, h);
     else {
       const uint8_t* p[4] = {rows[0].base + b * rows[0].stride, rows[1].base + b * rows[1].stride,
                              rows[2].base + b * rows[2].stride, rows[3].base + b * rows[3].stride};
-      T::load4(p, qs, d, m);
+      T::load4(p, qs, d, m, h);
     }
     const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)a.qs));
     const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(a.qs + 16)));
     __m512i s = _mm512_setzero_si512();
-    if (kOff)  // -8 * lane sums of x
-      s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)a.lsum4)), 3));
-    s = _mm512_dpbusd_epi32(s, _mm512_and_si512(qs, lo4), xlo);
-    s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4), xhi);
+    if (kOff)  // -2^ZS * lane sums of x
+      s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)a.lsum4)), T::kZeroShift));
+    __m512i ulo = _mm512_and_si512(qs, lo4), uhi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
+    if (T::kHasH) {  // Q5_0: + 16 where the fifth bit is set
+      ulo = _mm512_mask_add_epi8(ulo, (__mmask64)_mm_cvtsi128_si64(h), ulo, bit4);
+      uhi = _mm512_mask_add_epi8(uhi, (__mmask64)_mm_extract_epi64(h, 1), uhi, bit4);
+    }
+    s = _mm512_dpbusd_epi32(s, ulo, xlo);
+    s = _mm512_dpbusd_epi32(s, uhi, xhi);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.d)), acc);
     if (!kOff) accm = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s * 0.25f), accm);  // 4 lanes per row
   }
@@ -217,6 +244,7 @@ const GemvTable& gemv_table_avx512() {
     avx512::fill_table(t);
     t[wtype_index(WType::Q4_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_0>;
     t[wtype_index(WType::Q4_1)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_1>;
+    t[wtype_index(WType::Q5_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q5_0>;
     return true;
   }();
   (void)filled;
