@@ -112,22 +112,29 @@ struct BlkQ4_K {
       f(2 * c + 1, hi4(q), d1, o1, d1, o1);
     }
   }
-  // acc += d*dx * sum_s sc_s (q_s . x_s); accs -= dmin*dx * sum_s m_s * sum(x_s).
-  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float& accs) {
-    uint8_t sm[16];
-    scales_k4(p + 4, sm);
+  // acc += d*dx * sum_s sc_s (q_s . x_s); accs -= dmin*dx * sum_s m_s * sum(x_s). isum is the
+  // integer part (8 int32 lanes summing to sum_s sc_s (q_s . x_s)); sm: scales_k4 of the block.
+  static __m256i isum(const uint8_t* p, const block_q8_K& a, const uint8_t* sm) {
     __m256i s = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       const __m256i q = load32(p + 16 + 32 * c);
       s = V::dot_sc(s, lo4(q), load32(a.qs + 64 * c), _mm256_set1_epi16(sm[2 * c]));
       s = V::dot_sc(s, hi4(q), load32(a.qs + 64 * c + 32), _mm256_set1_epi16(sm[2 * c + 1]));
     }
+    return s;
+  }
+  static void finish(const uint8_t* p, const block_q8_K& a, const uint8_t* sm, __m256i s, __m256& acc, float& accs) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(p) * a.d), acc);
     // bsums pairs (16 values each) -> the 8 sub-block sums of x, times the 8 mins
     const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i*)a.bsums),
                                       _mm_loadu_si128((const __m128i*)(a.bsums + 8)));
     const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
     accs -= h2f(p + 2) * a.d * (float)hsum_i32(_mm_madd_epi16(bs, mins));
+  }
+  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float& accs) {
+    uint8_t sm[16];
+    scales_k4(p + 4, sm);
+    finish(p, a, sm, isum(p, a, sm), acc, accs);
   }
 };
 
@@ -159,17 +166,23 @@ struct BlkQ6_K {
     });
   }
   // acc += d*dx * (sum_c sc_c (q_c . x_c) - 32 sum_c sc_c sum(x_c)), c the 16 sub-blocks of 16.
-  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float&) {
+  // isum: the first sum as 8 int32 lanes.
+  static __m256i isum(const uint8_t* p, const block_q8_K& a) {
     const int8_t* sc = (const int8_t*)(p + 192);
     __m256i s = _mm256_setzero_si256();
     quarters(p, [&](int j, __m256i q) {
       const __m256i scj = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
       s = V::dot_sc(s, q, load32(a.qs + 32 * j), scj);
     });
-    const __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc)), load32(a.bsums));
+    return s;
+  }
+  static void finish(const uint8_t* p, const block_q8_K& a, __m256i s, __m256& acc) {
+    const __m128i sc = _mm_loadu_si128((const __m128i*)(p + 192));
+    const __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), load32(a.bsums));
     s = _mm256_sub_epi32(s, _mm256_slli_epi32(off, 5));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(p + 208) * a.d), acc);
   }
+  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float&) { finish(p, a, isum(p, a), acc); }
 };
 
 // The 32-block kinds share their chunk and int8 dot forms.

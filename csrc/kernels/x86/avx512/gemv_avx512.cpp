@@ -235,6 +235,53 @@ struct V {
 
 #include "../gemv_simd.h"
 
+// K-quants at 512 bits: 64 weights per maddubs + vpdpwssd (the shared kinds take 32).
+inline __m256i fold(__m512i s) { return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)); }
+
+struct KQ4_K512 : BlkQ4_K {
+  // chunk c (32 bytes): low nibbles are sub-block 2c, high 2c+1 = weights 64c .. 64c+63 in order.
+  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float& accs) {
+    uint8_t sm[16];
+    scales_k4(p + 4, sm);
+    __m512i s = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = load32(p + 16 + 32 * c);
+      const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo4(q)), hi4(q), 1);
+      const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(sm[2 * c]), _mm256_set1_epi16(sm[2 * c + 1]), 1);
+      s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.qs + 64 * c)), sc);
+    }
+    finish(p, a, sm, fold(s), acc, accs);
+  }
+};
+
+struct KQ6_K512 : BlkQ6_K {
+  // Half h: ql's 64 bytes give quarters 0|1 (low nibbles, weights 0..63 of the half) and 2|3
+  // (high nibbles, 64..127); qh (32 bytes, in both 256-bit halves) is shifted by 0|2 and 4|6.
+  // int16 word i of a 64-weight vector covers weights 2i, 2i+1: scale sc[8h + 4t + i/8].
+  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float&) {
+    const __m512i scw = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(p + 192))));
+    const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(0x0F);
+    const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh23 = _mm512_add_epi16(sh01, _mm512_set1_epi16(4));
+    alignas(64) static const uint16_t kIdx[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                  2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+    const __m512i idx = _mm512_load_si512(kIdx);
+    __m512i s = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(load32(p + 128 + 32 * h));
+      auto hi2 = [&](__m512i sh) { return _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh), m3), 4); };
+      const __m512i u01 = _mm512_or_si512(_mm512_and_si512(ql, m4), hi2(sh01));
+      const __m512i u23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hi2(sh23));
+      const __m512i sc01 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16(8 * h)), scw);
+      const __m512i sc23 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16(8 * h + 4)), scw);
+      s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u01, _mm512_loadu_si512(a.qs + 128 * h)), sc01);
+      s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u23, _mm512_loadu_si512(a.qs + 128 * h + 64)), sc23);
+    }
+    finish(p, a, fold(s), acc);
+  }
+};
+
 }  // namespace
 }  // namespace avx512
 
@@ -245,6 +292,8 @@ const GemvTable& gemv_table_avx512() {
     t[wtype_index(WType::Q4_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_0>;
     t[wtype_index(WType::Q4_1)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_1>;
     t[wtype_index(WType::Q5_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q5_0>;
+    t[wtype_index(WType::Q4_K)][(int)AType::Q8] = avx512::gemv_q8<avx512::KQ4_K512>;
+    t[wtype_index(WType::Q6_K)][(int)AType::Q8] = avx512::gemv_q8<avx512::KQ6_K512>;
     return true;
   }();
   (void)filled;
