@@ -3,8 +3,9 @@
 // anonymous namespace) right after they define V, so each ISA gets its own copy compiled with its
 // own flags.
 //
-// V provides, for the fp32 side: reg (W floats), zero, set1, load, load_n (first n < W lanes,
-// rest 0), add, fmadd(a,b,c) = a*b+c, hsum, add_n(y, a, n) (y[0..n) += a[0..n)), load_e<E> /
+// V (derived from the ISA's float-vector traits Vec, x86/<isa>/vec.h) provides, for the fp32
+// side: reg (W floats), zero, set1, load, load_n (first n < W lanes, rest 0), add,
+// fmadd(a,b,c) = a*b+c, hsum, hsum8 (of a __m256), add_n(y, a, n) (y[0..n) += a[0..n)), load_e<E> /
 // load_e_n<E> (W or n < W weights of element kind E: 0 f32, 1 f16, 2 bf16, as floats) and
 // fma32(q, d0, o0, d1, o1, x, a0, a1): the 32 signed bytes q as weights d*q + o (d0, o0 for
 // bytes 0..15, d1, o1 for 16..31) times x[0..32) added into a0 / a1.
@@ -19,13 +20,6 @@ inline float h2f(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
 }
 
 inline int hsum_i32(__m128i v) {
@@ -232,7 +226,7 @@ void gemv_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, con
                        float accs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                        for (int b = 0; b < nb; ++b)
                          for (int k = 0; k < n; ++k) T::dot(tr[k].base + b * tr[k].stride, x[cb0 + b], acc[k], accs[k]);
-                       for (int k = 0; k < n; ++k) y[r + i + k] += hsum8(acc[k]) + accs[k];
+                       for (int k = 0; k < n; ++k) y[r + i + k] += V::hsum8(acc[k]) + accs[k];
                      }
                    });
 }

@@ -1,38 +1,23 @@
-// AVX2 + FMA + F16C GEMV kernels: the traits below plus the shared x86/gemv_simd.h (every type,
-// fp32 and int8 activations, any interleave). Without VNNI the int8 dot products are
-// maddubs (unsigned x signed bytes -> int16 pair sums) + madd (-> int32); Q8_0 uses |w| times
-// sign(x, w). The K-quants' sub-block scales ride the madd (int16 scales instead of ones).
+// AVX2 + FMA + F16C GEMV kernels: the traits V (over vec.h's Vec) plus the shared
+// x86/gemv_simd.h (every type, fp32 and int8 activations, any interleave). Without VNNI the
+// int8 dot products are maddubs (unsigned x signed bytes -> int16 pair sums) + madd (-> int32);
+// Q8_0 uses |w| times sign(x, w). The K-quants' sub-block scales ride the madd (int16 scales
+// instead of ones).
 #include <immintrin.h>
 
 #include <cstring>
 
 #include "../../isa_kernels.h"
 #include "../../tile_walk.h"
+#include "vec.h"
 
 namespace cflow {
 namespace avx2 {
 namespace {
 
-inline float hsum8(__m256 v);  // x86/gemv_simd.h
-
-struct V {
-  using reg = __m256;
-  static constexpr int W = 8;
-  static reg zero() { return _mm256_setzero_ps(); }
-  static reg set1(float a) { return _mm256_set1_ps(a); }
-  static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static __m256i mask(int n) {  // first n lanes set
-    static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-    return _mm256_loadu_si256((const __m256i*)(m + 8 - n));
-  }
-  static reg load_n(const float* p, int n) { return _mm256_maskload_ps(p, mask(n)); }
-  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
-  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static float hsum(reg a) { return hsum8(a); }
-  static void add_n(float* y, reg a, int n) {
-    const __m256i k = mask(n);
-    _mm256_maskstore_ps(y, k, _mm256_add_ps(_mm256_maskload_ps(y, k), a));
-  }
+struct V : Vec {
+  static float hsum8(__m256 a) { return hsum(a); }
+  static void add_n(float* y, reg a, int n) { store_n(y, add(load_n(y, n), a), n); }
   static reg cvt_e(int e, __m128i h) {  // 8 fp16 or bf16 values -> floats
     if (e == 1) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

@@ -1,19 +1,21 @@
-// AVX-512 (F/BW/VL/DQ + VNNI) GEMV kernels, int8-activation paths.
+// AVX-512 (F/BW/VL/DQ + VNNI) GEMV kernels: the traits V plus the shared x86/gemv_simd.h (every
+// type, fp32 and int8 activations), and the wider kernels below that replace some of them: the
+// 4-bit quads (Q4_0/Q4_1/Q5_0 int8) and Q4_K/Q6_K int8 at 512 bits.
 //
-// The unit of work is a quad: 4 rows x 1 column block. With interleave g >= 4 a quad's 4 blocks
+// The unit of work of the 4-bit int8 kernels is a quad: 4 rows x 1 column block. With interleave g >= 4 a quad's 4 blocks
 // are contiguous in the tile (72 bytes for Q4_0), so two loads and one vpermt2w put block k's
 // 16 nibble bytes in 128-bit lane k and its scale in float lanes 4k..4k+3; the activation
 // block is broadcast to all four lanes and one vpdpbusd per nibble half gives every row's
 // partial dot product. Rows of a ragged group (or interleave 1 and 2) are gathered from 4
 // pointers instead (a missing row repeats the last one; its result is dropped).
-// Weight nibbles are unsigned (0..15); the -8 offset of Q4_0 enters as the initial value of
-// the int32 accumulator, -8 * (lane sums of the activation), precomputed in block_q8a.
+// Weight nibbles are unsigned (0..15, Q5_0 0..31); the -8 offset of Q4_0 (-16 of Q5_0) enters as
+// the initial value of the int32 accumulator, -8 * (lane sums of the activation), precomputed in
+// block_q8a.
 #include <immintrin.h>
-
-#include <type_traits>
 
 #include "../../isa_kernels.h"
 #include "../../tile_walk.h"
+#include "vec.h"
 
 namespace cflow {
 namespace avx512 {
@@ -187,20 +189,9 @@ void gemv_nib_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols,
 // bytes; the K-quants' sub-block scales enter by maddubs + vpdpwssd (int16 pair sums times the
 // int16 scale, accumulated in int32). Q8_0 weights are offset to unsigned (w ^ 0x80 = w + 128)
 // and -128 * (lane sums of x) starts the accumulator. fp32 paths are 512-bit, masked tails.
-struct V {
-  using reg = __m512;
-  static constexpr int W = 16;
-  static reg zero() { return _mm512_setzero_ps(); }
-  static reg set1(float a) { return _mm512_set1_ps(a); }
-  static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static __mmask16 mask(int n) { return (__mmask16)((1u << n) - 1); }
-  static reg load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(mask(n), p); }
-  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
-  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
-  static void add_n(float* y, reg a, int n) {
-    _mm512_mask_storeu_ps(y, mask(n), _mm512_add_ps(_mm512_maskz_loadu_ps(mask(n), y), a));
-  }
+struct V : Vec {
+  static float hsum8(__m256 a) { return _mm512_reduce_add_ps(_mm512_zextps256_ps512(a)); }
+  static void add_n(float* y, reg a, int n) { store_n(y, add(load_n(y, n), a), n); }
   static reg cvt_e(int e, __m256i h) {  // 16 fp16 or bf16 values -> floats
     if (e == 1) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
