@@ -30,7 +30,9 @@ struct V : Vec {
   template <int E>
   static reg load_e_n(const uint8_t* p, int n) {
     if (E == 0) return load_n((const float*)p, n);
-    alignas(16) uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // no 16-bit masked load in AVX2
+    // no 16-bit masked load in AVX2: pairs of halves as 32-bit lanes, or a copy for odd n
+    if (n % 2 == 0) return cvt_e(E, _mm_maskload_epi32((const int*)p, _mm256_castsi256_si128(mask(n / 2))));
+    alignas(16) uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     std::memcpy(t, p, (size_t)n * 2);
     return cvt_e(E, _mm_load_si128((const __m128i*)t));
   }
