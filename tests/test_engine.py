@@ -21,12 +21,7 @@ def rel_err(a, b):
 IDS = [int(i) for i in np.random.default_rng(1).integers(0, 256, size=40)]
 
 
-# Known open defect: the native engine's gemma3 logits do not match transformers yet (the
-# reference engine's do, tests/test_models_tiny.py). Remove the marker when it is fixed.
-GEMMA3_NATIVE_OPEN = pytest.mark.xfail(reason="native engine gemma3 parity: open defect")
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", pytest.param("gemma3", marks=GEMMA3_NATIVE_OPEN)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_fp32_parity_with_hf(arch):
     model = tiny_hf(arch)
     f = to_cflow(model, wtype="f32")
