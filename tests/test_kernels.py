@@ -106,19 +106,27 @@ PAIRS = [(t, a) for t in TYPES for a in (("f32", "q8") if t in QUANT else ("f32"
 @pytest.mark.parametrize("name,act", PAIRS)
 def test_every_kernel_on_every_isa_matches_scalar(name, act, isa):
     """Each (type, activation) has its own kernel on each ISA (gemv_isa says so), and it agrees
-    with the scalar kernel on ragged rows (131 = 128 + 3: a partial stripe and group), ragged
-    column tiles (not a multiple of 256) and several interleaves."""
+    with the scalar kernel on random shapes with ragged rows (a partial stripe, and a partial
+    group) and ragged columns (a partial column tile), at several interleaves."""
     assert K.gemv_isa(name, act, isa) == isa
     qk = block_type(name).block_elems
-    cols = {1: 263, 32: 288, 256: 768}[qk]
     tile = (128, 512 if qk == 256 else 256)
-    for g in (1, 2, 4, 16):
-        tiles, W, x = setup(name, 131, cols, tile, g, seed=g)
-        yr = K.gemv(name, tiles, x, 131, cols, tile, g, act=act, isa="scalar")
-        y = K.gemv(name, tiles, x, 131, cols, tile, g, act=act, isa=isa)
+    rng = np.random.default_rng(sum(map(ord, name + act + isa)))
+    for g in (1, 2, 4, 8, 16):
+        rows = int(rng.integers(129, 300))
+        while rows % 128 == 0 or (g > 1 and rows % g == 0):  # a partial stripe and group
+            rows += 1
+        if qk == 1:
+            cols = int(rng.integers(257, 700))
+            cols += cols % 256 == 0
+        else:
+            cols = qk * int(rng.choice([n for n in range(2, 30 if qk == 32 else 6) if (n * qk) % tile[1]]))
+        tiles, W, x = setup(name, rows, cols, tile, g, seed=g)
+        yr = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa="scalar")
+        y = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa=isa)
         scale = np.abs(W) @ np.abs(x.astype(np.float64))
         err = np.abs(y - yr)
-        assert np.all(err <= 1e-5 * scale + 1e-30), (g, float((err / scale).max()))
+        assert np.all(err <= 1e-5 * scale + 1e-30), (g, rows, cols, float((err / scale).max()))
 
 
 @settings(max_examples=40, deadline=None)
