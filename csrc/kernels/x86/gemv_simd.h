@@ -40,11 +40,12 @@ inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*
 
 // ---- block kinds ----
 // A kind describes one weight block type: kQK weights, kBB bytes, the activation block Act of
-// its int8 path, chunks(p, f) calling f(j, q, d0, o0, d1, o1) for each 32 weights j of the
-// block (fp32 weights d*q + o, as the scalar reference forms them), and for the 32-block kinds
-// q(p) / d(p) / o(p) (bytes, scale, fp32 offset) plus kZero: the int8 path takes q as unsigned
-// bytes and subtracts kZero * (lane sums of x) (kZero 0: no offset; Q4_1 adds m * sum(x); Q8_0
-// is signed).
+// its int8 path, chunks(p, f) calling f(j, q, d0, o0, d1, o1) for each chunk j of 32 weights
+// (fp32 weights d*q + o, as the scalar reference forms them) and dot(p, a, acc, accs) (the int8
+// dot of block p with activation block a, added into the 8 float lanes acc and the float accs).
+// The 32-block kinds give q(p) / d(p) / o(p) (bytes, scale, fp32 offset) and kZero: the int8
+// path takes q as unsigned bytes and subtracts kZero * (lane sums of x); kZero 0 (Q4_1) adds
+// m * sum(x) instead, kZero -1 (Q8_0) marks signed weights.
 
 struct BlkQ4_0 {
   static constexpr int kQK = 32, kBB = 18, kZero = 8;
