@@ -77,11 +77,12 @@ def test_scalar_reference_matches_gguf_dequantize(name):
     assert np.all(np.abs(y - yref) <= 1e-5 * scale)
 
 
+@pytest.mark.parametrize("g", [1, 8])
 @pytest.mark.parametrize("name", QUANT)
-def test_int8_paths_within_derived_bound(name):
+def test_int8_paths_within_derived_bound(name, g):
     qk = block_type(name).block_elems
-    rows, cols = 200, 1280 if qk == 256 else 608
-    tiles, W, x = setup(name, rows, cols, (128, 256), 8, seed=1)
+    rows, cols = 200, 1280 if qk == 256 else 608  # ragged stripe; 1280 and 608: ragged column tile
+    tiles, W, x = setup(name, rows, cols, (128, 512 if qk == 256 else 256), g, seed=1)
     xd = x.astype(np.float64)
     yref = W @ xd
     scale = np.abs(W) @ np.abs(xd)
@@ -92,10 +93,40 @@ def test_int8_paths_within_derived_bound(name):
     else:
         bound = (np.abs(W).reshape(rows, -1, 32).sum(axis=2) * (xb / 127.0 / 2)).sum(axis=1)
     for isa in ISAS:
-        y = K.gemv(name, tiles, x, rows, cols, interleave=8, act="q8", isa=isa)
+        y = K.gemv(name, tiles, x, rows, cols, (128, 512 if qk == 256 else 256), g, act="q8", isa=isa)
         err = np.abs(y - yref)
         assert np.all(err <= bound + 1e-5 * scale), (isa, float((err / (bound + 1e-30)).max()))
         assert err.max() > 0  # the int8 path really quantized x
+
+
+PAIRS = [(t, a) for t in TYPES for a in (("f32", "q8") if t in QUANT else ("f32",))]
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "scalar"])
+@pytest.mark.parametrize("name,act", PAIRS)
+def test_every_kernel_on_every_isa_matches_scalar(name, act, isa):
+    """Each (type, activation) has its own kernel on each ISA (gemv_isa says so), and it agrees
+    with the scalar kernel on random shapes with ragged rows (a partial stripe, and a partial
+    group) and ragged columns (a partial column tile), at several interleaves."""
+    assert K.gemv_isa(name, act, isa) == isa
+    qk = block_type(name).block_elems
+    tile = (128, 512 if qk == 256 else 256)
+    rng = np.random.default_rng(sum(map(ord, name + act + isa)))
+    for g in (1, 2, 4, 8, 16):
+        rows = int(rng.integers(129, 300))
+        while rows % 128 == 0 or (g > 1 and rows % g == 0):  # a partial stripe and group
+            rows += 1
+        if qk == 1:
+            cols = int(rng.integers(257, 700))
+            cols += cols % 256 == 0
+        else:
+            cols = qk * int(rng.choice([n for n in range(2, 30 if qk == 32 else 6) if (n * qk) % tile[1]]))
+        tiles, W, x = setup(name, rows, cols, tile, g, seed=g)
+        yr = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa="scalar")
+        y = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa=isa)
+        scale = np.abs(W) @ np.abs(x.astype(np.float64))
+        err = np.abs(y - yr)
+        assert np.all(err <= 1e-5 * scale + 1e-30), (g, rows, cols, float((err / scale).max()))
 
 
 @settings(max_examples=40, deadline=None)
@@ -186,7 +217,8 @@ def test_bad_arguments_give_clear_errors():
 
 def test_isa_fallback_is_reported():
     assert K.gemv_isa("q4_k", "q8", "scalar") == "scalar"
-    assert K.gemv_isa("q4_0", "q8") == K.best_isa()  # Q4_0 int8 has a kernel on every ISA
+    for name, act in PAIRS:  # every pair has a kernel on every ISA
+        assert K.gemv_isa(name, act) == K.best_isa()
 
 
 def test_probe_and_bench_json():

@@ -18,6 +18,7 @@ struct Engine::Scratch {
   std::vector<float> qd, qs;         // (n, C/32)
   std::vector<float> y;              // (n, rows of a share) GEMM output before an epilogue
   std::vector<float> scores;         // (n_ctx,) attention scores
+  std::vector<uint8_t> xa;           // one token's activation prepared for a GEMV kernel
 };
 
 struct Engine::Input {
@@ -220,6 +221,28 @@ Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int no
   return in;
 }
 
+// Decode reads each weight once for one token: the tile GEMV kernels (kernels.h), which split
+// work by whole stripes, are the bandwidth-bound path. int8 activations (block_q8a / block_q8_K)
+// on the fast path for quantized types, fp32 otherwise.
+GemvFn Engine::decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa) {
+  const WType wt = static_cast<WType>(L.type);
+  const AType at = fast_ && has_q8_path(wt) ? AType::Q8 : AType::F32;
+  GemvFn fn = gemv_fn(wt, at, best_isa());
+  if (!fn) return nullptr;
+  Scratch& s = *priv_[tid];
+  grow(s.xa, act_bytes(wt, at, L.cols));
+  prepare_act(wt, at, s.xa.data(), x, L.cols);
+  *xa = s.xa.data();
+  return fn;
+}
+
+// Thread tid's share of whole stripes: rows [r0, r1).
+static void stripe_share(const TileLayout& L, int tid, int nth, int* r0, int* r1) {
+  const int S = (L.rows + L.tr - 1) / L.tr;
+  *r0 = std::min(L.rows, (int)((int64_t)S * tid / nth) * L.tr);
+  *r1 = std::min(L.rows, (int)((int64_t)S * (tid + 1) / nth) * L.tr);
+}
+
 // Thread tid's share of a matrix's rows, on interleave-group boundaries.
 static void row_share(const TileLayout& L, int tid, int nth, int* r0, int* r1) {
   const int U = layout_units(L);
@@ -250,10 +273,14 @@ void Engine::op_matvec(const Op& op, int tid) {
     src += (size_t)(n - 1) * lds;
     n = 1;
   }
-  const bool q8 = fast_ && q8_supported(L.type);
+  const bool one = n == 1;
+  const bool q8 = !one && fast_ && q8_supported(L.type);
   Input in = prepare(src, lds, n, C, op.norm, q8, tid);
+  const void* xa = nullptr;
+  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa) : nullptr;
   int r0, r1;
-  row_share(L, tid, pool_->size(), &r0, &r1);
+  if (gemv) stripe_share(L, tid, pool_->size(), &r0, &r1);
+  else row_share(L, tid, pool_->size(), &r0, &r1);
   if (r0 >= r1) return;
   float* dst = bufs_[op.dst].data();
   const bool accum = op.flags & F_ACCUM;
@@ -266,7 +293,8 @@ void Engine::op_matvec(const Op& op, int tid) {
     ldy = r1 - r0;
   }
   const uint8_t* w = base_ + W.off;
-  if (q8) gemm_q8(L, w, r0, r1, in.qa, y, ldy);
+  if (gemv) gemv(y, xa, w, R, C, TileShape{L.tr, L.tc, L.g}, r0, r1);
+  else if (q8) gemm_q8(L, w, r0, r1, in.qa, y, ldy);
   else gemm_f32(L, w, r0, r1, in.x, in.ldx, n, y, ldy);
   const float* b = op.bias >= 0 ? vec(op.bias) : nullptr;
   const float cap = op.f1;
@@ -281,7 +309,6 @@ void Engine::op_matvec(const Op& op, int tid) {
       for (int r = r0; r < r1; ++r) dk[r] += yk[r - r0];
     }
   }
-  (void)R;
 }
 
 static inline float gelu_tanh(float x) {
@@ -294,8 +321,13 @@ void Engine::op_glu(const Op& op, int tid) {
   const TileLayout& L = W.L;
   const int C = L.cols, F = L.rows / 2, c = op.aux0, lds = plan_.buf_width[op.src];
   const int nth = pool_->size();
-  const bool q8 = fast_ && q8_supported(L.type);
+  // One token with chunks of half a stripe: each chunk pair is one stripe, a GEMV row range.
+  const bool one = n_ == 1 && 2 * c == L.tr;
+  const bool q8 = !one && fast_ && q8_supported(L.type);
   Input in = prepare(bufs_[op.src].data(), lds, n_, C, op.norm, q8, tid);
+  const void* xa = nullptr;
+  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa) : nullptr;
+  const TileShape ts{L.tr, L.tc, L.g};
   const int P = (F + c - 1) / c;
   const int p0 = (int)((int64_t)P * tid / nth), p1 = (int)((int64_t)P * (tid + 1) / nth);
   Scratch& s = *priv_[tid];
@@ -304,7 +336,8 @@ void Engine::op_glu(const Op& op, int tid) {
   const uint8_t* w = base_ + W.off;
   for (int p = p0; p < p1; ++p) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
-    if (q8) gemm_q8(L, w, r0, r1, in.qa, s.y.data(), 2 * cp);
+    if (gemv) gemv(s.y.data(), xa, w, L.rows, C, ts, r0, r1);
+    else if (q8) gemm_q8(L, w, r0, r1, in.qa, s.y.data(), 2 * cp);
     else gemm_f32(L, w, r0, r1, in.x, in.ldx, n_, s.y.data(), 2 * cp);
     for (int k = 0; k < n_; ++k) {
       const float* g = s.y.data() + (size_t)k * 2 * cp;

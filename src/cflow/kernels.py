@@ -4,7 +4,7 @@ Weights are the tiled payload of cflow.format.tiles (uint8, 1-D); x is float32 (
 act="q8" (default for quantized types) quantizes x once per call to int8 blocks and uses
 integer dot products; act="f32" is the parity path. isa=None picks the best ISA of this CPU
 (capped by the CFLOW_ISA environment variable); "scalar" | "avx2" | "avx512" force a path
-(a type without a kernel for that ISA runs the next lower one: see gemv_isa).
+(every type has a kernel on each ISA; where the CPU lacks one, the next lower runs: see gemv_isa).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cflow/gemm.h"
+#include "cflow/kernels.h"  // GemvFn: the decode path
 
 namespace cflow {
 
@@ -92,6 +93,9 @@ class Engine {
   const float* vec(int tensor) const;  // dequantized 1-D tensor (norms, biases)
   struct Input;
   Input prepare(const float* src, int lds, int n, int cols, int norm, bool q8, int tid);
+  // One token: the tile GEMV kernel for W (kernels.h) and its activation type, or nullptr when
+  // none applies (the GEMM path runs). `xa` receives x prepared for it (thread tid's scratch).
+  GemvFn decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa);
   void rmsnorm(const float* x, const float* w, int cols, float* out) const;
 
   const uint8_t* base_;

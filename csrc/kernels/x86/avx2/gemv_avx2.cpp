@@ -1,67 +1,68 @@
-// AVX2 + FMA GEMV kernels, int8-activation paths for Q4_0, Q4_1, Q8_0 (without VNNI:
-// maddubs + madd). One row at a time, any interleave: a row's blocks are found with TileRow.
-// Nibble weights are unsigned (0..15) times signed x; Q8_0 uses |w| times sign(x, w).
+// AVX2 + FMA + F16C GEMV kernels: the traits V (over vec.h's Vec) plus the shared
+// x86/gemv_simd.h (every type, fp32 and int8 activations, any interleave). Without VNNI the
+// int8 dot products are maddubs (unsigned x signed bytes -> int16 pair sums) + madd (-> int32);
+// Q8_0 uses |w| times sign(x, w). The K-quants' sub-block scales ride the madd (int16 scales
+// instead of ones).
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "../../isa_kernels.h"
 #include "../../tile_walk.h"
+#include "vec.h"
 
 namespace cflow {
 namespace avx2 {
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-
-enum Kind { kQ4_0, kQ4_1, kQ8_0 };
-
-// Dot of one row (nb blocks, block b at row.base + b * row.stride) with xa[0 .. nb-1].
-template <Kind K>
-inline float row_dot(const TileRow& row, const block_q8a* xa, int nb) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i lo4 = _mm_set1_epi8(0x0F);
-  __m256 acc = _mm256_setzero_ps();
-  float accm = 0.0f;
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* p = row.base + b * row.stride;
-    const block_q8a& a = xa[b];
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)a.qs);
-    __m256i s;
-    fp16_t dh;
-    std::memcpy(&dh, p, 2);
-    if (K == kQ8_0) {
-      const __m256i w = _mm256_loadu_si256((const __m256i*)(p + 2));
-      s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
-    } else {
-      const __m128i q = _mm_loadu_si128((const __m128i*)(p + (K == kQ4_1 ? 4 : 2)));
-      // low 128 bits: weights 0..15 (low nibbles), high: 16..31, as x's natural order
-      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), _mm_and_si128(q, lo4));
-      s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-      if (K == kQ4_0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)a.lsum8), 3));
-      if (K == kQ4_1) {
-        fp16_t mh;
-        std::memcpy(&mh, p + 2, 2);
-        accm += fp16_to_f32(mh) * a.s;
-      }
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(fp16_to_f32(dh) * a.d), acc);
+struct V : Vec {
+  static float hsum8(__m256 a) { return hsum(a); }
+  static void add_n(float* y, reg a, int n) { store_n(y, add(load_n(y, n), a), n); }
+  static reg cvt_e(int e, __m128i h) {  // 8 fp16 or bf16 values -> floats
+    if (e == 1) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  return hsum(acc) + accm;
-}
+  template <int E>
+  static reg load_e(const uint8_t* p) {
+    if (E == 0) return _mm256_loadu_ps((const float*)p);
+    return cvt_e(E, _mm_loadu_si128((const __m128i*)p));
+  }
+  template <int E>
+  static reg load_e_n(const uint8_t* p, int n) {
+    if (E == 0) return load_n((const float*)p, n);
+    // no 16-bit masked load in AVX2: pairs of halves as 32-bit lanes, or a copy for odd n
+    if (n % 2 == 0) return cvt_e(E, _mm_maskload_epi32((const int*)p, _mm256_castsi256_si128(mask(n / 2))));
+    alignas(16) uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(t, p, (size_t)n * 2);
+    return cvt_e(E, _mm_load_si128((const __m128i*)t));
+  }
+  static void fma32(__m256i q, float d0, float o0, float d1, float o1, const float* x, reg& a0, reg& a1) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const reg D0 = set1(d0), O0 = set1(o0), D1 = set1(d1), O1 = set1(o1);
+    auto w = [](__m128i b, reg d, reg o) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d, o); };
+    a0 = fmadd(w(lo, D0, O0), load(x), a0);
+    a1 = fmadd(w(_mm_srli_si128(lo, 8), D0, O0), load(x + 8), a1);
+    a0 = fmadd(w(hi, D1, O1), load(x + 16), a0);
+    a1 = fmadd(w(_mm_srli_si128(hi, 8), D1, O1), load(x + 24), a1);
+  }
+  static __m256i dot(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static __m256i dot_sc(__m256i acc, __m256i u, __m256i s, __m256i sc) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc));
+  }
+  static __m256i dot_s8(__m256i w, __m256i s, __m256i) {
+    return dot(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
+  }
+  static __m256i bits32(uint32_t b) {  // byte j of the broadcast holds bit j's byte; test it
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)b), shuf);
+    const __m256i bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // all bits but bit j % 8
+    return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit), _mm256_set1_epi64x(-1));
+  }
+};
 
-template <Kind K, int BB>
-void gemv_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-             int row_begin, int row_end) {
-  const block_q8a* x = (const block_q8a*)xv;
-  walk_tiles_whole(y, w, rows, cols, ts, QK, BB, row_begin, row_end,
-                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
-                     for (int i = 0; i < nr; ++i) y[r + i] += row_dot<K>(TileRow(tile, nr, nb, ts.g, BB, i), x + cb0, nb);
-                   });
-}
+#include "../gemv_simd.h"
 
 }  // namespace
 }  // namespace avx2
@@ -69,9 +70,7 @@ void gemv_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, con
 const GemvTable& gemv_table_avx2() {
   static GemvTable t = {};
   static const bool filled = [] {
-    t[wtype_index(WType::Q4_0)][(int)AType::Q8] = avx2::gemv_q8<avx2::kQ4_0, 18>;
-    t[wtype_index(WType::Q4_1)][(int)AType::Q8] = avx2::gemv_q8<avx2::kQ4_1, 20>;
-    t[wtype_index(WType::Q8_0)][(int)AType::Q8] = avx2::gemv_q8<avx2::kQ8_0, 34>;
+    avx2::fill_table(t);
     return true;
   }();
   (void)filled;

@@ -1,19 +1,21 @@
-// AVX-512 (F/BW/VL/DQ + VNNI) GEMV kernels, int8-activation paths.
+// AVX-512 (F/BW/VL/DQ + VNNI) GEMV kernels: the traits V plus the shared x86/gemv_simd.h (every
+// type, fp32 and int8 activations), and the wider kernels below that replace some of them: the
+// 4-bit quads (Q4_0/Q4_1/Q5_0 int8) and Q4_K/Q6_K int8 at 512 bits.
 //
-// The unit of work is a quad: 4 rows x 1 column block. With interleave g >= 4 a quad's 4 blocks
+// The unit of work of the 4-bit int8 kernels is a quad: 4 rows x 1 column block. With interleave g >= 4 a quad's 4 blocks
 // are contiguous in the tile (72 bytes for Q4_0), so two loads and one vpermt2w put block k's
 // 16 nibble bytes in 128-bit lane k and its scale in float lanes 4k..4k+3; the activation
 // block is broadcast to all four lanes and one vpdpbusd per nibble half gives every row's
 // partial dot product. Rows of a ragged group (or interleave 1 and 2) are gathered from 4
 // pointers instead (a missing row repeats the last one; its result is dropped).
-// Weight nibbles are unsigned (0..15); the -8 offset of Q4_0 enters as the initial value of
-// the int32 accumulator, -8 * (lane sums of the activation), precomputed in block_q8a.
+// Weight nibbles are unsigned (0..15, Q5_0 0..31); the -8 offset of Q4_0 (-16 of Q5_0) enters as
+// the initial value of the int32 accumulator, -8 * (lane sums of the activation), precomputed in
+// block_q8a.
 #include <immintrin.h>
-
-#include <type_traits>
 
 #include "../../isa_kernels.h"
 #include "../../tile_walk.h"
+#include "vec.h"
 
 namespace cflow {
 namespace avx512 {
@@ -52,30 +54,40 @@ inline void add_quad_n(float* y, __m512 acc, int n) {
 
 // ---- quad loaders of the 4-bit types: qs (block k's 16 bytes in lane k), d (and m) ----
 
-// Q4_0 / Q4_1 blocks: scale words at 0 (and 1), qs from byte QSOFF.
-template <int BB, int QSOFF, bool HAS_M>
+// Q4_0 / Q4_1 / Q5_0 blocks: scale words at 0 (and m at 1, or Q5_0's qh at 1..2), qs from
+// byte QSOFF. ZS: the int8 path subtracts 2^ZS * (lane sums of x) (Q4_0: 8, Q5_0: 16; Q4_1: m).
+// Q5_0's fifth bits come out as two 64-bit masks in h (low, high nibbles; bit 16k + j: weight
+// j resp. 16 + j of block k, matching byte 16k + j of qs).
+template <int BB, int QSOFF, bool HAS_M, int ZS, bool HAS_H = false>
 struct Nib {
-  static constexpr int kBB = BB;
+  static constexpr int kBB = BB, kZeroShift = ZS;
+  static constexpr bool kHasM = HAS_M, kHasH = HAS_H;
   static constexpr int kWords = BB / 2;
   static const WordIdx& idx_qs() {
     static const WordIdx w = make_idx([](int i) { return (i / 8) * kWords + QSOFF / 2 + i % 8; });
     return w;
   }
-  static const WordIdx& idx_dm() {  // words 0..15: d of block i/4; 16..31: m of block (i-16)/4
-    static const WordIdx w = make_idx([](int i) { return ((i % 16) / 4) * kWords + (i >= 16 ? 1 : 0); });
+  // words 0..15: d of block i/4; 16..31: m of block (i-16)/4, or (HAS_H) words 16+k, 20+k:
+  // the low and high qh word of block k.
+  static const WordIdx& idx_dm() {
+    static const WordIdx w = make_idx([](int i) {
+      if (i < 16 || !HAS_H) return ((i % 16) / 4) * kWords + (i >= 16 ? 1 : 0);
+      return i < 24 ? ((i - 16) % 4) * kWords + 1 + (i - 16) / 4 : 0;
+    });
     return w;
   }
   // 4 contiguous blocks at p.
-  static inline void load(const uint8_t* p, __m512i& qs, __m512& d, __m512& m) {
+  static inline void load(const uint8_t* p, __m512i& qs, __m512& d, __m512& m, __m128i& hm) {
     const __m512i a = _mm512_loadu_si512(p);
     const __m512i b = _mm512_maskz_loadu_epi16((__mmask32)((1u << (2 * BB - 32)) - 1), p + 64);
     qs = _mm512_permutex2var_epi16(a, load_idx(idx_qs()), b);
     const __m512i dm = _mm512_permutex2var_epi16(a, load_idx(idx_dm()), b);
     d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
     if (HAS_M) m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+    if (HAS_H) hm = _mm512_extracti32x4_epi32(dm, 2);
   }
   // 4 blocks at 4 pointers.
-  static inline void load4(const uint8_t* const* p, __m512i& qs, __m512& d, __m512& m) {
+  static inline void load4(const uint8_t* const* p, __m512i& qs, __m512& d, __m512& m, __m128i& hm) {
     __m512i q = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(p[0] + QSOFF)));
     q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i*)(p[1] + QSOFF)), 1);
     q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i*)(p[2] + QSOFF)), 2);
@@ -86,38 +98,55 @@ struct Nib {
     const __m512i sel_d = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     d = _mm512_permutexvar_ps(sel_d, dm);
     if (HAS_M) m = _mm512_permutexvar_ps(_mm512_add_epi32(sel_d, _mm512_set1_epi32(4)), dm);
+    if (HAS_H) {
+      uint64_t lo = 0, hi = 0;
+      for (int k = 0; k < 4; ++k) {
+        uint32_t qh;
+        std::memcpy(&qh, p[k] + 2, 4);
+        lo |= (uint64_t)(qh & 0xFFFF) << (16 * k);
+        hi |= (uint64_t)(qh >> 16) << (16 * k);
+      }
+      hm = _mm_set_epi64x((long long)hi, (long long)lo);
+    }
   }
 };
 
-using Q4_0 = Nib<18, 2, false>;
-using Q4_1 = Nib<20, 4, true>;
+using Q4_0 = Nib<18, 2, false, 3>;
+using Q4_1 = Nib<20, 4, true, 0>;
+using Q5_0 = Nib<22, 6, false, 4, true>;
 
 // One quad (4 rows) over nb column blocks of 4-bit weights. CONTIG: the quad's 4 blocks of
 // column block b are contiguous at q0 + b * stride (rows of one interleave group, g >= 4);
 // else row k's block b is at rows[k].base + b * rows[k].stride.
 template <class T, bool CONTIG>
 inline __m512 quad_nib(const uint8_t* q0, size_t stride, const TileRow* rows, const block_q8a* xa, int nb) {
-  constexpr bool kOff = !std::is_same<T, Q4_1>::value;  // Q4_0: q - 8; Q4_1: d*q + m
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  constexpr bool kOff = !T::kHasM;  // Q4_0: q - 8, Q5_0: q - 16; Q4_1: d*q + m
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(16);
   __m512 acc = _mm512_setzero_ps();
   __m512 accm = _mm512_setzero_ps();
   for (int b = 0; b < nb; ++b) {
     const block_q8a& a = xa[b];
     __m512i qs;
     __m512 d, m;
-    if (CONTIG) T::load(q0 + b * stride, qs, d, m);
+    __m128i h;
+    if (CONTIG) T::load(q0 + b * stride, qs, d, m, h);
     else {
       const uint8_t* p[4] = {rows[0].base + b * rows[0].stride, rows[1].base + b * rows[1].stride,
                              rows[2].base + b * rows[2].stride, rows[3].base + b * rows[3].stride};
-      T::load4(p, qs, d, m);
+      T::load4(p, qs, d, m, h);
     }
     const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)a.qs));
     const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(a.qs + 16)));
     __m512i s = _mm512_setzero_si512();
-    if (kOff)  // -8 * lane sums of x
-      s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)a.lsum4)), 3));
-    s = _mm512_dpbusd_epi32(s, _mm512_and_si512(qs, lo4), xlo);
-    s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4), xhi);
+    if (kOff)  // -2^ZS * lane sums of x
+      s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)a.lsum4)), T::kZeroShift));
+    __m512i ulo = _mm512_and_si512(qs, lo4), uhi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
+    if (T::kHasH) {  // Q5_0: + 16 where the fifth bit is set
+      ulo = _mm512_mask_add_epi8(ulo, (__mmask64)_mm_cvtsi128_si64(h), ulo, bit4);
+      uhi = _mm512_mask_add_epi8(uhi, (__mmask64)_mm_extract_epi64(h, 1), uhi, bit4);
+    }
+    s = _mm512_dpbusd_epi32(s, ulo, xlo);
+    s = _mm512_dpbusd_epi32(s, uhi, xhi);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.d)), acc);
     if (!kOff) accm = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s * 0.25f), accm);  // 4 lanes per row
   }
@@ -155,145 +184,94 @@ void gemv_nib_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols,
                    });
 }
 
-// Q8_0 x int8: signed x signed, so the weights are offset to unsigned (w ^ 0x80 = w + 128) and
-// -128 * (lane sums of x) starts the accumulator. Four rows at a time (independent chains),
-// one 256-bit vpdpbusd per block and row; rows found with TileRow, so any interleave works.
-inline void rows_q8_0(float* y, const TileRow* rows, int n, const block_q8a* xa, int nb) {
-  const __m256i bias = _mm256_set1_epi8((char)0x80);
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int b = 0; b < nb; ++b) {
-    const block_q8a& a = xa[b];
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)a.qs);
-    const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)a.lsum8), 7));
-    const __m256 dx = _mm256_set1_ps(a.d);
-    for (int k = 0; k < 4; ++k) {
-      if (k >= n) break;
-      const uint8_t* p = rows[k].base + b * rows[k].stride;
-      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 2)), bias);
-      const __m256i s = _mm256_dpbusd_epi32(c, w, xv);
-      const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)*(const uint16_t*)p)), dx);
-      acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[k]);
+// ---- the shared kernels (x86/gemv_simd.h): every other type and path ----
+// Integer dot products are 256-bit VNNI (AVX512_VNNI + VL): vpdpbusd for unsigned x signed
+// bytes; the K-quants' sub-block scales enter by maddubs + vpdpwssd (int16 pair sums times the
+// int16 scale, accumulated in int32). Q8_0 weights are offset to unsigned (w ^ 0x80 = w + 128)
+// and -128 * (lane sums of x) starts the accumulator. fp32 paths are 512-bit, masked tails.
+struct V : Vec {
+  static float hsum8(__m256 a) { return _mm512_reduce_add_ps(_mm512_zextps256_ps512(a)); }
+  static void add_n(float* y, reg a, int n) { store_n(y, add(load_n(y, n), a), n); }
+  static reg cvt_e(int e, __m256i h) {  // 16 fp16 or bf16 values -> floats
+    if (e == 1) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  template <int E>
+  static reg load_e(const uint8_t* p) {
+    if (E == 0) return _mm512_loadu_ps((const float*)p);
+    return cvt_e(E, _mm256_loadu_si256((const __m256i*)p));
+  }
+  template <int E>
+  static reg load_e_n(const uint8_t* p, int n) {
+    if (E == 0) return load_n((const float*)p, n);
+    return cvt_e(E, _mm256_maskz_loadu_epi16(mask(n), p));
+  }
+  static void fma32(__m256i q, float d0, float o0, float d1, float o1, const float* x, reg& a0, reg& a1) {
+    auto w = [](__m128i b, float d, float o) {
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(d), _mm512_set1_ps(o));
+    };
+    a0 = fmadd(w(_mm256_castsi256_si128(q), d0, o0), load(x), a0);
+    a1 = fmadd(w(_mm256_extracti128_si256(q, 1), d1, o1), load(x + 16), a1);
+  }
+  static __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+  static __m256i dot_sc(__m256i acc, __m256i u, __m256i s, __m256i sc) {
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), sc);
+  }
+  static __m256i dot_s8(__m256i w, __m256i s, __m256i lsum8) {
+    const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(lsum8, 7));
+    return _mm256_dpbusd_epi32(c, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), s);
+  }
+  static __m256i bits32(uint32_t b) { return _mm256_movm_epi8(b); }
+};
+
+#include "../gemv_simd.h"
+
+// K-quants at 512 bits: 64 weights per maddubs + vpdpwssd (the shared kinds take 32).
+inline __m256i fold(__m512i s) { return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)); }
+
+struct KQ4_K512 : BlkQ4_K {
+  // chunk c (32 bytes): low nibbles are sub-block 2c, high 2c+1 = weights 64c .. 64c+63 in order.
+  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float& accs) {
+    uint8_t sm[16];
+    scales_k4(p + 4, sm);
+    __m512i s = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = load32(p + 16 + 32 * c);
+      const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo4(q)), hi4(q), 1);
+      const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(sm[2 * c]), _mm256_set1_epi16(sm[2 * c + 1]), 1);
+      s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.qs + 64 * c)), sc);
     }
-  }
-  for (int k = 0; k < n; ++k) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[k]), _mm256_extractf128_ps(acc[k], 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    y[k] += _mm_cvtss_f32(h);
-  }
-}
-
-void gemv_q8_0_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                  int row_begin, int row_end) {
-  const block_q8a* x = (const block_q8a*)xv;
-  walk_tiles_whole(y, w, rows, cols, ts, QK, 34, row_begin, row_end,
-                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
-                     for (int i = 0; i < nr; i += 4) {
-                       const int n = nr - i < 4 ? nr - i : 4;
-                       TileRow tr[4] = {TileRow(tile, nr, nb, ts.g, 34, i), TileRow(tile, nr, nb, ts.g, 34, i),
-                                        TileRow(tile, nr, nb, ts.g, 34, i), TileRow(tile, nr, nb, ts.g, 34, i)};
-                       for (int k = 1; k < n; ++k) tr[k] = TileRow(tile, nr, nb, ts.g, 34, i + k);
-                       rows_q8_0(y + r + i, tr, n, x + cb0, nb);
-                     }
-                   });
-}
-
-// ---- fp32-activation paths (parity): dequantize 32 weights into two zmm, FMA with x ----
-// The weights are formed exactly as the scalar reference forms them (d * (q - 8) is one
-// rounding of the exact product either way), so only the summation order differs.
-
-// Q4_0 (w = d*q - 8d) and Q4_1 (w = d*q + m): one fma per 16 weights.
-template <int BB, bool HAS_M>
-struct DeqNib {
-  static constexpr int kBB = BB;
-  static inline void deq(const uint8_t* p, __m512& w0, __m512& w1) {
-    const __m128i q = _mm_loadu_si128((const __m128i*)(p + (HAS_M ? 4 : 2)));
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    const __m512 d = _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)p));
-    const __m512 off = HAS_M ? _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)(p + 2))) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, lo4))), d, off);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), lo4))), d, off);
-  }
-};
-using DeqQ4_0 = DeqNib<18, false>;
-using DeqQ4_1 = DeqNib<20, true>;
-
-struct DeqQ8_0 {
-  static constexpr int kBB = 34;
-  static inline void deq(const uint8_t* p, __m512& w0, __m512& w1) {
-    const __m512 d = _mm512_set1_ps(fp16_to_f32(*(const uint16_t*)p));
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 2)))), d);
-    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 18)))), d);
+    finish(p, a, sm, fold(s), acc, accs);
   }
 };
 
-template <class D>
-void gemv_deq_f32(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                  int row_begin, int row_end) {
-  const float* x = (const float*)xv;
-  walk_tiles_whole(y, w, rows, cols, ts, QK, D::kBB, row_begin, row_end,
-                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
-                     const float* xt = x + (size_t)cb0 * QK;
-                     for (int i = 0; i < nr; i += 2) {  // two rows at a time: independent chains
-                       const int n = nr - i < 2 ? nr - i : 2;
-                       const TileRow r0(tile, nr, nb, ts.g, D::kBB, i), r1(tile, nr, nb, ts.g, D::kBB, i + n - 1);
-                       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-                       for (int b = 0; b < nb; ++b) {
-                         const __m512 x0 = _mm512_loadu_ps(xt + b * QK), x1 = _mm512_loadu_ps(xt + b * QK + 16);
-                         __m512 w0, w1;
-                         D::deq(r0.base + b * r0.stride, w0, w1);
-                         a0 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a0));
-                         D::deq(r1.base + b * r1.stride, w0, w1);
-                         a1 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a1));
-                       }
-                       y[r + i] += _mm512_reduce_add_ps(a0);
-                       if (n == 2) y[r + i + 1] += _mm512_reduce_add_ps(a1);
-                     }
-                   });
-}
-
-// F32 / F16 / BF16 rows: contiguous inside a tile only with interleave 1; other interleaves
-// (elements of g rows interleaved one by one) run the scalar kernel.
-template <int BB>
-inline __m512 load16(const uint8_t* p) {
-  if (BB == 4) return _mm512_loadu_ps((const float*)p);
-  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-}
-inline __m512 load16_bf16(const uint8_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-template <int BB, bool BF, GemvFn REF>
-void gemv_elem_f32(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                   int row_begin, int row_end) {
-  if (ts.g != 1) return REF(y, xv, w, rows, cols, ts, row_begin, row_end);
-  const float* x = (const float*)xv;
-  walk_tiles_whole(y, w, rows, cols, ts, 1, BB, row_begin, row_end,
-                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
-                     const float* xt = x + cb0;
-                     const int n16 = nb / 16 * 16;
-                     for (int i = 0; i < nr; ++i) {
-                       const uint8_t* row = tile + (size_t)i * nb * BB;
-                       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-                       int j = 0;
-                       for (; j + 32 <= n16; j += 32) {
-                         a0 = _mm512_fmadd_ps(BF ? load16_bf16(row + j * BB) : load16<BB>(row + j * BB), _mm512_loadu_ps(xt + j), a0);
-                         a1 = _mm512_fmadd_ps(BF ? load16_bf16(row + (j + 16) * BB) : load16<BB>(row + (j + 16) * BB), _mm512_loadu_ps(xt + j + 16), a1);
-                       }
-                       for (; j < n16; j += 16)
-                         a0 = _mm512_fmadd_ps(BF ? load16_bf16(row + j * BB) : load16<BB>(row + j * BB), _mm512_loadu_ps(xt + j), a0);
-                       float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-                       for (; j < nb; ++j) {
-                         float v;
-                         if (BB == 4) std::memcpy(&v, row + j * 4, 4);
-                         else if (BF) v = bf16_to_f32(*(const uint16_t*)(row + j * 2));
-                         else v = fp16_to_f32(*(const uint16_t*)(row + j * 2));
-                         s += v * xt[j];
-                       }
-                       y[r + i] += s;
-                     }
-                   });
-}
+struct KQ6_K512 : BlkQ6_K {
+  // Half h: ql's 64 bytes give quarters 0|1 (low nibbles, weights 0..63 of the half) and 2|3
+  // (high nibbles, 64..127); qh (32 bytes, in both 256-bit halves) is shifted by 0|2 and 4|6.
+  // int16 word i of a 64-weight vector covers weights 2i, 2i+1: scale sc[8h + 4t + i/8].
+  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float&) {
+    const __m512i scw = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(p + 192))));
+    const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(0x0F);
+    const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh23 = _mm512_add_epi16(sh01, _mm512_set1_epi16(4));
+    alignas(64) static const uint16_t kIdx[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                  2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+    const __m512i idx = _mm512_load_si512(kIdx);
+    __m512i s = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(load32(p + 128 + 32 * h));
+      auto hi2 = [&](__m512i sh) { return _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh), m3), 4); };
+      const __m512i u01 = _mm512_or_si512(_mm512_and_si512(ql, m4), hi2(sh01));
+      const __m512i u23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hi2(sh23));
+      const __m512i sc01 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16(8 * h)), scw);
+      const __m512i sc23 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16(8 * h + 4)), scw);
+      s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u01, _mm512_loadu_si512(a.qs + 128 * h)), sc01);
+      s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u23, _mm512_loadu_si512(a.qs + 128 * h + 64)), sc23);
+    }
+    finish(p, a, fold(s), acc);
+  }
+};
 
 }  // namespace
 }  // namespace avx512
@@ -301,15 +279,12 @@ void gemv_elem_f32(float* y, const void* xv, const uint8_t* w, int rows, int col
 const GemvTable& gemv_table_avx512() {
   static GemvTable t = {};
   static const bool filled = [] {
+    avx512::fill_table(t);
     t[wtype_index(WType::Q4_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_0>;
     t[wtype_index(WType::Q4_1)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_1>;
-    t[wtype_index(WType::Q8_0)][(int)AType::Q8] = avx512::gemv_q8_0_q8;
-    t[wtype_index(WType::Q4_0)][(int)AType::F32] = avx512::gemv_deq_f32<avx512::DeqQ4_0>;
-    t[wtype_index(WType::Q4_1)][(int)AType::F32] = avx512::gemv_deq_f32<avx512::DeqQ4_1>;
-    t[wtype_index(WType::Q8_0)][(int)AType::F32] = avx512::gemv_deq_f32<avx512::DeqQ8_0>;
-    t[wtype_index(WType::F32)][(int)AType::F32] = avx512::gemv_elem_f32<4, false, ref::gemv_f32_f32>;
-    t[wtype_index(WType::F16)][(int)AType::F32] = avx512::gemv_elem_f32<2, false, ref::gemv_f16_f32>;
-    t[wtype_index(WType::BF16)][(int)AType::F32] = avx512::gemv_elem_f32<2, true, ref::gemv_bf16_f32>;
+    t[wtype_index(WType::Q5_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q5_0>;
+    t[wtype_index(WType::Q4_K)][(int)AType::Q8] = avx512::gemv_q8<avx512::KQ4_K512>;
+    t[wtype_index(WType::Q6_K)][(int)AType::Q8] = avx512::gemv_q8<avx512::KQ6_K512>;
     return true;
   }();
   (void)filled;

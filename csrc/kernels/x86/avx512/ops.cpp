@@ -1,4 +1,4 @@
-// AVX-512 versions of the small ops: the traits below plus the shared x86/ops_simd.h.
+// AVX-512 versions of the small ops: the traits of vec.h plus the shared x86/ops_simd.h.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -8,58 +8,12 @@
 #include <vector>
 
 #include "../../ops_table.h"
+#include "vec.h"
 
 namespace cflow {
 namespace avx512 {
 
-struct V {
-  using reg = __m512;
-  static constexpr int W = 16;
-  static reg zero() { return _mm512_setzero_ps(); }
-  static reg set1(float a) { return _mm512_set1_ps(a); }
-  static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, reg a) { _mm512_storeu_ps(p, a); }
-  static __mmask16 mask(int n) { return (__mmask16)((1u << n) - 1); }
-  static reg load_n(const float* p, int n, float fill = 0.f) {
-    return _mm512_mask_loadu_ps(set1(fill), mask(n), p);
-  }
-  static void store_n(float* p, reg a, int n) { _mm512_mask_storeu_ps(p, mask(n), a); }
-  static reg load_h(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-  }
-  static void store_h(uint16_t* p, reg a) {
-    _mm256_storeu_si256((__m256i*)p,
-                        _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
-  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
-  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
-  static reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
-  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }
-  static reg fmaddsub(reg a, reg b, reg c) { return _mm512_fmaddsub_ps(a, b, c); }
-  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
-  static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
-  static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
-  static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
-  static reg round(reg a) {
-    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
-  static reg ldexp(reg y, reg n) {  // two factors 2^n1 * 2^n2 keep each exponent in range
-    const __m512i ni = _mm512_cvtps_epi32(n);
-    const __m512i n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
-    const __m512i b = _mm512_set1_epi32(127);
-    const reg f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, b), 23));
-    const reg f2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, b), 23));
-    return mul(mul(y, f1), f2);
-  }
-  static unsigned gt_mask(reg a, reg b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
-  static reg dup_pairs(const float* p) {
-    const __m512i idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(p)));
-  }
-  static reg swap_pairs(reg a) { return _mm512_permute_ps(a, 0xB1); }
-};
+struct V : Vec {};
 
 #include "../ops_simd.h"
 

@@ -1,0 +1,73 @@
+// The float-vector traits of AVX2 + FMA + F16C: 8 floats per register; used by the ops (x86/ops_simd.h)
+// and the GEMVs (x86/gemv_simd.h), which derive their V from it. Compiled
+// only with the ISA's flags (files under x86/avx2/).
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace cflow {
+namespace avx2 {
+
+struct Vec {
+  using reg = __m256;
+  static constexpr int W = 8;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float a) { return _mm256_set1_ps(a); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg a) { _mm256_storeu_ps(p, a); }
+  static __m256i mask(int n) {  // first n lanes set
+    static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    return _mm256_loadu_si256((const __m256i*)(m + 8 - n));
+  }
+  static reg load_n(const float* p, int n, float fill = 0.f) {
+    const __m256i k = mask(n);
+    return _mm256_blendv_ps(set1(fill), _mm256_maskload_ps(p, k), _mm256_castsi256_ps(k));
+  }
+  static void store_n(float* p, reg a, int n) { _mm256_maskstore_ps(p, mask(n), a); }
+  static reg load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static void store_h(uint16_t* p, reg a) {
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+  }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }
+  static reg fmaddsub(reg a, reg b, reg c) { return _mm256_fmaddsub_ps(a, b, c); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
+  static float hsum(reg a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float hmax(reg a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static reg round(reg a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static reg ldexp(reg y, reg n) {  // two factors 2^n1 * 2^n2 keep each exponent in range
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i b = _mm256_set1_epi32(127);
+    const reg f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, b), 23));
+    const reg f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, b), 23));
+    return mul(mul(y, f1), f2);
+  }
+  static unsigned gt_mask(reg a, reg b) {
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ));
+  }
+  static reg dup_pairs(const float* p) {
+    const __m128 a = _mm_loadu_ps(p);
+    return _mm256_set_m128(_mm_unpackhi_ps(a, a), _mm_unpacklo_ps(a, a));
+  }
+  static reg swap_pairs(reg a) { return _mm256_permute_ps(a, 0xB1); }
+};
+
+}  // namespace avx2
+}  // namespace cflow

@@ -1,0 +1,324 @@
+// Tile GEMV kernels written once over an ISA traits struct V; included by x86/avx2/gemv_avx2.cpp
+// and x86/avx512/gemv_avx512.cpp *inside* their ISA namespace (cflow::avx2, cflow::avx512, in an
+// anonymous namespace) right after they define V, so each ISA gets its own copy compiled with its
+// own flags.
+//
+// V (derived from the ISA's float-vector traits Vec, x86/<isa>/vec.h) provides, for the fp32
+// side: reg (W floats), zero, set1, load, load_n (first n < W lanes, rest 0), add,
+// fmadd(a,b,c) = a*b+c, hsum, hsum8 (of a __m256), add_n(y, a, n) (y[0..n) += a[0..n)), load_e<E> /
+// load_e_n<E> (W or n < W weights of element kind E: 0 f32, 1 f16, 2 bf16, as floats) and
+// fma32(q, d0, o0, d1, o1, x, a0, a1): the 32 signed bytes q as weights d*q + o (d0, o0 for
+// bytes 0..15, d1, o1 for 16..31) times x[0..32) added into a0 / a1.
+// For the int8 side (256-bit integer vectors; "lane" = 4 bytes = one int32 of the result):
+//   dot(acc, u, s)          acc + lane sums of u * s (u unsigned, < 128; s signed)
+//   dot_sc(acc, u, s, sc)   acc + madd(maddubs(u, s), sc): pair sums of u * s times the int16 sc
+//   dot_s8(w, s, lsum8)     lane sums of w * s, both signed (lsum8: the lane sums of s)
+//   bits32(b)               byte j = 0xFF where bit j of b is set
+// The including file has already included <immintrin.h>, <cstring>, isa_kernels.h, tile_walk.h.
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline int hsum_i32(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+  return _mm_cvtsi128_si32(v);
+}
+
+// 16 bytes of packed nibbles -> 32 bytes: low nibbles (weights 0..15) then high (16..31).
+inline __m256i nib32(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+
+inline __m256i lo4(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
+inline __m256i hi4(__m256i q) { return lo4(_mm256_srli_epi16(q, 4)); }
+inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+// ---- block kinds ----
+// A kind describes one weight block type: kQK weights, kBB bytes, the activation block Act of
+// its int8 path, chunks(p, f) calling f(j, q, d0, o0, d1, o1) for each chunk j of 32 weights
+// (fp32 weights d*q + o, as the scalar reference forms them) and dot(p, a, acc, accs) (the int8
+// dot of block p with activation block a, added into the 8 float lanes acc and the float accs).
+// The 32-block kinds give q(p) / d(p) / o(p) (bytes, scale, fp32 offset) and kZero: the int8
+// path takes q as unsigned bytes and subtracts kZero * (lane sums of x); kZero 0 (Q4_1) adds
+// m * sum(x) instead, kZero -1 (Q8_0) marks signed weights.
+
+struct BlkQ4_0 {
+  static constexpr int kQK = 32, kBB = 18, kZero = 8;
+  static __m256i q(const uint8_t* p) { return nib32(p + 2); }
+  static float d(const uint8_t* p) { return h2f(p); }
+  static float o(const uint8_t* p) { return -8.0f * h2f(p); }
+};
+struct BlkQ4_1 {
+  static constexpr int kQK = 32, kBB = 20, kZero = 0;
+  static __m256i q(const uint8_t* p) { return nib32(p + 4); }
+  static float d(const uint8_t* p) { return h2f(p); }
+  static float o(const uint8_t* p) { return h2f(p + 2); }
+};
+struct BlkQ5_0 {
+  static constexpr int kQK = 32, kBB = 22, kZero = 16;
+  static __m256i q(const uint8_t* p) {  // nibble | (bit j of qh) << 4
+    uint32_t qh;
+    std::memcpy(&qh, p + 2, 4);
+    return _mm256_or_si256(nib32(p + 6), _mm256_and_si256(V::bits32(qh), _mm256_set1_epi8(16)));
+  }
+  static float d(const uint8_t* p) { return h2f(p); }
+  static float o(const uint8_t* p) { return -16.0f * h2f(p); }
+};
+struct BlkQ8_0 {
+  static constexpr int kQK = 32, kBB = 34, kZero = -1;  // signed weights
+  static __m256i q(const uint8_t* p) { return load32(p + 2); }
+  static float d(const uint8_t* p) { return h2f(p); }
+  static float o(const uint8_t*) { return 0.0f; }
+};
+
+// Q4_K's 8 scales and 8 mins (6 bits each, packed in 12 bytes) -> sm[0..8) scales, sm[8..16)
+// mins, as GGML unpacks them (same values as get_scale_min_k4).
+inline void scales_k4(const uint8_t* s12, uint8_t* sm) {
+  uint32_t u[4];
+  std::memcpy(u, s12, 12);
+  const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+  const uint32_t mins_lo = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+  u[2] = mins_lo;
+  u[0] &= m1;
+  std::memcpy(sm, u, 16);
+}
+
+struct BlkQ4_K {
+  static constexpr int kQK = 256, kBB = 144;
+  using Act = block_q8_K;
+  // 4 chunks of 64 weights, 32 bytes each: low nibbles are sub-block 2c, high 2c+1.
+  template <class F>
+  static void chunks(const uint8_t* p, F&& f) {
+    uint8_t sm[16];
+    scales_k4(p + 4, sm);
+    const float d = h2f(p), dmin = h2f(p + 2);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = load32(p + 16 + 32 * c);
+      const float d0 = d * sm[2 * c], o0 = -(dmin * sm[8 + 2 * c]);
+      const float d1 = d * sm[2 * c + 1], o1 = -(dmin * sm[9 + 2 * c]);
+      f(2 * c, lo4(q), d0, o0, d0, o0);
+      f(2 * c + 1, hi4(q), d1, o1, d1, o1);
+    }
+  }
+  // acc += d*dx * sum_s sc_s (q_s . x_s); accs -= dmin*dx * sum_s m_s * sum(x_s). isum is the
+  // integer part (8 int32 lanes summing to sum_s sc_s (q_s . x_s)); sm: scales_k4 of the block.
+  static __m256i isum(const uint8_t* p, const block_q8_K& a, const uint8_t* sm) {
+    __m256i s = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = load32(p + 16 + 32 * c);
+      s = V::dot_sc(s, lo4(q), load32(a.qs + 64 * c), _mm256_set1_epi16(sm[2 * c]));
+      s = V::dot_sc(s, hi4(q), load32(a.qs + 64 * c + 32), _mm256_set1_epi16(sm[2 * c + 1]));
+    }
+    return s;
+  }
+  static void finish(const uint8_t* p, const block_q8_K& a, const uint8_t* sm, __m256i s, __m256& acc, float& accs) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(p) * a.d), acc);
+    // bsums pairs (16 values each) -> the 8 sub-block sums of x, times the 8 mins
+    const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i*)a.bsums),
+                                      _mm_loadu_si128((const __m128i*)(a.bsums + 8)));
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
+    accs -= h2f(p + 2) * a.d * (float)hsum_i32(_mm_madd_epi16(bs, mins));
+  }
+  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float& accs) {
+    uint8_t sm[16];
+    scales_k4(p + 4, sm);
+    finish(p, a, sm, isum(p, a, sm), acc, accs);
+  }
+};
+
+struct BlkQ6_K {
+  static constexpr int kQK = 256, kBB = 210;
+  using Act = block_q8_K;
+  // The 32 weights j = 4h + k (half h of 128, quarter k) as 6-bit unsigned bytes (0..63):
+  // low 4 bits from ql (bytes 0..31 or 32..63 of the half, low or high nibble), high 2 from qh.
+  template <class F>
+  static void quarters(const uint8_t* p, F&& f) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(p + 64 * h), l1 = load32(p + 64 * h + 32), qh = load32(p + 128 + 32 * h);
+      auto hi2 = [&](int sh) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, sh), m3), 4); };
+      f(4 * h + 0, _mm256_or_si256(lo4(l0), hi2(0)));
+      f(4 * h + 1, _mm256_or_si256(lo4(l1), hi2(2)));
+      f(4 * h + 2, _mm256_or_si256(hi4(l0), hi2(4)));
+      f(4 * h + 3, _mm256_or_si256(hi4(l1), hi2(6)));
+    }
+  }
+  // fp32 weight d * sc * (q - 32), 16 weights per scale.
+  template <class F>
+  static void chunks(const uint8_t* p, F&& f) {
+    const int8_t* sc = (const int8_t*)(p + 192);
+    const float d = h2f(p + 208);
+    quarters(p, [&](int j, __m256i q) {
+      const float d0 = d * sc[2 * j], d1 = d * sc[2 * j + 1];
+      f(j, q, d0, -32.0f * d0, d1, -32.0f * d1);
+    });
+  }
+  // acc += d*dx * (sum_c sc_c (q_c . x_c) - 32 sum_c sc_c sum(x_c)), c the 16 sub-blocks of 16.
+  // isum: the first sum as 8 int32 lanes.
+  static __m256i isum(const uint8_t* p, const block_q8_K& a) {
+    const int8_t* sc = (const int8_t*)(p + 192);
+    __m256i s = _mm256_setzero_si256();
+    quarters(p, [&](int j, __m256i q) {
+      const __m256i scj = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+      s = V::dot_sc(s, q, load32(a.qs + 32 * j), scj);
+    });
+    return s;
+  }
+  static void finish(const uint8_t* p, const block_q8_K& a, __m256i s, __m256& acc) {
+    const __m128i sc = _mm_loadu_si128((const __m128i*)(p + 192));
+    const __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), load32(a.bsums));
+    s = _mm256_sub_epi32(s, _mm256_slli_epi32(off, 5));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(p + 208) * a.d), acc);
+  }
+  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float&) { finish(p, a, isum(p, a), acc); }
+};
+
+// The 32-block kinds share their chunk and int8 dot forms.
+template <class B>
+struct Blk32 : B {
+  using Act = block_q8a;
+  template <class F>
+  static void chunks(const uint8_t* p, F&& f) {
+    const float d = B::d(p), o = B::o(p);
+    f(0, B::q(p), d, o, d, o);
+  }
+  static void dot(const uint8_t* p, const block_q8a& a, __m256& acc, float& accs) {
+    const __m256i x = load32(a.qs);
+    __m256i s;
+    if (B::kZero < 0) {
+      s = V::dot_s8(B::q(p), x, load32(a.lsum8));
+    } else {
+      s = _mm256_setzero_si256();
+      if (B::kZero > 0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(load32(a.lsum8), B::kZero == 8 ? 3 : 4));
+      s = V::dot(s, B::q(p), x);
+      if (B::kZero == 0) accs += B::o(p) * a.s;
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(B::d(p) * a.d), acc);
+  }
+};
+using KQ4_0 = Blk32<BlkQ4_0>;
+using KQ4_1 = Blk32<BlkQ4_1>;
+using KQ5_0 = Blk32<BlkQ5_0>;
+using KQ8_0 = Blk32<BlkQ8_0>;
+using KQ4_K = BlkQ4_K;
+using KQ6_K = BlkQ6_K;
+
+// ---- int8-activation GEMV: four rows at a time (independent chains), x blocks shared ----
+template <class T>
+void gemv_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
+             int row_begin, int row_end) {
+  using A = typename T::Act;
+  const A* x = (const A*)xv;
+  walk_tiles_whole(y, w, rows, cols, ts, T::kQK, T::kBB, row_begin, row_end,
+                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
+                     for (int i = 0; i < nr; i += 4) {
+                       const int n = nr - i < 4 ? nr - i : 4;
+                       // rows i .. i+3 (a missing row repeats the last one; its result is dropped)
+                       auto row = [&](int k) { return TileRow(tile, nr, nb, ts.g, T::kBB, i + (k < n ? k : n - 1)); };
+                       const TileRow tr[4] = {row(0), row(1), row(2), row(3)};
+                       __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                       float accs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                       for (int b = 0; b < nb; ++b)
+                         for (int k = 0; k < n; ++k) T::dot(tr[k].base + b * tr[k].stride, x[cb0 + b], acc[k], accs[k]);
+                       for (int k = 0; k < n; ++k) y[r + i + k] += V::hsum8(acc[k]) + accs[k];
+                     }
+                   });
+}
+
+// ---- fp32-activation GEMV: weights formed as the scalar reference forms them (d * q + o is
+// one rounding of the exact value for Q4_0/Q5_0/Q8_0/Q6_K), FMA with x; two rows at a time ----
+template <class T>
+void gemv_f32(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
+              int row_begin, int row_end) {
+  const float* x = (const float*)xv;
+  using reg = typename V::reg;
+  walk_tiles_whole(y, w, rows, cols, ts, T::kQK, T::kBB, row_begin, row_end,
+                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
+                     const float* xt = x + (size_t)cb0 * T::kQK;
+                     for (int i = 0; i < nr; i += 2) {
+                       const int n = nr - i < 2 ? nr - i : 2;
+                       const TileRow r0(tile, nr, nb, ts.g, T::kBB, i), r1(tile, nr, nb, ts.g, T::kBB, i + n - 1);
+                       reg a0 = V::zero(), a1 = V::zero(), c0 = V::zero(), c1 = V::zero();
+                       for (int b = 0; b < nb; ++b) {
+                         const float* xb = xt + (size_t)b * T::kQK;
+                         T::chunks(r0.base + b * r0.stride, [&](int j, __m256i q, float d0, float o0, float d1, float o1) {
+                           V::fma32(q, d0, o0, d1, o1, xb + 32 * j, a0, a1);
+                         });
+                         if (n == 2)
+                           T::chunks(r1.base + b * r1.stride, [&](int j, __m256i q, float d0, float o0, float d1, float o1) {
+                             V::fma32(q, d0, o0, d1, o1, xb + 32 * j, c0, c1);
+                           });
+                       }
+                       y[r + i] += V::hsum(V::add(a0, a1));
+                       if (n == 2) y[r + i + 1] += V::hsum(V::add(c0, c1));
+                     }
+                   });
+}
+
+// ---- F32 / F16 / BF16 (element kind E): any interleave ----
+// g = 1: a row is contiguous, dot with x (W lanes, masked tail). g > 1: a group's g rows are
+// interleaved element by element, so column j of the group is g contiguous weights: W rows at a
+// time take one vector of weights per column times the broadcast x_j (masked for the last
+// rows of a group).
+template <int E>
+void gemv_elem(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
+               int row_begin, int row_end) {
+  constexpr int BB = E == 0 ? 4 : 2, W = V::W;
+  const float* x = (const float*)xv;
+  using reg = typename V::reg;
+  walk_tiles(y, w, rows, cols, ts, 1, BB, row_begin, row_end,
+             [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
+               const float* xt = x + cb0;
+               if (gg == 1) {
+                 reg a0 = V::zero(), a1 = V::zero();
+                 int j = 0;
+                 for (; j + 2 * W <= nb; j += 2 * W) {
+                   a0 = V::fmadd(V::template load_e<E>(grp + j * BB), V::load(xt + j), a0);
+                   a1 = V::fmadd(V::template load_e<E>(grp + (j + W) * BB), V::load(xt + j + W), a1);
+                 }
+                 for (; j < nb; j += W) {
+                   const int n = nb - j < W ? nb - j : W;
+                   a0 = V::fmadd(V::template load_e_n<E>(grp + j * BB, n), V::load_n(xt + j, n), a0);
+                 }
+                 y[r] += V::hsum(V::add(a0, a1));
+                 return;
+               }
+               for (int i = 0; i < gg; i += W) {
+                 const int n = gg - i < W ? gg - i : W;
+                 reg acc = V::zero();
+                 const uint8_t* p = grp + (size_t)i * BB;
+                 if (n == W)
+                   for (int j = 0; j < nb; ++j) acc = V::fmadd(V::template load_e<E>(p + (size_t)j * gg * BB), V::set1(xt[j]), acc);
+                 else
+                   for (int j = 0; j < nb; ++j) acc = V::fmadd(V::template load_e_n<E>(p + (size_t)j * gg * BB, n), V::set1(xt[j]), acc);
+                 V::add_n(y + r + i, acc, n);
+               }
+             });
+}
+
+// Fills the table entries every ISA shares (a file may then replace some with its own kernels).
+inline void fill_table(GemvTable& t) {
+  auto set = [&](WType wt, AType at, GemvFn fn) { t[wtype_index(wt)][(int)at] = fn; };
+  set(WType::F32, AType::F32, gemv_elem<0>);
+  set(WType::F16, AType::F32, gemv_elem<1>);
+  set(WType::BF16, AType::F32, gemv_elem<2>);
+  set(WType::Q4_0, AType::F32, gemv_f32<KQ4_0>);
+  set(WType::Q4_1, AType::F32, gemv_f32<KQ4_1>);
+  set(WType::Q5_0, AType::F32, gemv_f32<KQ5_0>);
+  set(WType::Q8_0, AType::F32, gemv_f32<KQ8_0>);
+  set(WType::Q4_K, AType::F32, gemv_f32<KQ4_K>);
+  set(WType::Q6_K, AType::F32, gemv_f32<KQ6_K>);
+  set(WType::Q4_0, AType::Q8, gemv_q8<KQ4_0>);
+  set(WType::Q4_1, AType::Q8, gemv_q8<KQ4_1>);
+  set(WType::Q5_0, AType::Q8, gemv_q8<KQ5_0>);
+  set(WType::Q8_0, AType::Q8, gemv_q8<KQ8_0>);
+  set(WType::Q4_K, AType::Q8, gemv_q8<KQ4_K>);
+  set(WType::Q6_K, AType::Q8, gemv_q8<KQ6_K>);
+}
