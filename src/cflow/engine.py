@@ -86,6 +86,10 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
         raise UnsupportedError(f"the native engine runs {', '.join(SUPPORTED_ARCHS)}; not arch {cfg.arch!r} yet")
     if cfg.n_expert:
         raise UnsupportedError("mixture-of-experts layers are not in the native engine yet")
+    if any(fused not in f.tensors and part in f.tensors
+           for fused, part in (("blk.0.attn_qkv", "blk.0.attn_q"), ("blk.0.ffn_gate_up", "blk.0.ffn_gate"))):
+        raise UnsupportedError("the native engine runs fused Q/K/V and gate/up; this file stores them apart "
+                               "(their block types differ)")
     P = Plan()
     ids: dict[str, int] = {}
 

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
-from cflow.errors import CflowError
+from cflow.errors import CflowError, UnsupportedError
 from cflow.generate import Chunk, check_budget, generate_step
 from cflow.tokenizer import Tokenizer
 
@@ -82,7 +82,12 @@ def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None 
             if choice == "native":
                 raise CflowError(f"the native engine is not available in this build: {e}") from None
         else:
-            return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast)
+            try:
+                return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast)
+            except UnsupportedError:
+                if choice == "native":
+                    raise
+                # auto: a model the native engine cannot run yet goes to the reference engine
     from cflow.engine_ref import RefEngine
 
     return RefEngine(src, threads=threads, n_ctx=n_ctx, fast=fast)
