@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from cflow.config import ModelConfig
+from cflow.convert.hf import _rope_theta  # the RoPE bases as the converter reads them
 from cflow.format.tiles import block_type, pack_tiles
 
 ALIGN = 64
@@ -110,17 +111,6 @@ def tiny_hf(arch: str, *, seed=0, d=64, n_layer=2, n_head=4, n_kv=2, hd=16, ffn=
     return model
 
 
-def _rope_theta(c, layer_type: str) -> float:
-    """RoPE base of one layer type: transformers 5 keeps it in rope_parameters (per layer type
-    for Gemma 3), older configs in rope_theta / rope_local_base_freq."""
-    rp = getattr(c, "rope_parameters", None) or {}
-    rp = rp.get(layer_type, rp)
-    theta = rp.get("rope_theta") or getattr(c, "rope_theta", None)
-    if layer_type == "sliding_attention":
-        theta = rp.get("rope_theta") or getattr(c, "rope_local_base_freq", None)
-    return float(theta or 10000.0)
-
-
 def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1, stripe_rows=None):
     """Lay out a tiny HF model as the engine's tensors; writes the dequantized weights back into
     `model` so HF computes with exactly the weights the engine reads. Returns the file-like object."""
@@ -137,12 +127,12 @@ def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1,
         arch=arch, vocab_size=c.vocab_size, d_model=c.hidden_size, n_layer=c.num_hidden_layers,
         n_head=c.num_attention_heads, n_kv_head=c.num_key_value_heads, head_dim=hd, d_ff=c.intermediate_size,
         act="gelu_tanh" if arch == "gemma3" else "silu", max_seq_len=256, norm_eps=c.rms_norm_eps,
-        norm_offset=1.0 if arch == "gemma3" else 0.0, rope_theta=_rope_theta(c, "full_attention"),
+        norm_offset=1.0 if arch == "gemma3" else 0.0, rope_theta=_rope_theta(c.to_dict(), "full_attention", 10000.0),
         tie_embeddings=tied, qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3"),
         post_norms=arch == "gemma3", embed_scale=c.hidden_size ** 0.5 if arch == "gemma3" else 1.0,
         attn_scale=c.query_pre_attn_scalar ** -0.5 if arch == "gemma3" else 0.0,
         sliding_window=getattr(c, "sliding_window", 0) or 0 if arch == "gemma3" else 0, layer_types=layer_types,
-        rope_local_theta=_rope_theta(c, "sliding_attention") if arch == "gemma3" else 0.0,
+        rope_local_theta=_rope_theta(c.to_dict(), "sliding_attention", 10000.0) if arch == "gemma3" else 0.0,
     )
     B = Builder(tile, interleave)
     S = stripe_rows or tile[0] // 2

@@ -43,7 +43,7 @@ static void grow(std::vector<T>& v, size_t n) {
 
 Engine::Engine(const uint8_t* base, size_t size, const ModelDims& dims, std::vector<TensorRef> tensors, Plan plan,
                int threads, bool fast)
-    : base_(base), size_(size), dims_(dims), T_(std::move(tensors)), plan_(std::move(plan)), fast_(fast) {
+    : base_(base), size_(size), dims_(dims), T_(std::move(tensors)), plan_(std::move(plan)), fast_(fast), isa_(best_isa()) {
   validate();
   int nt = threads > 0 ? threads : 1;
   pool_ = std::make_unique<Pool>(nt);
@@ -227,7 +227,7 @@ Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int no
 GemvFn Engine::decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa) {
   const WType wt = static_cast<WType>(L.type);
   const AType at = fast_ && has_q8_path(wt) ? AType::Q8 : AType::F32;
-  GemvFn fn = gemv_fn(wt, at, best_isa());
+  GemvFn fn = gemv_fn(wt, at, isa_);
   if (!fn) return nullptr;
   Scratch& s = *priv_[tid];
   grow(s.xa, act_bytes(wt, at, L.cols));

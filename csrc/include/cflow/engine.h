@@ -104,6 +104,7 @@ class Engine {
   std::vector<TensorRef> T_;
   Plan plan_;
   bool fast_;
+  Isa isa_;  // kernel ISA, resolved once (CFLOW_ISA caps it)
   std::unique_ptr<Pool> pool_;
   std::vector<std::vector<float>> vecs_;  // per tensor: dequantized when used as norm/bias
   std::vector<std::vector<float>> bufs_;
