@@ -4,7 +4,7 @@
 set -euo pipefail
 OUT=${1:-runs/exp}
 DATA=${DATA:-/work/shared/data/stories.jsonl.xz}
-STEPS=${STEPS:-300}
+STEPS=${STEPS:-200}
 ARCHS=${ARCHS:-"arch1 arch2_4_combined arch2_4_sync arch3 arch4_async_experts arch5"}
 SEEDS=${SEEDS:-0}
 export PYTHONPATH=src OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false

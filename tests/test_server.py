@@ -251,3 +251,20 @@ def test_queue_limit_gives_503(tiny_llm):
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
         long.close()
         http.close()
+
+
+def test_bench_load_reports_a_clean_run(url, capsys):
+    import os
+
+    from cflow.cli import main
+
+    # the server runs in a thread of this process: its memory is this process's
+    rc = main(["bench", "load", "--url", url, "--pid", str(os.getpid()), "--clients", "3", "--requests", "2",
+               "--max-tokens", "4", "--stream"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "3 clients x 2 requests = 6" in out
+    assert "errors      0 server (5xx or dropped), 0 other" in out
+    assert "latency     p50" in out and "server RSS  before" in out
+    tokens = int(out.split("throughput  ")[1].split()[0])
+    assert 6 <= tokens <= 24  # 1..4 completion tokens per request, summed from the streamed usage

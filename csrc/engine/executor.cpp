@@ -29,8 +29,8 @@ struct Engine::Input {
 
 State::State(int n_layer, int n_ctx_, int kv_dim_) : n_ctx(n_ctx_), kv_dim(kv_dim_), k(n_layer), v(n_layer) {
   for (int l = 0; l < n_layer; ++l) {
-    k[l].assign((size_t)n_ctx * kv_dim, 0.f);
-    v[l].assign((size_t)n_ctx * kv_dim, 0.f);
+    k[l].reset(new float[(size_t)n_ctx * kv_dim]);
+    v[l].reset(new float[(size_t)n_ctx * kv_dim]);
   }
 }
 
@@ -359,8 +359,8 @@ void Engine::op_attn(const Op& op, int tid) {
   const float* cs = rope_cos_[ti].data();
   const float* sn = rope_sin_[ti].data();
   float* qkv = bufs_[op.src].data();
-  std::vector<float>& K = st_->k[op.layer];
-  std::vector<float>& V = st_->v[op.layer];
+  float* K = st_->k[op.layer].get();
+  float* V = st_->v[op.layer].get();
   const int pos0 = st_->pos;
   const float* qn = op.w >= 0 ? vec(op.w) : nullptr;
   const float* kn = op.bias >= 0 ? vec(op.bias) : nullptr;
@@ -397,8 +397,8 @@ void Engine::op_attn(const Op& op, int tid) {
       const int j = h - nh;
       float* kh = row + qdim + j * hd;
       head_norm_rope(kh, kn, p);
-      std::memcpy(K.data() + (size_t)p * kvdim + j * hd, kh, sizeof(float) * hd);
-      std::memcpy(V.data() + (size_t)p * kvdim + j * hd, row + qdim + kvdim + j * hd, sizeof(float) * hd);
+      std::memcpy(K + (size_t)p * kvdim + j * hd, kh, sizeof(float) * hd);
+      std::memcpy(V + (size_t)p * kvdim + j * hd, row + qdim + kvdim + j * hd, sizeof(float) * hd);
     }
   }
   pool_->barrier();
@@ -413,7 +413,7 @@ void Engine::op_attn(const Op& op, int tid) {
     const int lo = op.aux0 > 0 ? std::max(0, p - op.aux0 + 1) : 0, len = p - lo + 1;
     const float* q = qkv + (size_t)k * ld + h * hd;
     float* sc = s.scores.data();
-    dot_rows(q, K.data() + (size_t)lo * kvdim + j * hd, kvdim, len, hd, sc);
+    dot_rows(q, K + (size_t)lo * kvdim + j * hd, kvdim, len, hd, sc);
     float mx = -INFINITY;
     for (int i = 0; i < len; ++i) mx = std::max(mx, sc[i] *= scale);
     float sum = 0;
@@ -422,7 +422,7 @@ void Engine::op_attn(const Op& op, int tid) {
     for (int i = 0; i < len; ++i) sc[i] *= inv;
     float* o = out + (size_t)k * qdim + h * hd;
     std::memset(o, 0, sizeof(float) * hd);
-    mix_rows(sc, V.data() + (size_t)lo * kvdim + j * hd, kvdim, len, hd, o);
+    mix_rows(sc, V + (size_t)lo * kvdim + j * hd, kvdim, len, hd, o);
   }
 }
 

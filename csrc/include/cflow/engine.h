@@ -59,8 +59,12 @@ struct Plan {
 // KV cache of one sequence: per layer K and V, (n_ctx, kv_dim) fp32.
 struct State {
   int pos = 0, n_ctx = 0, kv_dim = 0;
-  std::vector<std::vector<float>> k, v;
+  // k[l], v[l]: (n_ctx, kv_dim) each. Left uninitialized: only positions < pos are ever read, and
+  // the OS hands out pages on first touch, so a new state costs nothing until it is filled.
+  std::vector<std::unique_ptr<float[]>> k, v;
   State(int n_layer, int n_ctx, int kv_dim);
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
 };
 
 class Pool;

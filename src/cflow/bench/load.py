@@ -79,7 +79,7 @@ def _start_server(args):
     raise CflowError("the server did not answer /health within 600 s")
 
 
-async def _client(http, url, headers, args, k, results):
+async def _client(http, url, headers, args, k, results, bar):
     import httpx
 
     for i in range(args.requests):
@@ -104,6 +104,7 @@ async def _client(http, url, headers, args, k, results):
         except httpx.HTTPError:
             status = -1  # connection failed or dropped: counted with the server errors
         results.append((time.perf_counter() - t0, status, tokens))
+        bar.update(1)
 
 
 def _usage_tokens(data: str) -> int:
@@ -119,10 +120,14 @@ async def _load(url, args) -> tuple[list, float]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     results: list = []
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(3600.0)) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(_client(http, url, headers, args, k, results) for k in range(args.clients)))
-        return results, time.perf_counter() - t0
+    from tqdm import tqdm
+
+    with tqdm(total=args.clients * args.requests, desc="requests", unit="req", file=sys.stderr,
+              mininterval=1.0) as bar:
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(3600.0)) as http:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(_client(http, url, headers, args, k, results, bar) for k in range(args.clients)))
+            return results, time.perf_counter() - t0
 
 
 def _pct(sorted_xs: list[float], q: float) -> float:
