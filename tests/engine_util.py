@@ -111,9 +111,12 @@ def tiny_hf(arch: str, *, seed=0, d=64, n_layer=2, n_head=4, n_kv=2, hd=16, ffn=
     return model
 
 
-def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1, stripe_rows=None):
+def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1, stripe_rows=None, split=None):
     """Lay out a tiny HF model as the engine's tensors; writes the dequantized weights back into
-    `model` so HF computes with exactly the weights the engine reads. Returns the file-like object."""
+    `model` so HF computes with exactly the weights the engine reads. Returns the file-like object.
+
+    split: {attn_q, attn_k, attn_v, ffn_gate, ffn_up: block type}: store Q/K/V and gate/up apart,
+    each in its own type (as the converter does when their types differ), instead of fused."""
     import torch
 
     c = model.config
@@ -151,14 +154,20 @@ def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1,
         p, b = f"model.layers.{l}.", f"blk.{l}."
         put(p + "input_layernorm.weight", b + "attn_norm")
         qkv = [sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]
-        deq = B.add(b + "attn_qkv", np.concatenate(qkv), wtype)
-        for x, part in zip("qkv", np.split(deq, np.cumsum([a.shape[0] for a in qkv])[:-1])):
-            new[p + f"self_attn.{x}_proj.weight"] = part
-        if cfg.qkv_bias:
-            bias = np.concatenate([sd[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
-            deq = B.add(b + "attn_qkv.bias", bias)
+        if split:
+            for x in "qkv":
+                put(p + f"self_attn.{x}_proj.weight", b + f"attn_{x}", split[f"attn_{x}"])
+                if cfg.qkv_bias:
+                    put(p + f"self_attn.{x}_proj.bias", b + f"attn_{x}.bias", "f32")
+        else:
+            deq = B.add(b + "attn_qkv", np.concatenate(qkv), wtype)
             for x, part in zip("qkv", np.split(deq, np.cumsum([a.shape[0] for a in qkv])[:-1])):
-                new[p + f"self_attn.{x}_proj.bias"] = part
+                new[p + f"self_attn.{x}_proj.weight"] = part
+            if cfg.qkv_bias:
+                bias = np.concatenate([sd[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+                deq = B.add(b + "attn_qkv.bias", bias)
+                for x, part in zip("qkv", np.split(deq, np.cumsum([a.shape[0] for a in qkv])[:-1])):
+                    new[p + f"self_attn.{x}_proj.bias"] = part
         if cfg.qk_norm:
             put(p + "self_attn.q_norm.weight", b + "attn_q_norm")
             put(p + "self_attn.k_norm.weight", b + "attn_k_norm")
@@ -169,6 +178,11 @@ def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1,
             put(p + "post_feedforward_layernorm.weight", b + "ffn_post_norm")
         else:
             put(p + "post_attention_layernorm.weight", b + "ffn_norm")
+        if split:
+            put(p + "mlp.gate_proj.weight", b + "ffn_gate", split["ffn_gate"])
+            put(p + "mlp.up_proj.weight", b + "ffn_up", split["ffn_up"])
+            put(p + "mlp.down_proj.weight", b + "ffn_down")
+            continue
         g, u = sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]
         F = g.shape[0]
         order = np.concatenate([off + np.arange(j, min(F, j + S)) for j in range(0, F, S) for off in (0, F)])

@@ -54,6 +54,26 @@ def test_quantized_paths(wtype, interleave):
     assert np.mean(got.argmax(1) == ref.argmax(1)) >= 0.9
 
 
+SPLIT = {"attn_q": "q4_0", "attn_k": "q8_0", "attn_v": "q4_1", "ffn_gate": "q5_0", "ffn_up": "q8_0"}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_qkv_and_gate_up_stored_apart(arch):
+    # as the converter stores them when their block types differ (Gemma 3 Q4_K_M): three matvecs
+    # into one (q | k | v) buffer, two into (gate | up) and act(gate) * up
+    model = tiny_hf(arch)
+    f = to_cflow(model, wtype="q8_0", split=SPLIT, tile=(32, 64), interleave=4)
+    assert "blk.0.attn_k" in f.tensors and "blk.0.attn_qkv" not in f.tensors and "blk.1.ffn_up" in f.tensors
+    ref = hf_logits(model, IDS)
+    for fast, bound in ((False, 1e-4), (True, 0.05)):
+        eng = Engine(f, threads=2, fast=fast)
+        st = eng.new_state()
+        got = np.concatenate([eng.forward(st, IDS[:20], all_logits=True)] + [eng.forward(st, [t])[None] for t in IDS[20:]])
+        errs = [rel_err(got[i], ref[i]) for i in range(len(IDS))]
+        assert max(errs) < bound, (fast, errs)
+    assert np.mean(got.argmax(1) == ref.argmax(1)) >= 0.9
+
+
 def test_threads_and_batching_agree():
     model = tiny_hf("qwen3")
     f = to_cflow(model, wtype="q4_1", embtype="q8_0", tile=(32, 64), interleave=4, stripe_rows=16)

@@ -11,6 +11,9 @@ from cflow import hub  # noqa: E402
 from test_models_smollm2 import TEXT  # noqa: E402
 
 
+FAST_TOP1_MIN = 0.90
+
+
 @pytest.fixture(scope="module")
 def gguf_path():
     return hub.pull("gemma3-270m", quiet=True)
@@ -24,9 +27,8 @@ def llm(gguf_path):
 
 
 def test_writes_coherent_text(llm):
-    # Q/K/V and gate/up stay apart in this file (their types differ): the default engine choice
-    # falls back to the reference engine until the native engine runs split parts.
-    assert type(llm.engine).__name__ == "RefEngine"
+    # Q/K/V and gate/up stay apart in this file (their types differ); the native engine runs them
+    assert type(llm.engine).__name__ == "Engine" and "blk.0.attn_q" in llm.file.tensors
     text = llm.generate("Once upon a time", max_tokens=40)
     words = text.split()
     assert len(words) >= 20
@@ -40,5 +42,10 @@ def test_top1_agrees_with_transformers(llm, gguf_path):
                                                         torch_dtype=torch.float32).eval()
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].float().numpy()
-    ours = llm.logits(ids)
-    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.98
+    from cflow.llm import LLM
+
+    exact = LLM(str(gguf_path), quiet=True, n_ctx=1024, fast=False)  # fp32 activations
+    assert (exact.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= 0.98
+    # int8 activations (the default, fast path): measured 93.8% against the fp32 path on these
+    # 128 tokens (docs/MODELS.md, Parity); guarded so that a regression shows
+    assert (llm.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= FAST_TOP1_MIN

@@ -143,8 +143,9 @@ void Engine::validate() {
         if (!W) fail(at + "matvec without a weight");
         const int C = buffer(op.src, "matvec src"), R = buffer(op.dst, "matvec dst");
         if (W->cols != C) fail(at + "weight columns " + std::to_string(W->cols) + " != input width " + std::to_string(C));
-        if (op.kind == OP_MATVEC && W->rows != R)
-          fail(at + "weight rows " + std::to_string(W->rows) + " != output width " + std::to_string(R));
+        if (op.kind == OP_MATVEC && (op.aux1 < 0 || op.aux1 > R || W->rows > R - op.aux1))
+          fail(at + "weight rows " + std::to_string(W->rows) + " at column " + std::to_string(op.aux1) +
+               " do not fit the output width " + std::to_string(R));
         if (op.kind == OP_GLU) {
           if (W->rows != 2 * R) fail(at + "gate_up rows must be twice the FFN width");
           if (op.aux0 <= 0 || op.aux0 % W->g) fail(at + "gate_up chunk must be a positive multiple of the interleave");
@@ -168,6 +169,11 @@ void Engine::validate() {
         const TileLayout* N = tensor(op.norm, "norm");
         const int w = buffer(op.src, "norm src");
         if (!N || numel(N) != w || buffer(op.dst, "norm dst") != w) fail(at + "norm_add shapes");
+        break;
+      }
+      case OP_ACT_MUL: {
+        const int F = buffer(op.dst, "act_mul dst");
+        if (buffer(op.src, "act_mul src") != 2 * F) fail(at + "act_mul input is not (gate, up) of twice the output width");
         break;
       }
       default: fail(at + "unknown op kind " + std::to_string(op.kind));
@@ -282,7 +288,7 @@ void Engine::op_matvec(const Op& op, int tid) {
   if (gemv) stripe_share(L, tid, pool_->size(), &r0, &r1);
   else row_share(L, tid, pool_->size(), &r0, &r1);
   if (r0 >= r1) return;
-  float* dst = bufs_[op.dst].data();
+  float* dst = bufs_[op.dst].data() + op.aux1;  // this weight's columns of the output
   const bool accum = op.flags & F_ACCUM;
   Scratch& s = *priv_[tid];
   float* y = dst + r0;
@@ -342,12 +348,28 @@ void Engine::op_glu(const Op& op, int tid) {
     for (int k = 0; k < n_; ++k) {
       const float* g = s.y.data() + (size_t)k * 2 * cp;
       const float* u = g + cp;
-      float* hk = h + (size_t)k * F + (size_t)p * c;
-      if (dims_.act == 0)
-        for (int j = 0; j < cp; ++j) hk[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
-      else
-        for (int j = 0; j < cp; ++j) hk[j] = gelu_tanh(g[j]) * u[j];
+      act_mul(g, u, h + (size_t)k * F + (size_t)p * c, cp);
     }
+  }
+}
+
+// h[j] = act(g[j]) * u[j]: SwiGLU (act 0) or GeGLU with tanh GELU (act 1).
+void Engine::act_mul(const float* g, const float* u, float* h, int n) const {
+  if (dims_.act == 0)
+    for (int j = 0; j < n; ++j) h[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+  else
+    for (int j = 0; j < n; ++j) h[j] = gelu_tanh(g[j]) * u[j];
+}
+
+// Gate and up computed by two matvecs into one (n, 2F) buffer; threads split the columns.
+void Engine::op_act_mul(const Op& op, int tid) {
+  const int F = plan_.buf_width[op.dst], nth = pool_->size();
+  const int j0 = (int)((int64_t)F * tid / nth), j1 = (int)((int64_t)F * (tid + 1) / nth);
+  const float* src = bufs_[op.src].data();
+  float* dst = bufs_[op.dst].data();
+  for (int k = 0; k < n_; ++k) {
+    const float* g = src + (size_t)k * 2 * F;
+    act_mul(g + j0, g + F + j0, dst + (size_t)k * F + j0, j1 - j0);
   }
 }
 
@@ -454,6 +476,7 @@ void Engine::run_ops(int tid) {
       case OP_GLU: op_glu(op, tid); break;
       case OP_ATTN: op_attn(op, tid); break;
       case OP_NORM_ADD: op_norm_add(op, tid); break;
+      case OP_ACT_MUL: op_act_mul(op, tid); break;
     }
     if (profile_on_ && tid == 0) prof_[op.kind] += std::chrono::duration<double>(clk::now() - t0).count();
   }

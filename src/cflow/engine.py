@@ -23,7 +23,7 @@ from cflow.config import ModelConfig
 from cflow.errors import CflowError, CflowFormatError, UnsupportedError
 
 # Op kinds and flags: csrc/include/cflow/engine.h
-OP_BARRIER, OP_EMBED, OP_MATVEC, OP_GLU, OP_ATTN, OP_NORM_ADD = 0, 1, 2, 3, 4, 5
+OP_BARRIER, OP_EMBED, OP_MATVEC, OP_GLU, OP_ATTN, OP_NORM_ADD, OP_ACT_MUL = 0, 1, 2, 3, 4, 5, 6
 F_ACCUM, F_LAST = 1, 2
 MAX_BATCH = 512  # tokens per native call when prefilling (bounds the scratch)
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -86,10 +86,6 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
         raise UnsupportedError(f"the native engine runs {', '.join(SUPPORTED_ARCHS)}; not arch {cfg.arch!r} yet")
     if cfg.n_expert:
         raise UnsupportedError("mixture-of-experts layers are not in the native engine yet")
-    if any(fused not in f.tensors and part in f.tensors
-           for fused, part in (("blk.0.attn_qkv", "blk.0.attn_q"), ("blk.0.ffn_gate_up", "blk.0.ffn_gate"))):
-        raise UnsupportedError("the native engine runs fused Q/K/V and gate/up; this file stores them apart "
-                               "(their block types differ)")
     P = Plan()
     ids: dict[str, int] = {}
 
@@ -114,6 +110,7 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
     QKV = P.buffer("qkv", q + 2 * kv)
     ATT = P.buffer("att", q)
     H = P.buffer("h", cfg.d_ff)
+    GU = -1  # (gate | up) of layers that store them apart
     TMP = P.buffer("tmp", d) if cfg.post_norms else -1
     LOGITS = P.buffer("logits", cfg.vocab_size)
     P.logits = LOGITS
@@ -125,9 +122,18 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
     P.bytes_per_token += et[1] // et[3]  # one row
     for l in range(cfg.n_layer):
         b = f"blk.{l}."
-        wqkv = tensor(b + "attn_qkv")
-        P.op(OP_MATVEC, w=wqkv, bias=tensor(b + "attn_qkv.bias", optional=not cfg.qkv_bias),
-             norm=tensor(b + "attn_norm"), src=X, dst=QKV)
+        # Q/K/V: one fused weight, or three (when their block types differ) writing their columns
+        # of the same (q | k | v) buffer; no barrier between them, they read the same input.
+        fused = b + "attn_qkv" in f.tensors or b + "attn_q" not in f.tensors
+        parts = ["attn_qkv"] if fused else ["attn_q", "attn_k", "attn_v"]
+        layer_w = []
+        col = 0
+        for part in parts:
+            wi = tensor(b + part)
+            P.op(OP_MATVEC, w=wi, bias=tensor(b + part + ".bias", optional=not cfg.qkv_bias),
+                 norm=tensor(b + "attn_norm"), src=X, dst=QKV, aux1=col)
+            col += P.tensors[wi][3]
+            layer_w.append(wi)
         P.barrier()
         sliding = cfg.layer_type(l) == "sliding"
         theta = (cfg.rope_local_theta or cfg.rope_theta) if sliding else cfg.rope_theta
@@ -136,6 +142,7 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
         P.op(OP_ATTN, w=qn, bias=kn, src=QKV, dst=ATT, layer=l, aux0=cfg.sliding_window if sliding else 0, f0=theta)
         P.barrier()
         wo = tensor(b + "attn_output")
+        layer_w.append(wo)
         if cfg.post_norms:
             P.op(OP_MATVEC, w=wo, src=ATT, dst=TMP)
             P.barrier()
@@ -144,14 +151,24 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
             P.op(OP_MATVEC, w=wo, src=ATT, dst=X, flags=F_ACCUM)
         P.barrier()
         gu = f.tensors.get(b + "ffn_gate_up")
-        if gu is None:
-            raise CflowFormatError(f"the model has no tensor {b + 'ffn_gate_up'!r}")
-        if getattr(gu, "fuse", "stripe") not in (None, "stripe") or not getattr(gu, "stripe_rows", 0):
-            raise CflowFormatError(f"{b}ffn_gate_up must be stripe-fused (gate/up interleaved by stripes)")
-        wgu = tensor(b + "ffn_gate_up")
-        P.op(OP_GLU, w=wgu, norm=tensor(b + "ffn_norm"), src=X, dst=H, aux0=gu.stripe_rows)
+        if gu is not None or b + "ffn_gate" not in f.tensors:
+            if gu is None:
+                raise CflowFormatError(f"the model has no tensor {b + 'ffn_gate_up'!r}")
+            if getattr(gu, "fuse", "stripe") not in (None, "stripe") or not getattr(gu, "stripe_rows", 0):
+                raise CflowFormatError(f"{b}ffn_gate_up must be stripe-fused (gate/up interleaved by stripes)")
+            layer_w.append(tensor(b + "ffn_gate_up"))
+            P.op(OP_GLU, w=layer_w[-1], norm=tensor(b + "ffn_norm"), src=X, dst=H, aux0=gu.stripe_rows)
+        else:  # gate and up apart: two matvecs into (gate | up), then act(gate) * up
+            if GU < 0:
+                GU = P.buffer("gate_up", 2 * cfg.d_ff)
+            for col, part in ((0, "ffn_gate"), (cfg.d_ff, "ffn_up")):
+                layer_w.append(tensor(b + part))
+                P.op(OP_MATVEC, w=layer_w[-1], norm=tensor(b + "ffn_norm"), src=X, dst=GU, aux1=col)
+            P.barrier()
+            P.op(OP_ACT_MUL, src=GU, dst=H)
         P.barrier()
         wd = tensor(b + "ffn_down")
+        layer_w.append(wd)
         if cfg.post_norms:
             P.op(OP_MATVEC, w=wd, src=H, dst=TMP)
             P.barrier()
@@ -159,7 +176,7 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
         else:
             P.op(OP_MATVEC, w=wd, src=H, dst=X, flags=F_ACCUM)
         P.barrier()
-        P.bytes_per_token += sum(weight_bytes(i) for i in (wqkv, wo, wgu, wd))
+        P.bytes_per_token += sum(weight_bytes(i) for i in layer_w)
     out = tensor("output", optional=cfg.tie_embeddings)
     if out < 0:
         out = emb
@@ -256,5 +273,5 @@ class Engine:
 
     def profile(self) -> dict[str, float]:
         """Seconds spent per op kind since creation (needs CFLOW_PROFILE=1)."""
-        names = ["barrier", "embed", "matvec", "glu", "attn", "norm_add"]
+        names = ["barrier", "embed", "matvec", "glu", "attn", "norm_add", "act_mul"]
         return dict(zip(names, self._core.profile()))

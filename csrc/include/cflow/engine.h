@@ -36,10 +36,11 @@ struct TensorRef {
 enum OpKind : int32_t {
   OP_BARRIER = 0,   // all threads meet
   OP_EMBED = 1,     // dst (n, d) = W[token] * embed_scale                       (w)
-  OP_MATVEC = 2,    // dst (n, R) =|+= W @ norm?(src) (+ bias), softcap f1       (w, bias, norm)
+  OP_MATVEC = 2,    // dst[:, aux1 : aux1+R] =|+= W @ norm?(src) (+ bias), softcap f1   (w, bias, norm)
   OP_GLU = 3,       // dst (n, F) = act(gate) * up; W = gate/up interleaved by aux0-row chunks
   OP_ATTN = 4,      // src qkv (n, q+2kv) -> dst (n, q): rope theta f0, window aux0, q/k norms w/bias
   OP_NORM_ADD = 5,  // dst (n, d) += rmsnorm(src) * (offset + W)                 (norm)
+  OP_ACT_MUL = 6,   // src (n, 2F) = [gate | up] -> dst (n, F) = act(gate) * up (gate, up stored apart)
 };
 enum OpFlags : int32_t { F_ACCUM = 1, F_LAST = 2 };
 
@@ -93,6 +94,8 @@ class Engine {
   void op_glu(const Op& op, int tid);
   void op_attn(const Op& op, int tid);
   void op_norm_add(const Op& op, int tid);
+  void op_act_mul(const Op& op, int tid);
+  void act_mul(const float* g, const float* u, float* h, int n) const;
   void validate();
   const float* vec(int tensor) const;  // dequantized 1-D tensor (norms, biases)
   struct Input;
