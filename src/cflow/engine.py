@@ -120,6 +120,20 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
     P.barrier()
     et = P.tensors[emb]
     P.bytes_per_token += et[1] // et[3]  # one row
+    layer_w: list[int] = []  # the current layer's weights (each read once per token)
+
+    def residual_out(weight: str, src: int, post_norm: str) -> None:
+        """x += W @ src, or (gemma) x += post_norm(W @ src)."""
+        wi = tensor(weight)
+        layer_w.append(wi)
+        if cfg.post_norms:
+            P.op(OP_MATVEC, w=wi, src=src, dst=TMP)
+            P.barrier()
+            P.op(OP_NORM_ADD, norm=tensor(post_norm), src=TMP, dst=X)
+        else:
+            P.op(OP_MATVEC, w=wi, src=src, dst=X, flags=F_ACCUM)
+        P.barrier()
+
     for l in range(cfg.n_layer):
         b = f"blk.{l}."
         # Q/K/V: one fused weight, or three (when their block types differ) writing their columns
@@ -141,15 +155,7 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
         kn = tensor(b + "attn_k_norm") if cfg.qk_norm else -1
         P.op(OP_ATTN, w=qn, bias=kn, src=QKV, dst=ATT, layer=l, aux0=cfg.sliding_window if sliding else 0, f0=theta)
         P.barrier()
-        wo = tensor(b + "attn_output")
-        layer_w.append(wo)
-        if cfg.post_norms:
-            P.op(OP_MATVEC, w=wo, src=ATT, dst=TMP)
-            P.barrier()
-            P.op(OP_NORM_ADD, norm=tensor(b + "attn_post_norm"), src=TMP, dst=X)
-        else:
-            P.op(OP_MATVEC, w=wo, src=ATT, dst=X, flags=F_ACCUM)
-        P.barrier()
+        residual_out(b + "attn_output", ATT, b + "attn_post_norm")
         gu = f.tensors.get(b + "ffn_gate_up")
         if gu is not None or b + "ffn_gate" not in f.tensors:
             if gu is None:
@@ -167,15 +173,7 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
             P.barrier()
             P.op(OP_ACT_MUL, src=GU, dst=H)
         P.barrier()
-        wd = tensor(b + "ffn_down")
-        layer_w.append(wd)
-        if cfg.post_norms:
-            P.op(OP_MATVEC, w=wd, src=H, dst=TMP)
-            P.barrier()
-            P.op(OP_NORM_ADD, norm=tensor(b + "ffn_post_norm"), src=TMP, dst=X)
-        else:
-            P.op(OP_MATVEC, w=wd, src=H, dst=X, flags=F_ACCUM)
-        P.barrier()
+        residual_out(b + "ffn_down", H, b + "ffn_post_norm")
         P.bytes_per_token += sum(weight_bytes(i) for i in layer_w)
     out = tensor("output", optional=cfg.tie_embeddings)
     if out < 0:
