@@ -236,3 +236,15 @@ def test_probe_and_bench_json():
     got = {(k["type"], k["layout"], k["threads"]) for k in d["kernels"]}
     assert got == {(t, l, n) for t in ("q4_0", "f16") for l in ("tiled", "row_major") for n in (1, 2)}
     assert all(k["gbps"] > 0 and k["pct_of_probe"] > 0 for k in d["kernels"])
+
+
+def test_bench_resident_json():
+    out = subprocess.run(
+        [sys.executable, "-m", "cflow", "bench", "kernels", "--resident", "--json", "--types", "q4_1",
+         "--threads", "1"],
+        capture_output=True, text=True, check=True,
+    )
+    d = json.loads(out.stdout)
+    assert d["resident"] is True and "probe_gbps" not in d
+    assert {(k["layout"], k["threads"]) for k in d["kernels"]} == {("tiled", 1), ("row_major", 1)}
+    assert all(k["type"] == "q4_1" and k["act"] == "q8" and 0 < k["gbps"] <= k["max_gbps"] for k in d["kernels"])
