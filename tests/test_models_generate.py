@@ -91,6 +91,22 @@ def test_length_finish_usage_and_state_reuse(llm):
     assert a == b == llm.generate("Once upon a time", max_tokens=8)
 
 
+def test_ignore_eos_runs_to_max_tokens(llm):
+    eos = set(llm.tokenizer.eos_token_ids)
+    for seed in range(200):  # near-uniform sampling: find a run that the end-of-sequence token ends
+        short = list(llm.complete("Once upon a time", max_tokens=64, temperature=8.0, seed=seed))
+        if short[-1].finish_reason == "stop":
+            break
+    else:
+        pytest.fail("no sampled run met the end-of-sequence token")
+    n = short[-1].usage.completion_tokens
+    assert n < 64
+    full = list(llm.complete("Once upon a time", max_tokens=64, temperature=8.0, seed=seed, ignore_eos=True))
+    ids = [t for c in full for t in c.token_ids]
+    assert full[-1].finish_reason == "length" and full[-1].usage.completion_tokens == len(ids) == 64
+    assert ids[:n] == [t for c in short for t in c.token_ids] and ids[n] in eos
+
+
 def test_chat_template_is_the_models_own(llm):
     s = llm.render_chat([{"role": "user", "content": "hi"}])
     assert s == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -150,7 +166,7 @@ def test_cli_bad_model_is_exit_2(tmp_path):
 
 def test_cli_ctrl_c_is_a_clean_exit_130(tiny_dir, cli_cache):
     p = _cli("generate", "-m", str(tiny_dir), "--engine", "ref", "-n", "480", "--temperature", "1", "--seed", "1",
-             "Once upon a time", cache=cli_cache)
+             "--ignore-eos", "Once upon a time", cache=cli_cache)
     p.stdout.read(1)  # generation has started
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=600)

@@ -61,11 +61,14 @@ def check_budget(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
 
 
 def generate_step(engine, state, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
-                  stop: list[str] | None = None, cached: int = 0, **sampling) -> Iterator[Chunk]:
+                  stop: list[str] | None = None, cached: int = 0, ignore_eos: bool = False,
+                  **sampling) -> Iterator[Chunk]:
     """Yield one Chunk per generated token; the last one has finish_reason, usage and timings.
 
     cached: tokens of prompt_ids already in `state` (prompt-cache reuse); the rest is prefilled.
     Text that could be the start of a stop string is held back; stop strings are never emitted.
+    ignore_eos: the end-of-sequence token does not end the generation (it is sampled like any
+    other: fixed-length runs and benchmarks).
     """
     sample = make_sampler(**sampling)
     stops = [s for s in (stop or []) if s]
@@ -78,7 +81,7 @@ def generate_step(engine, state, tok: Tokenizer, prompt_ids: list[int], *, max_t
     held, out_ids, pending, finish, n_fwd, stopped = "", [], [], "length", 0, False
     for i in range(max_tokens):
         t = sample(logits, history)
-        if t in tok.eos_token_ids:
+        if t in tok.eos_token_ids and not ignore_eos:
             finish = "stop"
             break
         out_ids.append(t)

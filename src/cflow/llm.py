@@ -146,7 +146,7 @@ class LLM:
     # ------------------------------------------------------------------ generation
     def complete(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
-                 stop: list[str] | None = None, state=None) -> Iterator[Chunk]:
+                 stop: list[str] | None = None, ignore_eos: bool = False, state=None) -> Iterator[Chunk]:
         """Generate from a prompt (text or token ids): one Chunk per token, the last with
         finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
         plus max_tokens does not fit the context. Close the generator to cancel.
@@ -168,13 +168,13 @@ class LLM:
             held = getattr(state, "_cflow_tokens", [])[: state.pos]
             while cached < min(len(held), len(ids)) and held[cached] == ids[cached]:
                 cached += 1
-        return self._run(state, ids, max_tokens, stop, cached, sampling)
+        return self._run(state, ids, max_tokens, stop, cached, ignore_eos, sampling)
 
-    def _run(self, state, ids, max_tokens, stop, cached, sampling) -> Iterator[Chunk]:
+    def _run(self, state, ids, max_tokens, stop, cached, ignore_eos, sampling) -> Iterator[Chunk]:
         out = list(ids)
         try:
             for chunk in generate_step(self.engine, state, self.tokenizer, ids, max_tokens=max_tokens, stop=stop,
-                                       cached=cached, **sampling):
+                                       cached=cached, ignore_eos=ignore_eos, **sampling):
                 out.extend(chunk.token_ids)
                 yield chunk
         finally:

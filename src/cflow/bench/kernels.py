@@ -18,7 +18,7 @@ import statistics
 import sys
 
 TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
-TILED_G = 16  # in-tile interleave of the tiled layout (docs/KERNELS.md: the measured winner)
+TILED_G = 1  # in-tile interleave of the tiled layout: what `cflow convert` writes (docs/KERNELS.md)
 
 
 def add_arguments(p):

@@ -13,6 +13,7 @@ def add_sampling_arguments(p):
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--n-ctx", type=int, default=None, help="context length (default: the model's, at most 8192)")
     p.add_argument("--engine", choices=("auto", "native", "ref"), default=None, help="decode engine: auto (default: native when built), native, ref (numpy reference)")
@@ -27,7 +28,8 @@ def add_arguments(p):
 
 def sampling_kwargs(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                ignore_eos=args.ignore_eos)
 
 
 def load_llm(args):
