@@ -165,8 +165,11 @@ def test_cli_bad_model_is_exit_2(tmp_path):
 
 
 def test_cli_ctrl_c_is_a_clean_exit_130(tiny_dir, cli_cache):
+    # as from a terminal: SIGINT handled by default even when this test runs in a background job
+    # (which starts with SIGINT ignored, and a child would inherit that)
     p = _cli("generate", "-m", str(tiny_dir), "--engine", "ref", "-n", "480", "--temperature", "1", "--seed", "1",
-             "--ignore-eos", "Once upon a time", cache=cli_cache)
+             "--ignore-eos", "Once upon a time", cache=cli_cache,
+             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     p.stdout.read(1)  # generation has started
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=600)
