@@ -153,13 +153,13 @@ def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1,
     for l in range(cfg.n_layer):
         p, b = f"model.layers.{l}.", f"blk.{l}."
         put(p + "input_layernorm.weight", b + "attn_norm")
-        qkv = [sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]
         if split:
             for x in "qkv":
                 put(p + f"self_attn.{x}_proj.weight", b + f"attn_{x}", split[f"attn_{x}"])
                 if cfg.qkv_bias:
                     put(p + f"self_attn.{x}_proj.bias", b + f"attn_{x}.bias", "f32")
         else:
+            qkv = [sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]
             deq = B.add(b + "attn_qkv", np.concatenate(qkv), wtype)
             for x, part in zip("qkv", np.split(deq, np.cumsum([a.shape[0] for a in qkv])[:-1])):
                 new[p + f"self_attn.{x}_proj.weight"] = part

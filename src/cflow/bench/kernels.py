@@ -39,6 +39,19 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print exactly one JSON line")
 
 
+def _act(bt, choice: str) -> str:
+    """The activation path a kernel run uses: q8 for quantized types under auto, else f32."""
+    from cflow import kernels as K
+
+    act = K.default_act(bt.name) if choice == "auto" else choice
+    return "f32" if act == "q8" and bt.block_elems == 1 else act
+
+
+def _layouts(cols: int, g: int) -> dict:
+    """The two layouts compared over the same bytes: {name: (tile, interleave)}."""
+    return {"tiled": ((128, 256), g), "row_major": ((128, cols), 1)}
+
+
 def _matrix(bt, cols: int, mb: float, rng):
     """Random tiled weights of about `mb` MB with valid scales: (payload, rows)."""
     import numpy as np
@@ -88,16 +101,13 @@ def main(args) -> int:
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal(args.cols).astype(np.float32)
-    tile_rm = (128, args.cols)
     results = []
     for bt in bts:
-        act = K.default_act(bt.name) if args.act == "auto" else args.act
-        if act == "q8" and bt.block_elems == 1:
-            act = "f32"
+        act = _act(bt, args.act)
         w, rows = _matrix(bt, args.cols, args.matrix_mb, rng)
         isa = K.gemv_isa(bt.name, act, args.isa)
         for t in threads:
-            layouts = {"tiled": ((128, 256), args.interleave), "row_major": (tile_rm, 1)}
+            layouts = _layouts(args.cols, args.interleave)
             secs = {name: [] for name in layouts}
             paired = []  # the probe pass of each repeat
             for name, (tile, g) in layouts.items():  # warm-up
@@ -138,13 +148,11 @@ def _resident(args, bts, threads, log) -> int:
     x = rng.standard_normal(cols).astype(np.float32)
     results = []
     for bt in bts:
-        act = K.default_act(bt.name) if args.act == "auto" else args.act
-        if act == "q8" and bt.block_elems == 1:
-            act = "f32"
+        act = _act(bt, args.act)
         w, rows = _matrix(bt, cols, 0.5, rng)
         isa = K.gemv_isa(bt.name, act, args.isa)
         for t in threads:
-            layouts = {"tiled": ((128, 256), args.interleave), "row_major": ((128, cols), 1)}
+            layouts = _layouts(cols, args.interleave)
             for name, (tile, g) in layouts.items():
                 secs = K._call(K.core.gemv_time, bt.name, w, x, rows, cols, tile, g, act, args.isa, t, 200, 5)
                 gb = [w.size / s * 1e-9 for s in secs]
