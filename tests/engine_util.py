@@ -14,7 +14,7 @@ import numpy as np
 
 from cflow.config import ModelConfig
 from cflow.convert.hf import _rope_theta  # the RoPE bases as the converter reads them
-from cflow.format.tiles import block_type, pack_tiles
+from cflow.format.tiles import block_type, check_pack, pack_tiles
 
 ALIGN = 64
 
@@ -30,6 +30,7 @@ class Entry:  # the fields of a .cflow tensor index entry the engine reads
     nbytes: int
     fuse: str | None = None
     stripe_rows: int = 0
+    pack: str = "blocks"
 
 
 def _encode(a: np.ndarray, bt) -> tuple[np.ndarray, np.ndarray]:
@@ -47,21 +48,22 @@ def _encode(a: np.ndarray, bt) -> tuple[np.ndarray, np.ndarray]:
 class Builder:
     """Accumulates tiled tensors into one uint8 buffer."""
 
-    def __init__(self, tile=(128, 256), interleave=1):
+    def __init__(self, tile=(128, 256), interleave=1, pack="blocks"):
         self.chunks, self.tensors, self.pos = [], {}, 0
-        self.tile, self.g = tile, interleave
+        self.tile, self.g, self.pack = tile, interleave, pack
 
     def add(self, name, a, type_="f32", stripe_rows=0):
         a = np.asarray(a, dtype=np.float32)
         a2 = a.reshape(1, -1) if a.ndim == 1 else a
         bt = block_type(type_ if a.ndim == 2 else "f32")
         enc, deq = _encode(a2, bt)
-        payload = pack_tiles(enc, bt, a2.shape[1], self.tile, self.g)
+        pack = "planes" if self.pack == "planes" and check_pack(bt, self.g, "planes") is None else "blocks"
+        payload = pack_tiles(enc, bt, a2.shape[1], self.tile, self.g, pack)
         pad = -self.pos % ALIGN
         self.chunks.append(np.zeros(pad, np.uint8))
         self.pos += pad
         self.tensors[name] = Entry(bt, a2.shape[0], a2.shape[1], self.tile, self.g, self.pos, payload.size,
-                                   "stripe" if stripe_rows else None, stripe_rows)
+                                   "stripe" if stripe_rows else None, stripe_rows, pack)
         self.chunks.append(payload)
         self.pos += payload.size
         return deq.reshape(a.shape)
@@ -111,12 +113,14 @@ def tiny_hf(arch: str, *, seed=0, d=64, n_layer=2, n_head=4, n_kv=2, hd=16, ffn=
     return model
 
 
-def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1, stripe_rows=None, split=None):
+def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1, stripe_rows=None, split=None,
+             pack="blocks"):
     """Lay out a tiny HF model as the engine's tensors; writes the dequantized weights back into
     `model` so HF computes with exactly the weights the engine reads. Returns the file-like object.
 
     split: {attn_q, attn_k, attn_v, ffn_gate, ffn_up: block type}: store Q/K/V and gate/up apart,
-    each in its own type (as the converter does when their types differ), instead of fused."""
+    each in its own type (as the converter does when their types differ), instead of fused.
+    pack="planes": the matrices whose type has the planes pack are stored in it."""
     import torch
 
     c = model.config
@@ -137,7 +141,7 @@ def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1,
         sliding_window=getattr(c, "sliding_window", 0) or 0 if arch == "gemma3" else 0, layer_types=layer_types,
         rope_local_theta=_rope_theta(c.to_dict(), "sliding_attention", 10000.0) if arch == "gemma3" else 0.0,
     )
-    B = Builder(tile, interleave)
+    B = Builder(tile, interleave, pack)
     S = stripe_rows or tile[0] // 2
     m = model.model
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
@@ -229,7 +233,7 @@ def gguf_llama(path: str, *, tile=(128, 256), interleave=4, stripe_rows=64, max_
         max_seq_len=max_seq_len, norm_eps=float(val("llama.attention.layer_norm_rms_epsilon")),
         rope_theta=float(val("llama.rope.freq_base")), rope_style="interleaved",
         tie_embeddings="output.weight" not in T)
-    B = Builder(tile, interleave)
+    B = Builder(tile, interleave, pack)
 
     def raw(t):
         bt = block_type(t.tensor_type.name.lower())

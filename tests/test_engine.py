@@ -37,11 +37,16 @@ def test_fp32_parity_with_hf(arch):
         assert rel_err(got[i], ref[i]) < 1e-4, (arch, i, rel_err(got[i], ref[i]))
 
 
-@pytest.mark.parametrize("wtype,interleave", [("q4_1", 1), ("q4_0", 4), ("q8_0", 2), ("q5_0", 8)])
-def test_quantized_paths(wtype, interleave):
-    # ragged tiles: 96 columns with tc 64, 40-row stripes of 4-row groups (d=96, ffn=160)
+@pytest.mark.parametrize("wtype,interleave,pack", [("q4_1", 1, "blocks"), ("q4_0", 4, "blocks"), ("q8_0", 2, "blocks"),
+                                                   ("q5_0", 8, "blocks"), ("q4_1", 4, "planes"), ("q4_0", 8, "planes")])
+def test_quantized_paths(wtype, interleave, pack):
+    # ragged tiles: 96 columns with tc 64, 40-row stripes of 4-row groups (d=96, ffn=160); planes:
+    # the matrices and the q8_0 embedding in the planes pack (prefill GEMMs unpack it, decode
+    # GEMVs read it, the embedding rows are gathered from it)
     model = tiny_hf("llama", d=96, n_head=6, n_kv=2, hd=16, ffn=160)
-    f = to_cflow(model, wtype=wtype, embtype="q8_0", tile=(40, 64), interleave=interleave, stripe_rows=interleave * 5)
+    f = to_cflow(model, wtype=wtype, embtype="q8_0", tile=(40, 64), interleave=interleave, stripe_rows=interleave * 5,
+                 pack=pack)
+    assert (f.tensors["blk.0.attn_qkv"].pack == pack) and (f.tensors["tok_embd"].pack == pack)
     ref = hf_logits(model, IDS)
     exact = Engine(f, threads=2, fast=False)
     got = exact.forward(exact.new_state(), IDS, all_logits=True)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from cflow.config import ModelConfig
 from cflow.errors import CflowFormatError
 from cflow.format import CflowFile, CflowWriter
-from cflow.format.spec import MAGIC, PREAMBLE, crc32
+from cflow.format.spec import MAGIC, PREAMBLE, VERSION, crc32
 
 CFG = ModelConfig(vocab_size=100, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, n_expert=2, top_k=1, d_expert=32)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -24,7 +24,7 @@ def _build() -> bytes:
         path = os.path.join(d, "m.cflow")
         with CflowWriter(path, CFG, tokenizer_json='{"model": {}}', chat_template="{{ m }}",
                          special_tokens={"bos_token_id": 1, "eos_token_ids": [2], "add_bos": True}, metadata={"source": "test"}) as w:
-            w.add_tensor("tok_embd", "q8_0", rng.standard_normal((100, 64)))
+            w.add_tensor("tok_embd", "q8_0", rng.standard_normal((100, 64)), interleave=16, pack="planes")
             w.add_tensor("blk.0.attn_norm", "f32", rng.standard_normal(64))
             w.add_fused("blk.0.attn_qkv", "q4_0", [("q", rng.standard_normal((64, 64))), ("k", rng.standard_normal((32, 64))),
                                                    ("v", rng.standard_normal((32, 64)))], "stack")
@@ -46,7 +46,7 @@ def assemble(header, *, payload: bytes = GOOD[:HOFF], **fields) -> bytes:
     """A file with this header (dict or raw bytes) and a consistent preamble, unless `fields`
     override preamble values (magic, version, flags, size, hoff, hlen, hcrc, align)."""
     raw = header if isinstance(header, bytes) else json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
-    v = dict(magic=MAGIC, version=1, flags=0, size=len(payload) + len(raw), hoff=len(payload), hlen=len(raw),
+    v = dict(magic=MAGIC, version=VERSION, flags=0, size=len(payload) + len(raw), hoff=len(payload), hlen=len(raw),
              hcrc=crc32(raw), align=4096)
     v.update(fields)
     pre = PREAMBLE.pack(v["magic"], v["version"], v["flags"], v["size"], v["hoff"], v["hlen"], v["hcrc"], v["align"], bytes(12), 0)
@@ -147,7 +147,8 @@ def test_wrong_json_values_anywhere_are_format_errors(where, idx, key_pick, valu
 CRAFTED = {
     "bad magic": (lambda: b"GGUF" + GOOD[4:], "bad magic"),
     "empty file": (lambda: b"", "too small"),
-    "unknown version": (lambda: assemble(HEADER, version=2), "unsupported .cflow version 2"),
+    "unknown version": (lambda: assemble(HEADER, version=3), "unsupported .cflow version 3"),
+    "planes in a version-1 file": (lambda: assemble(edited(lambda h: h.update(version=1)), version=1), "needs version 2"),
     "nonzero flags": (lambda: assemble(HEADER, flags=1), "flags"),
     "huge header length": (lambda: assemble(HEADER, hlen=1 << 40), "header at offset"),
     "header past the end": (lambda: assemble(HEADER, hoff=1 << 50), "header at offset"),
@@ -158,7 +159,7 @@ CRAFTED = {
     "deep nesting": (lambda: assemble(b"[" * 200000 + b"]" * 200000), "not valid UTF-8 JSON"),
     "huge integer literal": (lambda: assemble(b'{"x": ' + b"9" * 5000 + b"}"), "not valid UTF-8 JSON"),
     "not an object": (lambda: assemble(b"[1, 2]"), "must be a JSON object"),
-    "wrong format field": (lambda: assemble(edited(lambda h: h.update(version=2))), "format/version"),
+    "wrong format field": (lambda: assemble(edited(lambda h: h.update(version=1))), "format/version"),
     "tensors not a list": (lambda: assemble(edited(lambda h: h.update(tensors={}))), "'tensors' has type dict"),
     "config invalid": (lambda: assemble(edited(lambda h: h["config"].update(n_head=3))), "header.config"),
     "config wrong type": (lambda: assemble(edited(lambda h: h.update(config=[]))), "'config' has type list"),
@@ -181,6 +182,12 @@ CRAFTED = {
     "unknown block type": (lambda: assemble(edited(lambda h: tensor(h, "tok_embd").update(type="q9_9"))), "unknown block type"),
     "tile vs block size": (lambda: assemble(edited(lambda h: tensor(h, "tok_embd").update(tile=[128, 100]))), "multiples of"),
     "absurd tile": (lambda: assemble(edited(lambda h: tensor(h, "tok_embd").update(tile=[1 << 40, 256]))), "tile"),
+    "unknown pack": (lambda: assemble(edited(lambda h: tensor(h, "tok_embd").update(pack="soa"))), "pack 'soa' is not one of"),
+    "pack not a string": (lambda: assemble(edited(lambda h: tensor(h, "tok_embd").update(pack=1))), "pack '1' is not one of"),
+    "planes of a type without them": (lambda: assemble(edited(lambda h: tensor(h, "blk.0.ffn_down").update(pack="planes"))),
+                                      "planes pack exists only for"),
+    "planes with a wide interleave": (lambda: assemble(edited(lambda h: tensor(h, "tok_embd").update(interleave=32))),
+                                      "at most 16"),
     "interleave vs tile": (lambda: assemble(edited(lambda h: tensor(h, "tok_embd").update(interleave=3))), "does not divide"),
     "unknown section": (lambda: assemble(edited(lambda h: tensor(h, "tok_embd").update(section="nope"))), "'nope' is not in"),
     "duplicate tensor": (lambda: assemble(edited(lambda h: h["tensors"].append(dict(h["tensors"][0])))), "appears twice"),
@@ -222,3 +229,14 @@ def test_missing_file_directory_and_fifo_are_clear_errors(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(CflowFormatError, match="not a regular file"):  # opening a FIFO would block
         CflowFile(tmp_path / "fifo")
+
+
+def test_version_1_files_still_open():
+    """Files written before the planes pack existed (version 1, whole blocks) still read."""
+    def v1(h):
+        h["version"] = 1
+        t = tensor(h, "tok_embd")
+        del t["pack"]
+        t["interleave"] = 1
+    h = open_bytes(assemble(edited(v1), version=1))
+    assert h["version"] == 1

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from cflow import kernels as K
 from cflow.errors import CflowError
-from cflow.format.tiles import block_type, fuse_rows, pack_tiles
+from cflow.format.tiles import block_type, fuse_rows, pack_tiles, unpack_tiles
 
 GGML = {"f32": GT.F32, "f16": GT.F16, "bf16": GT.BF16, "q4_0": GT.Q4_0, "q4_1": GT.Q4_1,
         "q5_0": GT.Q5_0, "q8_0": GT.Q8_0, "q4_k": GT.Q4_K, "q6_k": GT.Q6_K}
@@ -57,10 +57,10 @@ def int8_bound(W, x):
     return (np.abs(W).reshape(W.shape[0], -1, 32).sum(axis=2) * (d / 2)).sum(axis=1)
 
 
-def setup(name, rows, cols, tile, g, seed=0):
+def setup(name, rows, cols, tile, g, seed=0, pack="blocks"):
     rng = np.random.default_rng(seed)
     rm = random_rows(name, rows, cols, rng)
-    tiles = pack_tiles(rm, block_type(name), cols, tile, g)
+    tiles = pack_tiles(rm, block_type(name), cols, tile, g, pack)
     W = dequant(name, rm, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     return tiles, W, x
@@ -133,19 +133,78 @@ def test_every_kernel_on_every_isa_matches_scalar(name, act, isa):
 @given(name=st.sampled_from(TYPES), rows=st.integers(1, 300), nblk=st.integers(1, 12),
        g=st.sampled_from([1, 2, 4, 8, 16, 32]), tc_blocks=st.sampled_from([1, 2, 8]),
        act=st.sampled_from(["f32", "q8"]), isa=st.sampled_from(ISAS), threads=st.sampled_from([1, 2]),
-       seed=st.integers(0, 2**16))
-def test_every_path_matches_scalar(name, rows, nblk, g, tc_blocks, act, isa, threads, seed):
+       pack=st.sampled_from(["blocks", "planes"]), seed=st.integers(0, 2**16))
+def test_every_path_matches_scalar(name, rows, nblk, g, tc_blocks, act, isa, threads, pack, seed):
     bt = block_type(name)
     if act == "q8" and bt.block_elems == 1:
         act = "f32"
+    if name not in PLANES or g > 16:
+        pack = "blocks"
     qk = bt.block_elems if bt.block_elems > 1 else 32
     cols = qk * nblk if bt.block_elems > 1 else 32 * nblk + 7 * (seed % 2)
     tile = (128, qk * tc_blocks if bt.block_elems > 1 else 32 * tc_blocks)
-    tiles, W, x = setup(name, rows, cols, tile, g, seed)
-    yr = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa="scalar")
-    y = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa=isa, threads=threads)
+    tiles, W, x = setup(name, rows, cols, tile, g, seed, pack)
+    yr = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa="scalar", pack=pack)
+    y = K.gemv(name, tiles, x, rows, cols, tile, g, act=act, isa=isa, threads=threads, pack=pack)
     scale = np.abs(W) @ np.abs(x.astype(np.float64))
     assert np.all(np.abs(y - yr) <= 1e-5 * scale + 1e-30)
+
+
+PLANES = ["q4_0", "q4_1", "q8_0"]
+
+
+def test_planes_chunk_layout_by_hand():
+    """Two Q4_1 blocks (rows 0 and 1 of one column block, interleave 2) in the planes pack: the
+    two d words, the two m words, then 4-byte quant slices k = 0..3 of row 0 and row 1 in turn."""
+    bt = block_type("q4_1")
+    b0 = np.arange(20, dtype=np.uint8)  # d = bytes 0-1, m = 2-3, qs = 4..19
+    b1 = np.arange(100, 120, dtype=np.uint8)
+    rows = np.stack([b0, b1])  # (2 rows, 1 block each): cols = 32
+    p = pack_tiles(rows, bt, 32, (2, 32), 2, "planes")
+    want = [0, 1, 100, 101, 2, 3, 102, 103]
+    for k in range(4):
+        want += list(range(4 + 4 * k, 8 + 4 * k)) + list(range(104 + 4 * k, 108 + 4 * k))
+    assert p.tolist() == want
+    assert np.array_equal(unpack_tiles(p, bt, 2, 32, (2, 32), 2, "planes"), rows)
+
+
+@pytest.mark.parametrize("name", PLANES)
+def test_planes_pack_is_lossless(name):
+    rng = np.random.default_rng(7)
+    bt = block_type(name)
+    for rows, cols, tile, g in ((300, 640, (128, 256), 16), (77, 96, (32, 64), 8), (50, 64, (48, 32), 12)):
+        rm = random_rows(name, rows, cols, rng)
+        p = pack_tiles(rm, bt, cols, tile, g, "planes")
+        assert p.size == pack_tiles(rm, bt, cols, tile, g).size
+        assert np.array_equal(unpack_tiles(p, bt, rows, cols, tile, g, "planes"), rm)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("act", ["f32", "q8"])
+@pytest.mark.parametrize("name", PLANES)
+def test_planes_kernels_match_the_whole_block_definition(name, act, isa):
+    """The planes kernels on every ISA give the scalar whole-block kernel's result for the same
+    matrix: full 16-row groups, and ragged ones (a partial stripe and group), 1 and 2 threads."""
+    assert K.gemv_isa(name, act, isa, "planes") == isa
+    rng = np.random.default_rng(sum(map(ord, name + act + isa)))
+    for g, rows, cols in ((16, 256, 512), (16, 301, 608), (8, 133, 96), (4, 7, 64), (1, 5, 32)):
+        tiles_b, W, x = setup(name, rows, cols, (128, 256), g, seed=g)
+        tiles_p, _, _ = setup(name, rows, cols, (128, 256), g, seed=g, pack="planes")
+        yr = K.gemv(name, tiles_b, x, rows, cols, (128, 256), g, act=act, isa="scalar")
+        scale = np.abs(W) @ np.abs(x.astype(np.float64))
+        for threads in (1, 2):
+            y = K.gemv(name, tiles_p, x, rows, cols, (128, 256), g, act=act, isa=isa, threads=threads, pack="planes")
+            assert np.all(np.abs(y - yr) <= 1e-5 * scale + 1e-30), (g, rows, cols, threads)
+    if act == "q8":  # the fused GLU pass reads the planes pack too
+        ff, cols = 200, 256
+        gate, up = random_rows(name, ff, cols, rng), random_rows(name, ff, cols, rng)
+        fused, _ = fuse_rows([gate, up], "glu")
+        bt = block_type(name)
+        x = rng.standard_normal(cols).astype(np.float32)
+        hb = K.gemv_glu(name, pack_tiles(fused, bt, cols, (128, 256), 16), x, ff, cols, interleave=16, isa=isa)
+        hp = K.gemv_glu(name, pack_tiles(fused, bt, cols, (128, 256), 16, "planes"), x, ff, cols, interleave=16,
+                        isa=isa, pack="planes")
+        np.testing.assert_allclose(hp, hb, rtol=1e-4, atol=1e-6 * np.abs(hb).max())
 
 
 def test_row_major_is_the_same_kernel():
@@ -211,6 +270,12 @@ def test_bad_arguments_give_clear_errors():
         K.gemv("q4_0", np.zeros(2 * 36, np.uint8), x, 2, 64, interleave=3)
     with pytest.raises(CflowError, match="int8"):
         K.gemv("f16", np.zeros(2 * 128, np.uint8), x, 2, 64, act="q8")
+    with pytest.raises(CflowError, match="planes pack exists only for"):
+        K.gemv("q5_0", np.zeros(2 * 44, np.uint8), x, 2, 64, pack="planes")
+    with pytest.raises(CflowError, match="at most 16"):
+        K.gemv("q4_0", np.zeros(64 * 36, np.uint8), x, 64, 64, tile=(64, 256), interleave=32, pack="planes")
+    with pytest.raises(CflowError, match="pack must be"):
+        K.gemv("q4_0", np.zeros(2 * 36, np.uint8), x, 2, 64, pack="soa")
     with pytest.raises(CflowError):
         K.gemv("q4_0", np.zeros(2 * 36, np.uint8), x, 2, 64, isa="neon")
 
@@ -234,7 +299,10 @@ def test_probe_and_bench_json():
     d = json.loads(lines[0])
     assert d["probe_gbps"] > 0
     got = {(k["type"], k["layout"], k["threads"]) for k in d["kernels"]}
-    assert got == {(t, l, n) for t in ("q4_0", "f16") for l in ("tiled", "row_major") for n in (1, 2)}
+    assert got == {(t, l, n) for t in ("q4_0", "f16") for l in ("tiled", "row_major") for n in (1, 2)} | \
+        {("q4_0", "tiled_blocks", n) for n in (1, 2)}
+    tiled = {(k["type"], k["layout"]): (k["interleave"], k["pack"]) for k in d["kernels"]}
+    assert tiled[("q4_0", "tiled")] == (16, "planes") and tiled[("f16", "tiled")] == (1, "blocks")
     assert all(k["gbps"] > 0 and k["pct_of_probe"] > 0 for k in d["kernels"])
 
 
@@ -246,5 +314,5 @@ def test_bench_resident_json():
     )
     d = json.loads(out.stdout)
     assert d["resident"] is True and "probe_gbps" not in d
-    assert {(k["layout"], k["threads"]) for k in d["kernels"]} == {("tiled", 1), ("row_major", 1)}
+    assert {(k["layout"], k["threads"]) for k in d["kernels"]} == {("tiled", 1), ("tiled_blocks", 1), ("row_major", 1)}
     assert all(k["type"] == "q4_1" and k["act"] == "q8" and 0 < k["gbps"] <= k["max_gbps"] for k in d["kernels"])

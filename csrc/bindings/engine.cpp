@@ -34,13 +34,13 @@ PyEngine* make_engine(nb::object owner, Arr<const uint8_t> buf, Arr<const int32_
   D.vocab = di[5]; D.n_ctx = di[6]; D.rope_style = di[7]; D.act = di[8];
   const float* df = fdims.data();
   D.eps = df[0]; D.norm_offset = df[1]; D.attn_scale = df[2]; D.embed_scale = df[3];
-  if (tensors.ndim() != 2 || tensors.shape(1) != 8) throw nb::value_error("tensors: expected (n, 8) int64");
+  if (tensors.ndim() != 2 || tensors.shape(1) != 9) throw nb::value_error("tensors: expected (n, 9) int64");
   std::vector<TensorRef> T(tensors.shape(0));
   for (size_t i = 0; i < T.size(); ++i) {
-    const int64_t* r = tensors.data() + i * 8;
+    const int64_t* r = tensors.data() + i * 9;
     T[i].off = r[0]; T[i].nbytes = r[1];
     T[i].L.type = (int)r[2]; T[i].L.rows = (int)r[3]; T[i].L.cols = (int)r[4];
-    T[i].L.tr = (int)r[5]; T[i].L.tc = (int)r[6]; T[i].L.g = (int)r[7];
+    T[i].L.tr = (int)r[5]; T[i].L.tc = (int)r[6]; T[i].L.g = (int)r[7]; T[i].L.pack = (int)r[8];
   }
   if (ops_i.ndim() != 2 || ops_i.shape(1) != kOpInts || ops_f.ndim() != 2 || ops_f.shape(1) != kOpFloats ||
       ops_f.shape(0) != ops_i.shape(0))

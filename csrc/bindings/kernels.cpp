@@ -56,9 +56,15 @@ OutF new_out(size_t n) {
 }
 
 // Checks shapes and returns the validated tile shape; x must have cols values.
+Pack parse_pack(const std::string& s) {
+  Pack p;
+  if (!pack_from_name(s.c_str(), &p)) throw nb::value_error(("pack must be 'blocks' or 'planes', got " + s).c_str());
+  return p;
+}
+
 TileShape check(WType wt, AType at, const Bytes& tiles, const VecF& x, int rows, int cols,
-                std::tuple<int, int> tile, int interleave) {
-  TileShape ts{std::get<0>(tile), std::get<1>(tile), interleave};
+                std::tuple<int, int> tile, int interleave, const std::string& pack) {
+  TileShape ts{std::get<0>(tile), std::get<1>(tile), interleave, parse_pack(pack)};
   if (const char* err = check_tiling(wt, rows, cols, ts)) throw nb::value_error(err);
   if (at == AType::Q8 && !has_q8_path(wt)) throw nb::value_error("this weight type has no int8 activation path");
   if (tiles.shape(0) != tiled_nbytes(wt, rows, cols))
@@ -82,10 +88,10 @@ void bind_kernels(nb::module_& m) {
   m.def(
       "gemv",
       [](const std::string& wtype, Bytes tiles, VecF x, int rows, int cols, std::tuple<int, int> tile,
-         int interleave, const std::string& act, std::optional<std::string> isa, int threads) {
+         int interleave, const std::string& act, std::optional<std::string> isa, int threads, const std::string& pack) {
         const WType wt = parse_wtype(wtype);
         const AType at = parse_act(act);
-        const TileShape ts = check(wt, at, tiles, x, rows, cols, tile, interleave);
+        const TileShape ts = check(wt, at, tiles, x, rows, cols, tile, interleave, pack);
         const Isa i = parse_isa(isa);
         ThreadPool* pool = pool_of(threads);
         OutF y = new_out(rows);
@@ -99,17 +105,17 @@ void bind_kernels(nb::module_& m) {
       },
       nb::arg("wtype"), nb::arg("tiles"), nb::arg("x"), nb::arg("rows"), nb::arg("cols"),
       nb::arg("tile") = std::make_tuple(128, 256), nb::arg("interleave") = 1, nb::arg("act") = "q8",
-      nb::arg("isa") = nb::none(), nb::arg("threads") = 1,
+      nb::arg("isa") = nb::none(), nb::arg("threads") = 1, nb::arg("pack") = "blocks",
       "y = W x over a tiled payload (uint8), x float32 (cols); act 'q8' quantizes x to int8 blocks.");
 
   m.def(
       "gemv_glu",
       [](const std::string& wtype, Bytes tiles, VecF x, int ff, int cols, std::tuple<int, int> tile,
          int interleave, const std::string& glu, const std::string& act, std::optional<std::string> isa,
-         int threads) {
+         int threads, const std::string& pack) {
         const WType wt = parse_wtype(wtype);
         const AType at = parse_act(act);
-        const TileShape ts = check(wt, at, tiles, x, 2 * ff, cols, tile, interleave);
+        const TileShape ts = check(wt, at, tiles, x, 2 * ff, cols, tile, interleave, pack);
         if (ts.tr % 2) throw nb::value_error("gemv_glu: tile rows must be even");
         Glu g;
         if (glu == "silu") g = Glu::Silu;
@@ -128,17 +134,17 @@ void bind_kernels(nb::module_& m) {
       },
       nb::arg("wtype"), nb::arg("tiles"), nb::arg("x"), nb::arg("ff"), nb::arg("cols"),
       nb::arg("tile") = std::make_tuple(128, 256), nb::arg("interleave") = 1, nb::arg("glu") = "silu",
-      nb::arg("act") = "q8", nb::arg("isa") = nb::none(), nb::arg("threads") = 1,
+      nb::arg("act") = "q8", nb::arg("isa") = nb::none(), nb::arg("threads") = 1, nb::arg("pack") = "blocks",
       "h = glu(gate x) * (up x) in one pass over a gate+up matrix fused by half-stripes.");
 
   m.def(
       "gemv_time",
       [](const std::string& wtype, Bytes tiles, VecF x, int rows, int cols, std::tuple<int, int> tile,
          int interleave, const std::string& act, std::optional<std::string> isa, int threads, int repeats,
-         int warmup) {
+         int warmup, const std::string& pack) {
         const WType wt = parse_wtype(wtype);
         const AType at = parse_act(act);
-        const TileShape ts = check(wt, at, tiles, x, rows, cols, tile, interleave);
+        const TileShape ts = check(wt, at, tiles, x, rows, cols, tile, interleave, pack);
         const Isa i = parse_isa(isa);
         ThreadPool* pool = pool_of(threads);
         std::vector<double> secs;
@@ -159,17 +165,18 @@ void bind_kernels(nb::module_& m) {
       nb::arg("wtype"), nb::arg("tiles"), nb::arg("x"), nb::arg("rows"), nb::arg("cols"),
       nb::arg("tile") = std::make_tuple(128, 256), nb::arg("interleave") = 1, nb::arg("act") = "q8",
       nb::arg("isa") = nb::none(), nb::arg("threads") = 1, nb::arg("repeats") = 5, nb::arg("warmup") = 1,
+      nb::arg("pack") = "blocks",
       "Seconds of each of `repeats` GEMVs (activation quantization included), after `warmup` untimed ones.");
 
   m.def(
       "gemv_isa",
-      [](const std::string& wtype, const std::string& act, std::optional<std::string> isa) {
+      [](const std::string& wtype, const std::string& act, std::optional<std::string> isa, const std::string& pack) {
         Isa used = Isa::Scalar;
-        if (!gemv_fn(parse_wtype(wtype), parse_act(act), parse_isa(isa), &used))
+        if (!gemv_fn(parse_wtype(wtype), parse_act(act), parse_isa(isa), &used, parse_pack(pack)))
           throw nb::value_error("no kernel for this weight/activation pair");
         return std::string(isa_name(used));
       },
-      nb::arg("wtype"), nb::arg("act") = "q8", nb::arg("isa") = nb::none(),
+      nb::arg("wtype"), nb::arg("act") = "q8", nb::arg("isa") = nb::none(), nb::arg("pack") = "blocks",
       "ISA of the kernel that runs for (wtype, act) when `isa` (default: best) is allowed.");
 
   m.def(

@@ -233,7 +233,7 @@ Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int no
 GemvFn Engine::decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa) {
   const WType wt = static_cast<WType>(L.type);
   const AType at = fast_ && has_q8_path(wt) ? AType::Q8 : AType::F32;
-  GemvFn fn = gemv_fn(wt, at, isa_);
+  GemvFn fn = gemv_fn(wt, at, isa_, nullptr, static_cast<Pack>(L.pack));
   if (!fn) return nullptr;
   Scratch& s = *priv_[tid];
   grow(s.xa, act_bytes(wt, at, L.cols));
@@ -299,7 +299,7 @@ void Engine::op_matvec(const Op& op, int tid) {
     ldy = r1 - r0;
   }
   const uint8_t* w = base_ + W.off;
-  if (gemv) gemv(y, xa, w, R, C, TileShape{L.tr, L.tc, L.g}, r0, r1);
+  if (gemv) gemv(y, xa, w, R, C, TileShape{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)}, r0, r1);
   else if (q8) gemm_q8(L, w, r0, r1, in.qa, y, ldy);
   else gemm_f32(L, w, r0, r1, in.x, in.ldx, n, y, ldy);
   const float* b = op.bias >= 0 ? vec(op.bias) : nullptr;
@@ -333,7 +333,7 @@ void Engine::op_glu(const Op& op, int tid) {
   Input in = prepare(bufs_[op.src].data(), lds, n_, C, op.norm, q8, tid);
   const void* xa = nullptr;
   GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa) : nullptr;
-  const TileShape ts{L.tr, L.tc, L.g};
+  const TileShape ts{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)};
   const int P = (F + c - 1) / c;
   const int p0 = (int)((int64_t)P * tid / nth), p1 = (int)((int64_t)P * (tid + 1) / nth);
   Scratch& s = *priv_[tid];

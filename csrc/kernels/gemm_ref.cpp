@@ -40,6 +40,10 @@ bool make_layout(TileLayout& L, const char** err) {
     *err = "bad tile shape or interleave";
     return false;
   }
+  if (L.pack != 0 && (L.pack != (int)Pack::Planes || !planes_header(static_cast<WType>(L.type)) || L.g > kPlanesMaxG)) {
+    *err = "bad pack (planes: q4_0, q4_1, q8_0 with interleave <= 16)";
+    return false;
+  }
   return true;
 }
 
@@ -97,11 +101,19 @@ static void int_block(int type, const uint8_t* b, int* q, float* scale, float* o
 }
 
 void dequant_group_row(const TileLayout& L, const Group& G, int i, float* out) {
+  const int hdr = L.pack == (int)Pack::Planes ? planes_header(static_cast<WType>(L.type)) : 0;
+  uint8_t blk[64];
   for (int t = 0; t < G.ntiles; ++t) {
     const uint8_t* tb = G.tile(t);
     const int nb = G.nb_of(t);
-    for (int b = 0; b < nb; ++b)
-      dequant_block(L.type, tb + ((size_t)b * G.g + i) * G.bb, out + (size_t)(t * G.bpt + b) * L.qk);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* p = tb + ((size_t)b * G.g + i) * G.bb;
+      if (hdr) {  // planes: gather row i's block from its chunk
+        planes_get(tb + (size_t)b * G.g * G.bb, G.g, i, hdr, G.bb, blk);
+        p = blk;
+      }
+      dequant_block(L.type, p, out + (size_t)(t * G.bpt + b) * L.qk);
+    }
   }
 }
 
@@ -113,6 +125,10 @@ void dequant_row(const TileLayout& L, const uint8_t* w, int r, float* out) {
 // ---------------------------------------------------------------- reference kernels
 void gemm_f32_ref(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
                   float* y, int ldy) {
+  if (gemm_on_whole_blocks(L, w, r0, r1, y, [&](const TileLayout& S, const uint8_t* ws, int a, int b, float* ys) {
+        gemm_f32_ref(S, ws, a, b, x, ldx, n, ys, ldy);
+      }))
+    return;
   float blk[32];
   std::vector<double> acc(n);
   for_groups(L, w, r0, r1, [&](const Group& G) {
@@ -138,6 +154,10 @@ void gemm_f32_ref(const TileLayout& L, const uint8_t* w, int r0, int r1, const f
 }
 
 void gemm_q8_ref(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
+  if (gemm_on_whole_blocks(L, w, r0, r1, y, [&](const TileLayout& S, const uint8_t* ws, int a, int b, float* ys) {
+        gemm_q8_ref(S, ws, a, b, x, ys, ldy);
+      }))
+    return;
   int q[32];
   const int xb = x.cols / 32;
   for_groups(L, w, r0, r1, [&](const Group& G) {

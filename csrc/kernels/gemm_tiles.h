@@ -4,6 +4,8 @@
 #include <cstdint>
 
 #include "cflow/gemm.h"
+#include "cflow/kernels.h"
+#include "cflow/planes.h"
 
 namespace cflow {
 
@@ -54,6 +56,29 @@ inline void for_groups(const TileLayout& L, const uint8_t* w, int r0, int r1, F&
       r += G.g;
     }
   }
+}
+
+// Planes-packed L: calls f(S, ws, a, b, ys) for each stripe met by rows [r0, r1), with S the
+// stripe as a whole-block matrix of its own (ws, a per-thread buffer), rows [a, b) of it, and ys
+// the output of its first row (y[t * ldy + (r - r0)] keeps its meaning). Returns false, doing
+// nothing, for whole-block layouts.
+template <class F>
+inline bool gemm_on_whole_blocks(const TileLayout& L, const uint8_t* w, int r0, int r1, float* y, F&& f) {
+  if (L.pack != (int)Pack::Planes) return false;
+  thread_local std::vector<uint8_t> buf;
+  const size_t row_bytes = (size_t)(L.cols / L.qk) * L.bb;
+  const TileShape ts{L.tr, L.tc, L.g, Pack::Planes};
+  TileLayout S = L;
+  S.pack = 0;
+  for (int r = r0; r < r1;) {
+    const int sr = r / L.tr * L.tr, nr = std::min(L.tr, L.rows - sr), end = std::min(r1, sr + nr);
+    buf.resize((size_t)nr * row_bytes);
+    unpack_planes(static_cast<WType>(L.type), w + (size_t)sr * row_bytes, buf.data(), nr, L.cols, ts);
+    S.rows = nr;
+    f(S, buf.data(), r - sr, end - sr, y + (r - r0));
+    r = end;
+  }
+  return true;
 }
 
 }  // namespace cflow

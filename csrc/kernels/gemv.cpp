@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "cflow/kernels.h"
+#include "cflow/planes.h"
 #include "cflow/threadpool.h"
 #include "isa_kernels.h"
 
@@ -30,6 +31,22 @@ const GemvTable kRefTable = {
     {ref::gemv_q4_k_f32, ref::gemv_q4_k_q8}, {ref::gemv_q6_k_f32, ref::gemv_q6_k_q8},
     {ref::gemv_bf16_f32, nullptr},
 };
+
+const GemvTable& ref_planes() {
+  static GemvTable t = {};
+  static const bool filled = [] {
+    auto set = [&](WType wt, GemvFn f32, GemvFn q8) {
+      t[wtype_index(wt)][0] = f32;
+      t[wtype_index(wt)][1] = q8;
+    };
+    set(WType::Q4_0, ref::gemv_q4_0_f32_planes, ref::gemv_q4_0_q8_planes);
+    set(WType::Q4_1, ref::gemv_q4_1_f32_planes, ref::gemv_q4_1_q8_planes);
+    set(WType::Q8_0, ref::gemv_q8_0_f32_planes, ref::gemv_q8_0_q8_planes);
+    return true;
+  }();
+  (void)filled;
+  return t;
+}
 }  // namespace
 
 int wtype_index(WType wt) {
@@ -60,6 +77,16 @@ bool wtype_from_name(const char* name, WType* out) {
 }
 bool has_q8_path(WType wt) { return block_elems(wt) > 1; }
 
+bool pack_from_name(const char* name, Pack* out) {
+  for (Pack p : {Pack::Blocks, Pack::Planes})
+    if (!std::strcmp(name, pack_name(p))) {
+      *out = p;
+      return true;
+    }
+  return false;
+}
+const char* pack_name(Pack pack) { return pack == Pack::Planes ? "planes" : "blocks"; }
+
 size_t tiled_nbytes(WType wt, int rows, int cols) {
   const int qk = block_elems(wt);
   return qk ? (size_t)rows * (size_t)(cols / qk) * (size_t)block_bytes(wt) : 0;
@@ -72,6 +99,12 @@ const char* check_tiling(WType wt, int rows, int cols, const TileShape& ts) {
   if (cols % qk) return "cols is not a multiple of the block size";
   if (ts.tr <= 0 || ts.tc <= 0 || ts.tc % qk) return "tile columns must be a positive multiple of the block size";
   if (ts.g <= 0 || ts.tr % ts.g) return "interleave must divide the tile rows";
+  if (ts.pack == Pack::Planes) {
+    if (!planes_header(wt)) return "the planes pack exists only for q4_0, q4_1 and q8_0";
+    if (ts.g > kPlanesMaxG) return "the planes pack needs an interleave of at most 16";
+  } else if (ts.pack != Pack::Blocks) {
+    return "unknown pack";
+  }
   return nullptr;
 }
 
@@ -122,26 +155,44 @@ void prepare_act(WType wt, AType at, void* xa, const float* x, int cols) {
   else quantize_q8a((block_q8a*)xa, x, cols);
 }
 
-GemvFn gemv_fn(WType wt, AType at, Isa isa, Isa* used) {
+GemvFn gemv_fn(WType wt, AType at, Isa isa, Isa* used, Pack pack) {
+  const bool planes = pack == Pack::Planes;
+  const GemvTable& ref = planes ? ref_planes() : kRefTable;
   const int i = wtype_index(wt), a = (int)at;
-  if (i < 0 || a < 0 || a > 1 || !kRefTable[i][a]) return nullptr;
+  if (i < 0 || a < 0 || a > 1 || !ref[i][a]) return nullptr;
 #if defined(CFLOW_X86)
-  if (isa == Isa::Avx512 && isa_supported(Isa::Avx512) && gemv_table_avx512()[i][a]) {
+  const GemvTable& t512 = planes ? gemv_planes_avx512() : gemv_table_avx512();
+  if (isa == Isa::Avx512 && isa_supported(Isa::Avx512) && t512[i][a]) {
     if (used) *used = Isa::Avx512;
-    return gemv_table_avx512()[i][a];
+    return t512[i][a];
   }
-  if (isa >= Isa::Avx2 && isa_supported(Isa::Avx2) && gemv_table_avx2()[i][a]) {
+  const GemvTable& t2 = planes ? gemv_planes_avx2() : gemv_table_avx2();
+  if (isa >= Isa::Avx2 && isa_supported(Isa::Avx2) && t2[i][a]) {
     if (used) *used = Isa::Avx2;
-    return gemv_table_avx2()[i][a];
+    return t2[i][a];
   }
 #endif
   if (used) *used = Isa::Scalar;
-  return kRefTable[i][a];
+  return ref[i][a];
+}
+
+void unpack_planes(WType wt, const uint8_t* src, uint8_t* dst, int nr, int cols, const TileShape& ts) {
+  const int qk = block_elems(wt), bb = block_bytes(wt), hdr = planes_header(wt);
+  const int nbr = cols / qk, bpt = ts.tc / qk;
+  size_t off = 0;  // chunks follow one another in payload order: tile, group, column block
+  for (int cb0 = 0; cb0 < nbr; cb0 += bpt) {
+    const int nb = nbr - cb0 < bpt ? nbr - cb0 : bpt;
+    for (int g0 = 0; g0 < nr; g0 += ts.g) {
+      const int gg = nr - g0 < ts.g ? nr - g0 : ts.g;
+      for (int b = 0; b < nb; ++b, off += (size_t)gg * bb)
+        for (int i = 0; i < gg; ++i) planes_get(src + off, gg, i, hdr, bb, dst + off + (size_t)i * bb);
+    }
+  }
 }
 
 void gemv(WType wt, AType at, Isa isa, float* y, const void* x, const uint8_t* w, int rows,
           int cols, const TileShape& ts, ThreadPool* pool) {
-  GemvFn fn = gemv_fn(wt, at, isa);
+  GemvFn fn = gemv_fn(wt, at, isa, nullptr, ts.pack);
   if (!fn) return;
   const int n_stripes = (rows + ts.tr - 1) / ts.tr;
   auto body = [&](int s0, int s1) {
@@ -162,7 +213,7 @@ inline float gelu_tanh(float g) {
 
 void gemv_glu(WType wt, AType at, Isa isa, Glu act, float* out, const void* x, const uint8_t* w,
               int ff, int cols, const TileShape& ts, ThreadPool* pool) {
-  GemvFn fn = gemv_fn(wt, at, isa);
+  GemvFn fn = gemv_fn(wt, at, isa, nullptr, ts.pack);
   if (!fn) return;
   const int rows = 2 * ff, h = ts.tr / 2;
   const int n_stripes = (rows + ts.tr - 1) / ts.tr;

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "cflow/kernels.h"
+#include "cflow/planes.h"
 #include "tile_walk.h"
 
 namespace cflow {
@@ -234,6 +235,12 @@ CFLOW_GEMV_DEF(gemv_q5_0_q8, gemv_int<32, 22, block_q8a, dot_q5_0>)
 CFLOW_GEMV_DEF(gemv_q8_0_q8, gemv_int<32, 34, block_q8a, dot_q8_0>)
 CFLOW_GEMV_DEF(gemv_q4_k_q8, gemv_int<256, 144, block_q8_K, dot_q4_k>)
 CFLOW_GEMV_DEF(gemv_q6_k_q8, gemv_int<256, 210, block_q8_K, dot_q6_k>)
+CFLOW_GEMV_DEF(gemv_q4_0_f32_planes, gemv_unpacked<WType::Q4_0, gemv_q4_0_f32>)
+CFLOW_GEMV_DEF(gemv_q4_1_f32_planes, gemv_unpacked<WType::Q4_1, gemv_q4_1_f32>)
+CFLOW_GEMV_DEF(gemv_q8_0_f32_planes, gemv_unpacked<WType::Q8_0, gemv_q8_0_f32>)
+CFLOW_GEMV_DEF(gemv_q4_0_q8_planes, gemv_unpacked<WType::Q4_0, gemv_q4_0_q8>)
+CFLOW_GEMV_DEF(gemv_q4_1_q8_planes, gemv_unpacked<WType::Q4_1, gemv_q4_1_q8>)
+CFLOW_GEMV_DEF(gemv_q8_0_q8_planes, gemv_unpacked<WType::Q8_0, gemv_q8_0_q8>)
 #undef CFLOW_GEMV_DEF
 
 void dequantize(WType wt, const uint8_t* p, int n_blocks, float* out) {

@@ -13,5 +13,8 @@ int wtype_index(WType wt);
 using GemvTable = GemvFn[kNumWTypes][2];
 const GemvTable& gemv_table_avx2();
 const GemvTable& gemv_table_avx512();
+// The same for planes-packed weights (entries only for the types that have the pack).
+const GemvTable& gemv_planes_avx2();
+const GemvTable& gemv_planes_avx512();
 
 }  // namespace cflow

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cflow/kernels.h"
+#include "cflow/planes.h"
 #include "cflow/threadpool.h"
 #include "test_util.h"
 
@@ -59,9 +60,12 @@ std::vector<uint8_t> pack(WType wt, const std::vector<uint8_t>& rm, int rows, in
       const int nb = std::min(bpt, nbr - b0);
       for (int g0 = 0; g0 < nr; g0 += ts.g) {
         const int g = std::min(ts.g, nr - g0);
-        for (int b = 0; b < nb; ++b)
-          for (int i = 0; i < g; ++i, o += bb)
-            std::memcpy(&out[o], &rm[((size_t)(r0 + g0 + i) * nbr + b0 + b) * bb], bb);
+        for (int b = 0; b < nb; ++b, o += (size_t)g * bb)
+          for (int i = 0; i < g; ++i) {
+            const uint8_t* blk = &rm[((size_t)(r0 + g0 + i) * nbr + b0 + b) * bb];
+            if (ts.pack == Pack::Planes) planes_put(&out[o], g, i, planes_header(wt), bb, blk);
+            else std::memcpy(&out[o + (size_t)i * bb], blk, bb);
+          }
       }
     }
   }
@@ -127,11 +131,11 @@ bool compare_isa(WType wt, AType at, Isa isa, int rows, int cols, const TileShap
   std::vector<double> yn, sc;
   naive(wt, rm, rows, cols, x, yn, sc);
   std::vector<float> y(rows, NAN), yr(rows, NAN);
-  gemv_fn(wt, at, Isa::Scalar)(yr.data(), xa.data(), tiled.data(), rows, cols, ts, 0, rows);
+  gemv_fn(wt, at, Isa::Scalar, nullptr, ts.pack)(yr.data(), xa.data(), tiled.data(), rows, cols, ts, 0, rows);
   // two halves on stripe boundaries, as two threads would run them
   const int mid = ((rows / ts.tr) / 2) * ts.tr;
   Isa used = Isa::Scalar;
-  GemvFn fn = gemv_fn(wt, at, isa, &used);
+  GemvFn fn = gemv_fn(wt, at, isa, &used, ts.pack);
   if (used != isa) {  // every pair has its own kernel on every ISA
     std::fprintf(stderr, "%s %s: asked %s, runs %s\n", wtype_name(wt), at == AType::F32 ? "f32" : "q8",
                  isa_name(isa), isa_name(used));
@@ -141,6 +145,8 @@ bool compare_isa(WType wt, AType at, Isa isa, int rows, int cols, const TileShap
   fn(y.data() + mid, xa.data(), tiled.data(), rows, cols, ts, mid, rows);
   bool ok = true;
   double worst = 0.0;
+  if (ts.pack == Pack::Planes && at == AType::F32)  // the planes scalar path is the whole-block one
+    for (int r = 0; r < rows; ++r) ok &= std::fabs(yr[r] - yn[r]) <= 1e-5 * sc[r] + 1e-30;
   for (int r = 0; r < rows; ++r) {
     ok &= std::fabs(y[r] - yr[r]) <= 1e-5 * sc[r] + 1e-30;
     worst = std::max(worst, std::fabs(y[r] - yr[r]) / (sc[r] + 1e-30));
@@ -150,6 +156,7 @@ bool compare_isa(WType wt, AType at, Isa isa, int rows, int cols, const TileShap
   if (!ok)
     std::fprintf(stderr, "mismatch: %s %s %s rows=%d cols=%d tile=(%d,%d,g=%d)\n", wtype_name(wt),
                  at == AType::F32 ? "f32" : "q8", isa_name(isa), rows, cols, ts.tr, ts.tc, ts.g);
+  if (!ok && ts.pack == Pack::Planes) std::fprintf(stderr, "  (planes pack)\n");
   return ok;
 }
 }  // namespace
@@ -170,6 +177,11 @@ TEST(simd_paths_match_scalar_on_ragged_shapes) {
         }
         CHECK(compare_isa(wt, at, isa, 100, qk == 1 ? 300 : 8 * qk, TileShape{32, qk == 256 ? 512 : 64, 32}));
         CHECK(compare_isa(wt, at, isa, 259, qk == 256 ? 1024 : 640, TileShape{128, qk == 256 ? 1024 : 640, 1}));
+        if (!planes_header(wt)) continue;
+        for (int g : {1, 4, 12, 16}) {  // the planes pack: full and ragged groups of up to 16 rows
+          const int rows = ri(rng());
+          CHECK(compare_isa(wt, at, isa, rows, qk * (1 + ri(rng()) % 20), TileShape{96, 256, g, Pack::Planes}));
+        }
       }
     }
   }

@@ -21,6 +21,7 @@ import numpy as np
 
 from cflow.config import ModelConfig
 from cflow.errors import CflowError, CflowFormatError, UnsupportedError
+from cflow.format.tiles import PACK_CODES
 
 # Op kinds and flags: csrc/include/cflow/engine.h
 OP_BARRIER, OP_EMBED, OP_MATVEC, OP_GLU, OP_ATTN, OP_NORM_ADD, OP_ACT_MUL = 0, 1, 2, 3, 4, 5, 6
@@ -70,7 +71,7 @@ class Plan:
         return len(self.buffers) - 1
 
     def arrays(self):
-        ti = np.array(self.tensors, dtype=np.int64).reshape(-1, 8)
+        ti = np.array(self.tensors, dtype=np.int64).reshape(-1, 9)
         oi = np.array([o[:10] for o in self.ops], dtype=np.int32).reshape(-1, 10)
         of = np.array([o[10:] for o in self.ops], dtype=np.float32).reshape(-1, 2)
         return ti, oi, of, np.array(self.buffers, dtype=np.int32)
@@ -97,7 +98,8 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
             if optional:
                 return -1
             raise CflowFormatError(f"the model has no tensor {name!r} (arch {cfg.arch})")
-        P.tensors.append((t.offset, t.nbytes, t.type.code, t.rows, t.cols, t.tile[0], t.tile[1], t.interleave))
+        P.tensors.append((t.offset, t.nbytes, t.type.code, t.rows, t.cols, t.tile[0], t.tile[1], t.interleave,
+                          PACK_CODES[t.pack]))
         P.names.append(name)
         ids[name] = len(P.tensors) - 1
         return ids[name]

@@ -5,6 +5,7 @@ act="q8" (default for quantized types) quantizes x once per call to int8 blocks 
 integer dot products; act="f32" is the parity path. isa=None picks the best ISA of this CPU
 (capped by the CFLOW_ISA environment variable); "scalar" | "avx2" | "avx512" force a path
 (every type has a kernel on each ISA; where the CPU lacks one, the next lower runs: see gemv_isa).
+pack="planes" reads Q4_0/Q4_1/Q8_0 payloads written with the planes pack (tiles.pack_tiles).
 """
 
 from __future__ import annotations
@@ -42,29 +43,31 @@ def _call(fn, *a, **kw):
         raise CflowError(str(e)) from None
 
 
-def gemv(wtype, tiles, x, rows, cols, tile=DEFAULT_TILE, interleave=1, act=None, isa=None, threads=1):
+def gemv(wtype, tiles, x, rows, cols, tile=DEFAULT_TILE, interleave=1, act=None, isa=None, threads=1, pack="blocks"):
     """y (rows,) float32 = W x, W the tiled (rows, cols) matrix of block type `wtype`."""
     name, tiles, x, tile, g, act = _args(wtype, tiles, x, rows, cols, tile, interleave, act)
-    return _call(core.gemv, name, tiles, x, rows, cols, tile, g, act, isa, threads)
+    return _call(core.gemv, name, tiles, x, rows, cols, tile, g, act, isa, threads, pack)
 
 
-def gemv_qkv(wtype, tiles, x, row_counts, cols, tile=DEFAULT_TILE, interleave=1, act=None, isa=None, threads=1):
+def gemv_qkv(wtype, tiles, x, row_counts, cols, tile=DEFAULT_TILE, interleave=1, act=None, isa=None, threads=1,
+             pack="blocks"):
     """One pass over a stacked [Wq; Wk; Wv] (fuse_rows(..., "stack")); returns (q, k, v, ...)."""
-    y = gemv(wtype, tiles, x, int(sum(row_counts)), cols, tile, interleave, act, isa, threads)
+    y = gemv(wtype, tiles, x, int(sum(row_counts)), cols, tile, interleave, act, isa, threads, pack)
     offs = np.cumsum([0] + list(row_counts))
     return tuple(y[offs[i] : offs[i + 1]] for i in range(len(row_counts)))
 
 
-def gemv_glu(wtype, tiles, x, ff, cols, glu="silu", tile=DEFAULT_TILE, interleave=1, act=None, isa=None, threads=1):
+def gemv_glu(wtype, tiles, x, ff, cols, glu="silu", tile=DEFAULT_TILE, interleave=1, act=None, isa=None, threads=1,
+             pack="blocks"):
     """h (ff,) = glu(gate x) * (up x), one pass over fuse_rows([gate, up], "glu") tiled."""
     name, tiles, x, tile, g, act = _args(wtype, tiles, x, 2 * ff, cols, tile, interleave, act)
-    return _call(core.gemv_glu, name, tiles, x, ff, cols, tile, g, glu, act, isa, threads)
+    return _call(core.gemv_glu, name, tiles, x, ff, cols, tile, g, glu, act, isa, threads, pack)
 
 
-def gemv_isa(wtype, act=None, isa=None) -> str:
-    """The ISA of the kernel that runs for (wtype, act) when `isa` (default: best) is allowed."""
+def gemv_isa(wtype, act=None, isa=None, pack="blocks") -> str:
+    """The ISA of the kernel that runs for (wtype, act, pack) when `isa` (default: best) is allowed."""
     name = block_type(wtype).name
-    return _call(core.gemv_isa, name, act or default_act(name), isa)
+    return _call(core.gemv_isa, name, act or default_act(name), isa, pack)
 
 
 def probe_read(mib=1024.0, threads=1, repeats=5, isa=None) -> list[float]:

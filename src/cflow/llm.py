@@ -10,7 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
-from cflow.errors import CflowError, UnsupportedError
+from cflow.errors import CflowError, CflowFormatError, UnsupportedError
 from cflow.generate import Chunk, check_budget, generate_step
 from cflow.tokenizer import Tokenizer
 
@@ -42,6 +42,17 @@ def converted_path(src: Path, cache=None) -> Path:
     return hub.cache_dir(cache) / "converted" / f"{src.name}-{key}.cflow"
 
 
+def _outdated(path: Path) -> bool:
+    """A cached conversion written by an older cflow (an older format version): convert again."""
+    from cflow.format.spec import PREAMBLE, VERSION, Preamble
+
+    try:
+        with open(path, "rb") as fh:
+            return Preamble.unpack(fh.read(PREAMBLE.size), path.stat().st_size).version < VERSION
+    except (OSError, CflowFormatError):
+        return False  # let CflowFile report what is wrong with it
+
+
 def load_model(model: str, *, cache=None, quiet: bool = False):
     """A model argument -> an open CflowFile (converting GGUF / HF sources into the cache once).
 
@@ -56,7 +67,7 @@ def load_model(model: str, *, cache=None, quiet: bool = False):
         if not _have_writer():
             return load_source(path)
         out = converted_path(path, cache)
-        if not out.is_file():
+        if not out.is_file() or _outdated(out):
             from cflow.convert import convert
 
             out.parent.mkdir(parents=True, exist_ok=True)

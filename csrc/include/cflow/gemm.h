@@ -26,9 +26,12 @@ BlockInfo block_info(int type);
 bool q8_supported(int type);
 
 // One tiled matrix: R rows (outputs) x C columns (inputs), tiles (tr, tc), g rows interleaved.
+// pack: 0 whole blocks, 1 planes (kernels.h Pack); a planes-packed matrix is regrouped into
+// whole blocks stripe by stripe (per-thread buffer) before the GEMM kernels run on it.
 struct TileLayout {
   int type = 0, rows = 0, cols = 0, tr = 128, tc = 256, g = 1;
   int qk = 1, bb = 4;  // block elems / bytes (filled by make_layout)
+  int pack = 0;
 };
 // Fills qk/bb and checks the shape; returns false (with `err` set) when it is inconsistent.
 bool make_layout(TileLayout& L, const char** err);

@@ -31,10 +31,19 @@ enum class WType : int {
 };
 enum class AType : int { F32 = 0, Q8 = 1 };
 
+// How an interleave group stores the blocks of one column block (docs/FORMAT.md, 5.1):
+//   Blocks: g whole blocks, one per row (GGUF's block encoding, any type);
+//   Planes: the same bytes regrouped for g <= 16 rows of Q4_0 / Q4_1 / Q8_0 (cflow/planes.h):
+//           the g fp16 scales (then the g Q4_1 mins), then the quants in 4-byte slices, slice k
+//           of every row together, so one 512-bit load holds slice k of 16 rows and one vpdpbusd
+//           against 4 broadcast activation bytes serves all 16 rows.
+enum class Pack : int { Blocks = 0, Planes = 1 };
+
 struct TileShape {
   int tr = 128;  // rows per stripe
   int tc = 256;  // columns per tile (multiple of the block size)
   int g = 1;     // in-tile row interleave (divides tr)
+  Pack pack = Pack::Blocks;
 };
 
 int block_elems(WType wt);       // weights per block (1 for F32/F16/BF16)
@@ -61,7 +70,9 @@ using GemvFn = void (*)(float* y, const void* x, const uint8_t* w, int rows, int
 
 // The kernel for (wt, at) of the best ISA at or below `isa` that has one (scalar always does);
 // *used (optional) receives the ISA of the returned kernel. nullptr for an unsupported pair.
-GemvFn gemv_fn(WType wt, AType at, Isa isa, Isa* used = nullptr);
+GemvFn gemv_fn(WType wt, AType at, Isa isa, Isa* used = nullptr, Pack pack = Pack::Blocks);
+bool pack_from_name(const char* name, Pack* out);  // "blocks" / "planes"
+const char* pack_name(Pack pack);
 
 // Scalar references (the parity definition; also the fallback of every type).
 namespace ref {
@@ -86,7 +97,20 @@ CFLOW_GEMV_DECL(gemv_q6_k_q8)
 
 // Dequantize n_blocks consecutive blocks of wt into out (n_blocks * block_elems floats).
 void dequantize(WType wt, const uint8_t* blocks, int n_blocks, float* out);
+
+// Planes-packed weights (Q4_0, Q4_1, Q8_0; both activation paths): each stripe regrouped into
+// whole blocks (unpack_planes), then the kernel above. The definition the SIMD kernels match.
+CFLOW_GEMV_DECL(gemv_q4_0_f32_planes)
+CFLOW_GEMV_DECL(gemv_q4_1_f32_planes)
+CFLOW_GEMV_DECL(gemv_q8_0_f32_planes)
+CFLOW_GEMV_DECL(gemv_q4_0_q8_planes)
+CFLOW_GEMV_DECL(gemv_q4_1_q8_planes)
+CFLOW_GEMV_DECL(gemv_q8_0_q8_planes)
 }  // namespace ref
+
+// Rows [0, nr) of one stripe (nr rows, cols columns) of a planes-packed payload -> the same
+// stripe with whole blocks (Pack::Blocks, same tile shape and interleave): dst, same size.
+void unpack_planes(WType wt, const uint8_t* src, uint8_t* dst, int nr, int cols, const TileShape& ts);
 
 // ---- multi-threaded drivers (split whole stripes over the pool) ----
 class ThreadPool;

@@ -1,11 +1,14 @@
 """`cflow bench kernels`: the read-bandwidth probe, then every tile GEMV in the same run.
 
 For each block type: a matrix of --matrix-mb MB of weights (cols = --cols), timed with 1 and 2
-threads in two layouts over the same bytes: "tiled" (tile (128, 256), interleave --interleave)
-and "row_major" (tile (128, cols), interleave 1: whole rows, the same kernel). Repeats of the
-two layouts alternate with one pass of the probe (same thread count), so all three see the same
-machine noise. Reported: the median GB/s of weight bytes (activation quantization included in
-the time), its min..max, and % of the probe: the median over repeats of kernel / probe of the
+threads in the layouts compared over the same bytes:
+  "tiled"        what `cflow convert` writes: tile (128, 256); Q4_0/Q4_1/Q8_0 in the planes pack
+                 at interleave 16 (their fast kernels), other types whole blocks at interleave 1;
+  "tiled_blocks" (Q4_0/Q4_1/Q8_0 only) tile (128, 256), whole GGUF blocks, interleave 1;
+  "row_major"    tile (128, cols), whole blocks, interleave 1: whole rows, the block kernel.
+Repeats of the layouts alternate with one pass of the probe (same thread count), so all see the
+same machine noise. Reported: the median GB/s of weight bytes (activation quantization included
+in the time), its min..max, and % of the probe: the median over repeats of kernel / probe of the
 same repeat (paired, because on a shared machine the bandwidth on offer moves by several times
 within a run). The weights are random bytes with sane scales: a GEMV's speed does not
 depend on the values.
@@ -18,7 +21,6 @@ import statistics
 import sys
 
 TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
-TILED_G = 1  # in-tile interleave of the tiled layout: what `cflow convert` writes (docs/KERNELS.md)
 
 
 def add_arguments(p):
@@ -29,7 +31,6 @@ def add_arguments(p):
     p.add_argument("--matrix-mb", type=float, default=512.0,
                    help="weight bytes per matrix in MB (default 512: beyond a large L3; >= 64)")
     p.add_argument("--cols", type=int, default=8192, help="matrix columns (multiple of 256)")
-    p.add_argument("--interleave", type=int, default=TILED_G, help="in-tile row interleave of the tiled layout")
     p.add_argument("--act", choices=["auto", "q8", "f32"], default="auto",
                    help="activation path: auto = q8 for quantized types, f32 for f32/f16/bf16")
     p.add_argument("--isa", choices=["scalar", "avx2", "avx512"], default=None, help="cap the ISA (default: best)")
@@ -47,14 +48,25 @@ def _act(bt, choice: str) -> str:
     return "f32" if act == "q8" and bt.block_elems == 1 else act
 
 
-def _layouts(cols: int, g: int) -> dict:
-    """The two layouts compared over the same bytes: {name: (tile, interleave)}."""
-    return {"tiled": ((128, 256), g), "row_major": ((128, cols), 1)}
+def _layouts(bt, cols: int) -> dict:
+    """The layouts compared over the same bytes: {name: (tile, interleave, pack)}."""
+    from cflow.convert.write import tensor_layout
+
+    lay = tensor_layout(bt.name, 2)
+    out = {"tiled": ((128, 256), lay["interleave"], lay["pack"])}
+    if lay["pack"] == "planes":
+        out["tiled_blocks"] = ((128, 256), 1, "blocks")
+    out["row_major"] = ((128, cols), 1, "blocks")
+    return out
 
 
 def _matrix(bt, cols: int, mb: float, rng):
-    """Random tiled weights of about `mb` MB with valid scales: (payload, rows)."""
+    """Random weights of about `mb` MB, rows a multiple of 128, with valid scales in every
+    layout of _layouts: (payload, rows). The blocks' header bytes are set in both places a
+    header can be (whole blocks, and planes chunks of 16 blocks), so either reading is sane."""
     import numpy as np
+
+    from cflow.format.tiles import PLANES_HEADER, PLANES_MAX_G
 
     row_bytes = cols // bt.block_elems * bt.block_bytes
     rows = max(128, int(mb * 1e6 / row_bytes) // 128 * 128)
@@ -65,6 +77,9 @@ def _matrix(bt, cols: int, mb: float, rng):
         blocks[:, 0:2] = half  # d
     if bt.name in ("q4_1", "q4_k"):
         blocks[:, 2:4] = half  # m / dmin
+    if bt.name in PLANES_HEADER:  # planes chunks: the 16 d (and 16 m) words lead each chunk
+        chunks = w.reshape(-1, PLANES_MAX_G * bt.block_bytes)
+        chunks[:, :PLANES_MAX_G * PLANES_HEADER[bt.name]] = np.tile(half, PLANES_MAX_G * PLANES_HEADER[bt.name] // 2)
     if bt.name == "q6_k":
         blocks[:, 208:210] = half
     if bt.name == "f32":
@@ -105,28 +120,30 @@ def main(args) -> int:
     for bt in bts:
         act = _act(bt, args.act)
         w, rows = _matrix(bt, args.cols, args.matrix_mb, rng)
-        isa = K.gemv_isa(bt.name, act, args.isa)
+        layouts = _layouts(bt, args.cols)
         for t in threads:
-            layouts = _layouts(args.cols, args.interleave)
             secs = {name: [] for name in layouts}
             paired = []  # the probe pass of each repeat
-            for name, (tile, g) in layouts.items():  # warm-up
-                K._call(K.core.gemv_time, bt.name, w, x, rows, args.cols, tile, g, act, args.isa, t, 0, 1)
+            for name, (tile, g, pack) in layouts.items():  # warm-up
+                K._call(K.core.gemv_time, bt.name, w, x, rows, args.cols, tile, g, act, args.isa, t, 0, 1, pack)
             for _ in range(args.repeats):
                 paired += K.probe_read(args.probe_mib, t, 1, args.isa)
-                for name, (tile, g) in layouts.items():
-                    secs[name] += K._call(K.core.gemv_time, bt.name, w, x, rows, args.cols, tile, g, act, args.isa, t, 1, 0)
+                for name, (tile, g, pack) in layouts.items():
+                    secs[name] += K._call(K.core.gemv_time, bt.name, w, x, rows, args.cols, tile, g, act, args.isa,
+                                          t, 1, 0, pack)
             probe[t] += paired
-            for name in layouts:
+            for name, (_, g, pack) in layouts.items():
+                isa = K.gemv_isa(bt.name, act, args.isa, pack)
                 gb = [w.size / s * 1e-9 for s in secs[name]]
                 med = statistics.median(gb)
                 pct = statistics.median(100.0 * k / p for k, p in zip(gb, paired))
                 # unrounded: under heavy load a rate can be far below 0.01 GB/s
                 r = {"type": bt.name, "layout": name, "threads": t, "gbps": med,
                      "pct_of_probe": pct, "min_gbps": min(gb),
-                     "max_gbps": max(gb), "isa": isa, "act": act, "mb": round(w.size / 1e6, 1)}
+                     "max_gbps": max(gb), "isa": isa, "act": act, "interleave": g, "pack": pack,
+                     "mb": round(w.size / 1e6, 1)}
                 results.append(r)
-                log(f"{bt.name:5s} {act:3s} {isa:6s} {name:9s} {t} thr: {med:6.1f} GB/s "
+                log(f"{bt.name:5s} {act:3s} {isa:6s} {name:12s} {t} thr: {med:6.1f} GB/s "
                     f"({min(gb):.1f}..{max(gb):.1f}) {r['pct_of_probe']:5.1f}% of probe")
         del w
     out = {"probe_gbps": statistics.median(probe[max(threads)]),
@@ -150,16 +167,16 @@ def _resident(args, bts, threads, log) -> int:
     for bt in bts:
         act = _act(bt, args.act)
         w, rows = _matrix(bt, cols, 0.5, rng)
-        isa = K.gemv_isa(bt.name, act, args.isa)
+        layouts = _layouts(bt, cols)
         for t in threads:
-            layouts = _layouts(cols, args.interleave)
-            for name, (tile, g) in layouts.items():
-                secs = K._call(K.core.gemv_time, bt.name, w, x, rows, cols, tile, g, act, args.isa, t, 200, 5)
+            for name, (tile, g, pack) in layouts.items():
+                isa = K.gemv_isa(bt.name, act, args.isa, pack)
+                secs = K._call(K.core.gemv_time, bt.name, w, x, rows, cols, tile, g, act, args.isa, t, 200, 5, pack)
                 gb = [w.size / s * 1e-9 for s in secs]
                 r = {"type": bt.name, "layout": name, "threads": t, "gbps": statistics.median(gb),
-                     "max_gbps": max(gb), "isa": isa, "act": act, "resident": True}
+                     "max_gbps": max(gb), "isa": isa, "act": act, "interleave": g, "pack": pack, "resident": True}
                 results.append(r)
-                log(f"{bt.name:5s} {act:3s} {isa:6s} {name:9s} {t} thr: {r['gbps']:6.1f} GB/s median, "
+                log(f"{bt.name:5s} {act:3s} {isa:6s} {name:12s} {t} thr: {r['gbps']:6.1f} GB/s median, "
                     f"{max(gb):.1f} best (L2-resident)")
     if args.json:
         sys.stdout.write(json.dumps({"resident": True, "best_isa": K.best_isa(), "kernels": results}) + "\n")

@@ -8,6 +8,9 @@ def add_arguments(p):
     p.add_argument("-o", "--output", required=True, help="output .cflow path (written atomically)")
     p.add_argument("--quant", default="keep", choices=("keep", "q4_0", "q4_1", "q8_0", "f16", "f32"),
                    help="block type of the matrices (keep: GGUF blocks unchanged, HF dtypes kept)")
+    p.add_argument("--pack", default="planes", choices=("planes", "blocks"),
+                   help="q4_0/q4_1/q8_0 matrices: planes (16-row planes, the fast GEMV layout) or whole GGUF "
+                        "blocks (interleave 1); other types always keep whole blocks")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
@@ -18,6 +21,6 @@ def main(args) -> int:
     from cflow.convert import convert
 
     src = hub.resolve(args.src, quiet=args.quiet)
-    out = convert(src, args.output, quant=args.quant, progress=not args.quiet)
+    out = convert(src, args.output, quant=args.quant, progress=not args.quiet, pack=args.pack)
     print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
     return 0

@@ -4,6 +4,10 @@ Fused groups: attn_qkv is written with fuse="stack" ([Wq; Wk; Wv] by rows), ffn_
 fuse="stripe" (gate and up rows interleaved by output stripe, so one kernel pass over a
 stripe yields matching gate and up outputs). Quantized data is passed as GGUF-encoded rows,
 so `keep` copies blocks unchanged.
+
+Layout: Q4_0, Q4_1 and Q8_0 matrices get interleave 16 and the planes pack (pack="planes", the
+default), which the fast int8 GEMV streams without shuffles (docs/KERNELS.md); pack="blocks"
+keeps whole blocks at interleave 1 for every tensor. Other types always take the latter.
 """
 
 from __future__ import annotations
@@ -15,7 +19,21 @@ import numpy as np
 from cflow.convert import Checkpoint
 
 
-def write_cflow(ckpt: Checkpoint, out: str | os.PathLike, *, progress: bool = True) -> None:
+PACKS = ("planes", "blocks")
+
+
+def tensor_layout(type_name: str, ndim: int, pack: str = "planes") -> dict:
+    """add_tensor's layout options for a tensor of block type `type_name`."""
+    from cflow.format.tiles import PLANES_HEADER, PLANES_MAX_G
+
+    if pack not in PACKS:
+        raise ValueError(f"pack must be one of {PACKS}, got {pack!r}")
+    if pack == "planes" and ndim == 2 and type_name in PLANES_HEADER:
+        return {"interleave": PLANES_MAX_G, "pack": "planes"}
+    return {"interleave": 1, "pack": "blocks"}
+
+
+def write_cflow(ckpt: Checkpoint, out: str | os.PathLike, *, progress: bool = True, pack: str = "planes") -> None:
     from tqdm import tqdm
 
     from cflow.format import CflowWriter, decode_order
@@ -31,11 +49,12 @@ def write_cflow(ckpt: Checkpoint, out: str | os.PathLike, *, progress: bool = Tr
             data = np.asarray(t.data)
             if data.dtype == np.uint16:  # bf16 bits -> its byte encoding
                 data = data.view(np.uint8).reshape(data.shape[0], -1) if data.ndim == 2 else data.view(np.uint8)
+            lay = tensor_layout(str(t.type), len(t.shape), pack)
             if t.parts:
                 rows = [r for _, r in t.parts]
                 pieces = np.split(data, np.cumsum(rows)[:-1])
                 fuse = "stripe" if name.endswith("ffn_gate_up") else "stack"
-                w.add_fused(name, t.type, [(n, p) for (n, _), p in zip(t.parts, pieces)], fuse, shape=t.shape)
+                w.add_fused(name, t.type, [(n, p) for (n, _), p in zip(t.parts, pieces)], fuse, shape=t.shape, **lay)
             else:
-                w.add_tensor(name, t.type, data, shape=t.shape)
+                w.add_tensor(name, t.type, data, shape=t.shape, **lay)
             bar.update(data.nbytes)

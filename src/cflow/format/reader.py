@@ -150,7 +150,7 @@ class CflowFile:
     def row_blocks(self, name: str) -> np.ndarray:
         """uint8 (rows, row bytes): the tensor untiled into GGUF's row-major encoding (a copy)."""
         t = self.tensor(name)
-        return unpack_tiles(self.tensor_bytes(name), t.type, t.rows, t.cols, t.tile, t.interleave)
+        return unpack_tiles(self.tensor_bytes(name), t.type, t.rows, t.cols, t.tile, t.interleave, t.pack)
 
     def dequantize(self, name: str) -> np.ndarray:
         """float32 array of the tensor's shape (fused tensors: rows in fused order)."""

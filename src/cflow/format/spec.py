@@ -1,4 +1,4 @@
-"""The `.cflow` container, version 1: constants, the preamble, and the header's validation.
+"""The `.cflow` container, versions 1 and 2: constants, the preamble, and the header's validation.
 
 File layout (docs/FORMAT.md has every byte):
     [0, 64)          preamble (little-endian; struct PREAMBLE below)
@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from cflow.errors import CflowFormatError
-from cflow.format.tiles import BLOCK_TYPES, TERNARY_CODE, BlockType, tiled_nbytes
+from cflow.format.tiles import BLOCK_TYPES, TERNARY_CODE, BlockType, check_pack, tiled_nbytes
 
 MAGIC = b"\x89CFLOW\r\n"
-VERSION = 1
+VERSION = 2  # what the writer writes
+READ_VERSIONS = (1, 2)  # what the reader reads (version 2 added the tensor key "pack")
 ALIGN = 4096  # sections, expert ranges and the header start on this boundary (O_DIRECT)
 TENSOR_ALIGN = 64  # tensors start on this boundary inside their section (cache line, SIMD loads)
 # magic, version, flags, file_size, header_offset, header_length, header_crc32, alignment,
@@ -72,12 +73,13 @@ class Preamble:
         magic, version, flags, size, hoff, hlen, hcrc, align, reserved, pcrc = PREAMBLE.unpack(raw[:64])
         if magic != MAGIC:
             raise CflowFormatError(f"bad magic {magic!r}: not a .cflow file (expected {MAGIC!r})")
-        if version != VERSION:
-            raise CflowFormatError(f"unsupported .cflow version {version} (this reader knows version {VERSION})")
+        if version not in READ_VERSIONS:
+            raise CflowFormatError(f"unsupported .cflow version {version} (this reader knows versions "
+                                   f"{', '.join(map(str, READ_VERSIONS))})")
         if crc32(raw[:60]) != pcrc:
             raise CflowFormatError("preamble checksum mismatch: the first 64 bytes are corrupt")
         if flags != 0 or reserved != bytes(12):
-            raise CflowFormatError(f"preamble: flags {flags:#x} / reserved bytes must be zero in version 1")
+            raise CflowFormatError(f"preamble: flags {flags:#x} / reserved bytes must be zero in version {version}")
         if align != ALIGN:
             raise CflowFormatError(f"preamble: alignment {align} is not {ALIGN}")
         if size != file_size:
@@ -122,6 +124,7 @@ class Tensor:
     parts: tuple[Part, ...] = ()
     fuse: str | None = None  # "stack" | "stripe" when parts are given
     stripe_rows: int = 0  # rows of each part per output stripe ("stripe" fusion)
+    pack: str = "blocks"  # "blocks" | "planes": how a group's chunk holds its blocks (tiles.py)
 
     @property
     def rows(self) -> int:
@@ -146,6 +149,8 @@ class Tensor:
     def to_dict(self) -> dict[str, Any]:
         d = {"name": self.name, "type": self.type.name, "shape": list(self.shape), "tile": list(self.tile),
              "interleave": self.interleave, "section": self.section, "offset": self.offset, "nbytes": self.nbytes}
+        if self.pack != "blocks":
+            d["pack"] = self.pack
         if self.parts:
             d["parts"] = [{"name": p.name, "rows": p.rows} for p in self.parts]
             d["fuse"] = self.fuse
@@ -285,6 +290,9 @@ def parse_tensor(d: Any, i: int, sections: dict[str, Section]) -> Tensor:
         _fail(where, f"tile columns {tile[1]} and columns {cols} must be multiples of {bt.name}'s block size {bt.block_elems}")
     if tile[0] % g:
         _fail(where, f"interleave {g} does not divide the tile rows {tile[0]}")
+    pack = d.get("pack", "blocks")
+    if err := check_pack(bt, g, pack if isinstance(pack, str) else repr(pack)):
+        _fail(where, err)
     sec_name, off, nbytes = _byte_range(d, where, sections, "nbytes", TENSOR_ALIGN)
     want = tiled_nbytes(bt, rows, cols)
     if nbytes != want:
@@ -310,7 +318,7 @@ def parse_tensor(d: Any, i: int, sections: dict[str, Section]) -> Tensor:
             stripe = _int(d, "stripe_rows", where, 1, MAX_DIM)
             if len({p.rows for p in parts}) != 1:
                 _fail(where, "stripe fusion needs parts with equal rows")
-    return Tensor(name, bt, tuple(shape), (tile[0], tile[1]), g, sec_name, off, nbytes, parts, fuse, stripe)
+    return Tensor(name, bt, tuple(shape), (tile[0], tile[1]), g, sec_name, off, nbytes, parts, fuse, stripe, pack)
 
 
 def parse_expert(d: Any, i: int, sections: dict[str, Section], tensors: dict[str, Tensor]) -> Expert:
@@ -372,8 +380,8 @@ def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
         raise CflowFormatError(f"header is not valid UTF-8 JSON: {str(e)[:200]}") from None
     if not isinstance(h, dict):
         _fail("header", f"must be a JSON object, got {type(h).__name__}")
-    if h.get("format") != "cflow" or h.get("version") != VERSION:
-        _fail("header", f"format/version fields are {h.get('format')!r}/{h.get('version')!r}, expected 'cflow'/{VERSION}")
+    if h.get("format") != "cflow" or h.get("version") != pre.version:
+        _fail("header", f"format/version fields are {h.get('format')!r}/{h.get('version')!r}, expected 'cflow'/{pre.version}")
     _get(h, "config", "header", dict)
     for key in ("tokenizer", "chat_template"):
         _get(h, key, "header", str, optional=True)
@@ -388,5 +396,9 @@ def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
     experts = _table(_get(h, "experts", "header", list, optional=True) or [],
                      lambda d, i: parse_expert(d, i, sections, tensors), lambda e: (e.layer, e.expert),
                      lambda e: f"expert (layer {e.layer}, expert {e.expert})", lambda e: (e.offset, e.offset + e.length))
+    if pre.version < 2:
+        for t in tensors.values():
+            if t.pack != "blocks":
+                _fail(f"tensor {t.name!r}", "the key 'pack' needs version 2 (a version-1 reader would misread it)")
     h["_sections"], h["_tensors"], h["_experts"] = sections, tensors, experts
     return h

@@ -14,6 +14,11 @@ Tiling (docs/FORMAT.md, "Tile layout"), tile shape (TR, TC), default (128, 256):
     block(row r0 + i, block b). G = 1 is plain row-major inside the tile.
 Ragged edges: the last stripe and the last column tile are simply smaller. TC is a multiple
 of QK; for quantized types C must be a multiple of QK (as in GGUF).
+
+Pack (docs/FORMAT.md, 5.1): "blocks" stores each group's chunk (the g blocks of one column block)
+as g whole blocks, as above. "planes" (Q4_0, Q4_1, Q8_0 with G <= 16) regroups the same bytes of
+each chunk: header word h of row i at 2*(h*g + i), quant bytes 4k..4k+3 of row i at
+H*g + 4*(k*g + i) (H = header bytes). Same size, same chunk positions; lossless.
 """
 
 from __future__ import annotations
@@ -97,7 +102,85 @@ def _tile_permutation(bt: BlockType, rows: int, cols: int, tile: tuple[int, int]
     return perm
 
 
-def pack_tiles(row_blocks: np.ndarray, bt: BlockType, cols: int, tile=DEFAULT_TILE, interleave: int = 1) -> np.ndarray:
+PACKS = ("blocks", "planes")
+PACK_CODES = {"blocks": 0, "planes": 1}  # the engine's and kernels' Pack values
+PLANES_HEADER = {"q4_0": 2, "q4_1": 4, "q8_0": 2}  # header bytes (fp16 d, and m) of the types with planes
+PLANES_MAX_G = 16
+
+
+def check_pack(bt: BlockType, interleave: int, pack: str) -> str | None:
+    """None when `pack` is valid for (bt, interleave), else the reason."""
+    if pack not in PACKS:
+        return f"pack {pack!r} is not one of {PACKS}"
+    if pack == "planes":
+        if bt.name not in PLANES_HEADER:
+            return f"the planes pack exists only for {', '.join(PLANES_HEADER)}, not {bt.name}"
+        if interleave > PLANES_MAX_G:
+            return f"the planes pack needs an interleave of at most {PLANES_MAX_G}, not {interleave}"
+    return None
+
+
+def _planes_perm(bt: BlockType, g: int) -> np.ndarray:
+    """src[i] = byte of the whole-block chunk (g blocks) that lands at byte i of the planes chunk."""
+    h, bb = PLANES_HEADER[bt.name], bt.block_bytes
+    src = np.empty(g * bb, dtype=np.int64)
+    i = np.arange(g)
+    for w in range(h // 2):  # header word w of every row
+        for byte in range(2):
+            src[2 * (w * g + i) + byte] = i * bb + 2 * w + byte
+    for k in range((bb - h) // 4):  # quant slice k of every row
+        for byte in range(4):
+            src[h * g + 4 * (k * g + i) + byte] = i * bb + h + 4 * k + byte
+    return src
+
+
+def _chunk_runs(bt: BlockType, rows: int, cols: int, tile, interleave: int):
+    """(byte offset, chunks, g) of each run of equal-size chunks in payload order: per stripe,
+    column tile and group, that group's nb chunks of g blocks."""
+    tr, tc = tile
+    nbr, bpt, bb = cols // bt.block_elems, tc // bt.block_elems, bt.block_bytes
+    off = 0
+    for s0 in range(0, rows, tr):
+        nr = min(tr, rows - s0)
+        for cb0 in range(0, nbr, bpt):
+            nb = min(bpt, nbr - cb0)
+            for g0 in range(0, nr, interleave):
+                g = min(interleave, nr - g0)
+                yield off, nb, g
+                off += nb * g * bb
+
+
+def _planes(payload: np.ndarray, bt: BlockType, rows: int, cols: int, tile, interleave: int, inverse: bool) -> np.ndarray:
+    """Whole-block payload -> planes payload (inverse: the way back)."""
+    out = np.empty_like(payload)
+    perms: dict[int, np.ndarray] = {}
+    # Full stripes with full groups are one run each: reshape the whole stripe at once.
+    tr, bb = tile[0], bt.block_bytes
+    stripe_bytes = tr * (cols // bt.block_elems) * bb
+    full = rows // tr if tr % interleave == 0 else 0
+    if full:
+        g = interleave
+        p = perms.setdefault(g, _planes_perm(bt, g))
+        a = payload[:full * stripe_bytes].reshape(-1, g * bb)
+        o = out[:full * stripe_bytes].reshape(-1, g * bb)
+        if inverse:
+            o[:, p] = a
+        else:
+            o[:] = a[:, p]
+    for off, nb, g in _chunk_runs(bt, rows - full * tr, cols, tile, interleave):
+        off += full * stripe_bytes
+        p = perms.setdefault(g, _planes_perm(bt, g))
+        a = payload[off:off + nb * g * bb].reshape(nb, g * bb)
+        o = out[off:off + nb * g * bb].reshape(nb, g * bb)
+        if inverse:
+            o[:, p] = a
+        else:
+            o[:] = a[:, p]
+    return out
+
+
+def pack_tiles(row_blocks: np.ndarray, bt: BlockType, cols: int, tile=DEFAULT_TILE, interleave: int = 1,
+               pack: str = "blocks") -> np.ndarray:
     """Reorder a row-major encoded matrix into the tiled payload.
 
     row_blocks: uint8 (R, C/QK * block_bytes), each row GGUF-encoded. Returns uint8 (nbytes,).
@@ -105,17 +188,26 @@ def pack_tiles(row_blocks: np.ndarray, bt: BlockType, cols: int, tile=DEFAULT_TI
     rows = row_blocks.shape[0]
     if row_blocks.dtype != np.uint8 or row_blocks.ndim != 2 or row_blocks.shape[1] * bt.block_elems != cols * bt.block_bytes:
         raise CflowFormatError(f"pack_tiles: expected uint8 ({rows}, {cols // bt.block_elems * bt.block_bytes}), got {row_blocks.dtype} {row_blocks.shape}")
+    if err := check_pack(bt, interleave, pack):
+        raise CflowFormatError(f"pack_tiles: {err}")
     blocks = np.ascontiguousarray(row_blocks).reshape(-1, bt.block_bytes)
     perm = _tile_permutation(bt, rows, cols, tuple(tile), interleave)
-    return blocks[perm].reshape(-1)
+    payload = blocks[perm].reshape(-1)
+    return _planes(payload, bt, rows, cols, tuple(tile), interleave, False) if pack == "planes" else payload
 
 
-def unpack_tiles(payload: np.ndarray, bt: BlockType, rows: int, cols: int, tile=DEFAULT_TILE, interleave: int = 1) -> np.ndarray:
+def unpack_tiles(payload: np.ndarray, bt: BlockType, rows: int, cols: int, tile=DEFAULT_TILE, interleave: int = 1,
+                 pack: str = "blocks") -> np.ndarray:
     """Inverse of pack_tiles: uint8 (nbytes,) -> uint8 (R, C/QK * block_bytes)."""
     n = tiled_nbytes(bt, rows, cols)
     if payload.size != n:
         raise CflowFormatError(f"unpack_tiles: payload of {payload.size} bytes, expected {n}")
-    blocks = np.asarray(payload, dtype=np.uint8).reshape(-1, bt.block_bytes)
+    if err := check_pack(bt, interleave, pack):
+        raise CflowFormatError(f"unpack_tiles: {err}")
+    payload = np.asarray(payload, dtype=np.uint8).reshape(-1)
+    if pack == "planes":
+        payload = _planes(payload, bt, rows, cols, tuple(tile), interleave, True)
+    blocks = payload.reshape(-1, bt.block_bytes)
     perm = _tile_permutation(bt, rows, cols, tuple(tile), interleave)
     out = np.empty_like(blocks)
     out[perm] = blocks

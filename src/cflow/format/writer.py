@@ -29,7 +29,7 @@ from cflow.errors import CflowError, CflowFormatError
 from cflow.format import quant
 from cflow.format.spec import (ALIGN, FUSE_MODES, MAX_DIM, MAX_TILE, TENSOR_ALIGN, VERSION, Expert, Part, Preamble,
                                Section, Tensor, check_special_tokens, align_up, crc32, fuse_rows)
-from cflow.format.tiles import DEFAULT_TILE, BlockType, block_type, pack_tiles
+from cflow.format.tiles import DEFAULT_TILE, BlockType, block_type, check_pack, pack_tiles
 
 CHUNK_BYTES = 32 << 20  # encode and write at most about this much at once (bounded RAM)
 
@@ -120,14 +120,16 @@ class CflowWriter:
     # ------------------------------------------------------------------ tensors
     def add_tensor(self, name: str, type: str, data, *, shape: tuple[int, ...] | None = None,
                    tile: tuple[int, int] | None = None, interleave: int | None = None, section: str = "weights",
-                   parts: list | None = None, fuse: str | None = None, stripe_rows: int | None = None) -> Tensor:
+                   parts: list | None = None, fuse: str | None = None, stripe_rows: int | None = None,
+                   pack: str = "blocks") -> Tensor:
         """Tile and write one tensor; returns its index entry.
 
         data: float array (R, C) or (n,), encoded here into block type `type` (see
         quant.can_encode); or uint8 (R, C/QK*block_bytes) of GGUF-encoded rows (then `shape`
         gives the logical shape where it cannot be inferred, e.g. a 1-D tensor).
         parts/fuse/stripe_rows describe a fused tensor whose rows are already in fused order
-        (add_fused builds one from its parts).
+        (add_fused builds one from its parts). pack: "blocks", or "planes" for q4_0/q4_1/q8_0 with
+        interleave <= 16 (docs/FORMAT.md 5.1).
         """
         self._check_open()
         if not isinstance(name, str) or not name or len(name) > 512:
@@ -145,6 +147,8 @@ class CflowWriter:
                 or tile[1] % bt.block_elems or not isinstance(g, int) or g < 1 or tile[0] % g:
             raise CflowError(f"tensor {name!r}: tile {tile} / interleave {g} do not fit {bt.name} "
                              f"(TC a multiple of {bt.block_elems}, G dividing TR)")
+        if err := check_pack(bt, g, pack):
+            raise CflowError(f"tensor {name!r}: {err}")
         part_list, stripe = _parts(name, rows, tile, parts, fuse, stripe_rows)
         if not encoded and not quant.can_encode(bt):
             quant.encode(rows_data[:0], bt)  # raises the UnsupportedError before anything is written
@@ -158,9 +162,9 @@ class CflowWriter:
         for r0 in range(0, rows, step):  # chunks of whole stripes: each packs independently
             chunk = rows_data[r0:r0 + step]
             enc = np.ascontiguousarray(chunk) if encoded else quant.encode(chunk, bt)
-            self._write(pack_tiles(enc, bt, cols, tile, g))
+            self._write(pack_tiles(enc, bt, cols, tile, g, pack))
         t = Tensor(name, bt, tuple(shape), tile, g, section, offset, self._pos - offset, part_list,
-                   fuse if part_list else None, stripe)
+                   fuse if part_list else None, stripe, pack)
         self._tensors[name] = t
         return t
 

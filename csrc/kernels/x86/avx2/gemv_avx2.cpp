@@ -9,6 +9,7 @@
 
 #include "../../isa_kernels.h"
 #include "../../tile_walk.h"
+#include "cflow/planes.h"
 #include "vec.h"
 
 namespace cflow {
@@ -64,8 +65,101 @@ struct V : Vec {
 
 #include "../gemv_simd.h"
 
+// ---- planes-packed Q4_0 / Q4_1 / Q8_0, int8 activations (cflow/planes.h) ----
+// A group of 16 rows is two ymm of int32 lanes (rows 0..7, 8..15): each 64-byte plane is two
+// 32-byte halves, and slice k of the activation is broadcast to every lane. Nibbles: maddubs of
+// the low and the high nibbles, their int16 sums added (at most 2 * 2 * 15 * 127, no
+// saturation), one madd to int32. Q8_0: |w| times sign(x, w). Offsets as the AVX-512 kernel.
+template <WType WT>
+struct PlanesKind {
+  static constexpr int kHdr = WT == WType::Q4_1 ? 4 : 2;
+  static constexpr int kBB = WT == WType::Q4_1 ? 20 : WT == WType::Q4_0 ? 18 : 34;
+};
+
+template <WType WT>
+inline void planes_block(const uint8_t* c, const block_q8a& a, __m256& acc0, __m256& acc1) {
+  using K = PlanesKind<WT>;
+  const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  int32_t xw[8];
+  std::memcpy(xw, a.qs, 32);
+  const int isum = a.lsum4[0] + a.lsum4[1] + a.lsum4[2] + a.lsum4[3];
+  const uint8_t* pl = c + 16 * K::kHdr;
+  __m256i s[2];
+  s[0] = s[1] = _mm256_set1_epi32(WT == WType::Q4_0 ? -8 * isum : 0);
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h+7
+    if (WT != WType::Q8_0) {
+      for (int k = 0; k < 4; ++k) {
+        const __m256i q = load32(pl + 64 * k + 32 * h);
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(q, lo), _mm256_set1_epi32(xw[k])),
+                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), lo),
+                                                                _mm256_set1_epi32(xw[4 + k])));
+        s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(p, ones));
+      }
+    } else {
+      for (int k = 0; k < 8; ++k) {
+        const __m256i q = load32(pl + 64 * k + 32 * h);
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(_mm256_set1_epi32(xw[k]), q));
+        s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(p, ones));
+      }
+    }
+  }
+  const __m256 dx = _mm256_set1_ps(a.d);
+  const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
+  const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16)));
+  acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s[0]), acc0);
+  acc1 = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s[1]), acc1);
+  if (WT == WType::Q4_1) {
+    const __m256 sx = _mm256_set1_ps(a.s);
+    acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32))), sx, acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 48))), sx, acc1);
+  }
+}
+
+template <WType WT>
+void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
+                    int row_begin, int row_end) {
+  using K = PlanesKind<WT>;
+  const block_q8a* x = (const block_q8a*)xv;
+  walk_tiles(y, w, rows, cols, ts, QK, K::kBB, row_begin, row_end,
+             [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
+               alignas(32) uint8_t wide[kPlanesMaxG * K::kBB];
+               __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+               const size_t step = (size_t)gg * K::kBB;
+               for (int b = 0; b < nb; ++b) {
+                 const uint8_t* c = grp + b * step;
+                 planes_prefetch(c, step);
+                 if (gg != kPlanesMaxG) {
+                   planes_widen(c, gg, K::kHdr, K::kBB, wide);
+                   c = wide;
+                 }
+                 planes_block<WT>(c, x[cb0 + b], acc0, acc1);
+               }
+               alignas(32) float t[16];
+               _mm256_store_ps(t, acc0);
+               _mm256_store_ps(t + 8, acc1);
+               for (int i = 0; i < gg; ++i) y[r + i] += t[i];
+             });
+}
+
 }  // namespace
 }  // namespace avx2
+
+const GemvTable& gemv_planes_avx2() {
+  static GemvTable p = {};
+  static const bool filled = [] {
+    auto set = [&](WType wt, GemvFn f32, GemvFn q8) {
+      p[wtype_index(wt)][0] = f32;
+      p[wtype_index(wt)][1] = q8;
+    };
+    using namespace avx2;
+    set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0>);
+    set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1>);
+    set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0>);
+    return true;
+  }();
+  (void)filled;
+  return p;
+}
 
 const GemvTable& gemv_table_avx2() {
   static GemvTable t = {};

@@ -114,6 +114,10 @@ static void gemm_q8_t(const TileLayout& L, const uint8_t* w, int r0, int r1, con
 }
 
 void gemm_q8_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
+  if (gemm_on_whole_blocks(L, w, r0, r1, y, [&](const TileLayout& S, const uint8_t* ws, int a, int b, float* ys) {
+        gemm_q8_avx512(S, ws, a, b, x, ys, ldy);
+      }))
+    return;
   switch (L.type) {
     case T_Q4_0: return gemm_q8_t<T_Q4_0>(L, w, r0, r1, x, y, ldy);
     case T_Q4_1: return gemm_q8_t<T_Q4_1>(L, w, r0, r1, x, y, ldy);
@@ -123,7 +127,8 @@ void gemm_q8_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const
   gemm_q8_ref(L, w, r0, r1, x, y, ldy);
 }
 
-// fp32 path: each row is dequantized once and dotted with every token.
+// fp32 path: each row is dequantized once (dequant_group_row reads either pack) and dotted with
+// every token.
 void gemm_f32_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
                      float* y, int ldy) {
   std::vector<float> row(L.cols + 16);

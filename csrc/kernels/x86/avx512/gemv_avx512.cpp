@@ -15,6 +15,7 @@
 
 #include "../../isa_kernels.h"
 #include "../../tile_walk.h"
+#include "cflow/planes.h"
 #include "vec.h"
 
 namespace cflow {
@@ -273,8 +274,94 @@ struct KQ6_K512 : BlkQ6_K {
   }
 };
 
+// ---- planes-packed Q4_0 / Q4_1 / Q8_0, int8 activations (cflow/planes.h) ----
+// One interleave group of 16 rows is one zmm of int32 lanes, lane i = row i. Per column block:
+// the 16 scales are one fp16 load; each 64-byte plane holds slice k (4 quant bytes) of every
+// row, and one vpdpbusd against the 4 activation bytes of slice k, broadcast, adds every row's
+// partial dot product. No shuffles. The weight offsets enter the int32 accumulator exactly, as
+// its start value: Q4_0 -8 * sum(x), Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x);
+// Q4_1 adds m * d_x * sum(x) in float. A group of fewer rows is widened to 16 (planes_widen).
+template <WType WT>
+struct PlanesKind {
+  static constexpr int kHdr = WT == WType::Q4_1 ? 4 : 2;
+  static constexpr int kBB = WT == WType::Q4_1 ? 20 : WT == WType::Q4_0 ? 18 : 34;
+  static constexpr bool kNib = WT != WType::Q8_0;
+};
+
+template <WType WT>
+inline __m512 planes_block(const uint8_t* c, const block_q8a& a, __m512 acc) {
+  using K = PlanesKind<WT>;
+  const __m512i lo = _mm512_set1_epi8(0x0F);
+  int32_t xw[8];  // the activation's 4-byte slices
+  std::memcpy(xw, a.qs, 32);
+  const int isum = a.lsum4[0] + a.lsum4[1] + a.lsum4[2] + a.lsum4[3];
+  const __m512i* pl = (const __m512i*)(c + 16 * K::kHdr);
+  __m512i s0 = _mm512_set1_epi32(WT == WType::Q4_0 ? -8 * isum : WT == WType::Q8_0 ? -128 * isum : 0);
+  __m512i s1 = _mm512_setzero_si512();
+  if (K::kNib) {
+    for (int k = 0; k < 4; ++k) {
+      const __m512i q = _mm512_loadu_si512(pl + k);
+      s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(q, lo), _mm512_set1_epi32(xw[k]));
+      s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), lo), _mm512_set1_epi32(xw[4 + k]));
+    }
+  } else {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int k = 0; k < 8; k += 2) {
+      s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_loadu_si512(pl + k), flip), _mm512_set1_epi32(xw[k]));
+      s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_loadu_si512(pl + k + 1), flip), _mm512_set1_epi32(xw[k + 1]));
+    }
+  }
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc);
+  if (WT == WType::Q4_1) acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))), _mm512_set1_ps(a.s), acc);
+  return acc;
+}
+
+template <WType WT>
+void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
+                    int row_begin, int row_end) {
+  using K = PlanesKind<WT>;
+  const block_q8a* x = (const block_q8a*)xv;
+  walk_tiles(y, w, rows, cols, ts, QK, K::kBB, row_begin, row_end,
+             [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
+               alignas(64) uint8_t wide[kPlanesMaxG * K::kBB];
+               __m512 acc = _mm512_setzero_ps();
+               const size_t step = (size_t)gg * K::kBB;
+               if (gg == kPlanesMaxG) {
+                 for (int b = 0; b < nb; ++b) {
+                   planes_prefetch(grp + b * step, step);
+                   acc = planes_block<WT>(grp + b * step, x[cb0 + b], acc);
+                 }
+               } else {
+                 for (int b = 0; b < nb; ++b) {
+                   planes_widen(grp + b * step, gg, K::kHdr, K::kBB, wide);
+                   acc = planes_block<WT>(wide, x[cb0 + b], acc);
+                 }
+               }
+               const __mmask16 m = (__mmask16)((1u << gg) - 1);
+               _mm512_mask_storeu_ps(y + r, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + r), acc));
+             });
+}
+
 }  // namespace
 }  // namespace avx512
+
+const GemvTable& gemv_planes_avx512() {
+  static GemvTable p = {};
+  static const bool filled = [] {
+    auto set = [&](WType wt, GemvFn f32, GemvFn q8) {
+      p[wtype_index(wt)][0] = f32;
+      p[wtype_index(wt)][1] = q8;
+    };
+    using namespace avx512;
+    set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0>);
+    set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1>);
+    set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0>);
+    return true;
+  }();
+  (void)filled;
+  return p;
+}
 
 const GemvTable& gemv_table_avx512() {
   static GemvTable t = {};

@@ -1,0 +1,81 @@
+// The planes pack of an interleave group (docs/FORMAT.md, 5.1), for Q4_0, Q4_1 and Q8_0.
+//
+// A chunk is the g blocks of one column block of an interleave group (g rows, g <= 16): the
+// same g * bb bytes as g whole blocks, regrouped. A block is H header bytes (fp16 words: d, and
+// m for Q4_1) followed by Q quant bytes (qs, Q = 16 or 32). In the chunk:
+//   header word h of row i      at  2 * (h * g + i)                (all d, then all m)
+//   quant bytes 4k .. 4k+3 of i at  H * g + 4 * (k * g + i)        (slice k of every row)
+// So with g = 16, slice k of the 16 rows is one 64-byte plane: for Q4_0/Q4_1 its low nibbles
+// are weights 4k..4k+3 and its high nibbles 16+4k..16+4k+3 of each row, for Q8_0 weights
+// 4k..4k+3. The transform is a permutation of the chunk's bytes: lossless.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cflow/kernels.h"
+
+namespace cflow {
+
+// Header bytes of a block type that has a planes pack (Q4_0 2, Q4_1 4, Q8_0 2); 0 for others.
+inline int planes_header(WType wt) {
+  switch (wt) {
+    case WType::Q4_0: return 2;
+    case WType::Q8_0: return 2;
+    case WType::Q4_1: return 4;
+    default: return 0;
+  }
+}
+
+constexpr int kPlanesMaxG = 16;  // the planes pack is defined for interleave groups of <= 16 rows
+
+// Block i of a chunk of g blocks (header hdr bytes, bb bytes per block) <-> whole block bytes.
+inline void planes_get(const uint8_t* chunk, int g, int i, int hdr, int bb, uint8_t* block) {
+  for (int h = 0; h < hdr / 2; ++h) std::memcpy(block + 2 * h, chunk + 2 * (h * g + i), 2);
+  for (int k = 0; k < (bb - hdr) / 4; ++k) std::memcpy(block + hdr + 4 * k, chunk + hdr * g + 4 * (k * g + i), 4);
+}
+inline void planes_put(uint8_t* chunk, int g, int i, int hdr, int bb, const uint8_t* block) {
+  for (int h = 0; h < hdr / 2; ++h) std::memcpy(chunk + 2 * (h * g + i), block + 2 * h, 2);
+  for (int k = 0; k < (bb - hdr) / 4; ++k) std::memcpy(chunk + hdr * g + 4 * (k * g + i), block + hdr + 4 * k, 4);
+}
+
+// A chunk of g < 16 rows spread to the 16-row positions of `wide` (16 * bb bytes), the missing
+// rows zero: SIMD kernels then treat every group as a full one and drop the extra results.
+inline void planes_widen(const uint8_t* chunk, int g, int hdr, int bb, uint8_t* wide) {
+  std::memset(wide, 0, (size_t)kPlanesMaxG * bb);
+  for (int h = 0; h < hdr / 2; ++h) std::memcpy(wide + 2 * h * kPlanesMaxG, chunk + 2 * h * g, (size_t)2 * g);
+  for (int k = 0; k < (bb - hdr) / 4; ++k)
+    std::memcpy(wide + hdr * kPlanesMaxG + 4 * k * kPlanesMaxG, chunk + hdr * g + 4 * k * g, (size_t)4 * g);
+}
+
+// Software prefetch of the chunk kPrefetchAhead bytes ahead of `chunk` (n bytes, one hint per
+// cache line), issued by the SIMD kernels before each chunk. The payload is one linear stream,
+// yet without it a GEMV thread read 13 GB/s where the probe read 16.7 (and 26 of 33 with two
+// threads); 2048 bytes ahead brought both to the probe's figure, 1024 and 4096 less (docs/KERNELS.md).
+// A prefetch past the end of the mapping is harmless: prefetches never fault.
+constexpr size_t kPrefetchAhead = 2048;
+inline void planes_prefetch(const uint8_t* chunk, size_t n) {
+  for (size_t o = 0; o < n; o += 64) __builtin_prefetch(chunk + kPrefetchAhead + o, 0, 3);
+}
+
+// The planes-packed GEMV made from a whole-block kernel F of the same type and activation:
+// stripe by stripe, unpack_planes into a per-thread buffer, then F on that one stripe. The
+// fp32-activation path and the scalar reference take this form.
+template <WType WT, GemvFn F>
+void gemv_unpacked(float* y, const void* x, const uint8_t* w, int rows, int cols, const TileShape& ts,
+                   int row_begin, int row_end) {
+  thread_local std::vector<uint8_t> buf;
+  const size_t row_bytes = (size_t)(cols / block_elems(WT)) * block_bytes(WT);
+  TileShape whole = ts;
+  whole.pack = Pack::Blocks;
+  row_end = std::min(row_end, rows);
+  for (int r0 = row_begin; r0 < row_end; r0 += ts.tr) {
+    const int nr = std::min(ts.tr, rows - r0);
+    buf.resize((size_t)nr * row_bytes);
+    unpack_planes(WT, w + (size_t)r0 * row_bytes, buf.data(), nr, cols, ts);
+    F(y + (r0 - row_begin), x, buf.data(), nr, cols, whole, 0, nr);
+  }
+}
+
+}  // namespace cflow
