@@ -153,6 +153,32 @@ def test_every_path_matches_scalar(name, rows, nblk, g, tc_blocks, act, isa, thr
 PLANES = ["q4_0", "q4_1", "q8_0"]
 
 
+@pytest.mark.parametrize("name", PLANES)
+def test_two_level_activations(name):
+    """q8x2 (planes only): every ISA matches the scalar definition (two one-level passes), and
+    the error against fp32 activations falls far below the one-level bound."""
+    rng = np.random.default_rng(11)
+    for g, rows, cols in ((16, 301, 608), (8, 133, 96)):
+        tiles, W, x = setup(name, rows, cols, (128, 256), g, seed=g, pack="planes")
+        args = (name, tiles, x, rows, cols, (128, 256), g)
+        yr = K.gemv(*args, act="q8x2", isa="scalar", pack="planes")
+        scale = np.abs(W) @ np.abs(x.astype(np.float64))
+        for isa in ISAS:
+            assert K.gemv_isa(name, "q8x2", isa, "planes") == isa
+            for threads in (1, 2):
+                y = K.gemv(*args, act="q8x2", isa=isa, threads=threads, pack="planes")
+                assert np.all(np.abs(y - yr) <= 1e-5 * scale + 1e-30), (isa, g)
+        exact = W @ x.astype(np.float64)
+        bound = int8_bound(W, x)
+        e1 = np.abs(K.gemv(*args, act="q8", pack="planes") - exact)
+        e2 = np.abs(yr - exact)
+        assert np.all(e2 <= bound / 100 + 1e-5 * scale)  # the residual's own step is d/127
+        assert e2.max() < e1.max() / 20
+    tiles, _, x = setup(name, 16, 64, (128, 256), 1)  # whole blocks: no two-level kernel
+    with pytest.raises(CflowError, match="q8x2"):
+        K.gemv(name, tiles, x, 16, 64, act="q8x2")
+
+
 def test_planes_chunk_layout_by_hand():
     """Two Q4_1 blocks (rows 0 and 1 of one column block, interleave 2) in the planes pack: the
     two d words, the two m words, then 4-byte quant slices k = 0..3 of row 0 and row 1 in turn."""

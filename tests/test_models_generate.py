@@ -153,6 +153,25 @@ def test_cli_generate_streams_and_reports_speed(tiny_dir, cli_cache):
     assert out.strip() and "decode" in err and "tok/s" in err and "GB/s" in err
 
 
+def test_bench_decode_json(tiny_dir, cli_cache):
+    import json
+
+    p = _cli("bench", "decode", "-m", str(tiny_dir), "--json", "--runs", "2", "--tokens", "4", "--prompt", "16",
+             "--threads", "1", "--precise", cache=cli_cache)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    rec = json.loads(out.strip().splitlines()[-1])
+    assert rec["threads"] == 1 and rec["precise"] is True and rec["vs"] == {}
+    assert len(rec["decode_runs"]) == len(rec["prefill_runs"]) == 2
+    assert min(rec["decode_runs"]) <= rec["decode_tok_s"] <= max(rec["decode_runs"])
+    assert rec["bytes_per_token"] > 0 and rec["probe_gbps"] > 0 and rec["probe_model_gbps"] > 0
+    assert rec["gbps"] == pytest.approx(rec["bytes_per_token"] * rec["decode_tok_s"] / 1e9, rel=0.01)
+    assert rec["isa"] in ("scalar", "avx2", "avx512")
+    p = _cli("bench", "decode", "-m", str(tiny_dir), "--vs", "llama.cpp", cache=cli_cache)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode != 0 and "needs the model's GGUF" in err
+
+
 def test_cli_bad_model_is_exit_2(tmp_path):
     p = _cli("generate", "-m", "no-such-model", "hi", cache=tmp_path)
     out, err = p.communicate(timeout=600)

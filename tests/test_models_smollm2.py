@@ -72,8 +72,9 @@ def test_fp32_path_logits_within_1e_3(fp32, text_ids, text_ref):
     assert (ours.argmax(-1) == text_ref.argmax(-1)).all()
 
 
-# The issue's acceptance asks 98% for the int8 path; measured here 96.1% (docs/MODELS.md,
-# "Parity"): quantizing activations to int8 flips near-ties. The bound guards against regressions.
+# One-level int8 activations (the default fast path, as llama.cpp's q8 activations) measured
+# 96.1% here: quantizing activations to int8 flips near-ties (docs/MODELS.md, "Parity"). The bound
+# guards against regressions; the two-level path below carries the 98% acceptance.
 FAST_TOP1_MIN = 0.95
 
 
@@ -86,6 +87,21 @@ def test_fast_path_top1_agreement(gguf_path, text_ids, text_ref):
     assert agree >= FAST_TOP1_MIN, f"top-1 agreement {agree:.3f}"
     err = np.abs(ours - text_ref).max(-1) / np.abs(text_ref).max(-1)
     assert 1e-4 < err.max() < 0.2  # int8 activations really ran, and stayed close
+
+
+def test_precise_fast_path_top1_agreement(gguf_path, text_ids, text_ref):
+    """Two-level int8 activations (precise=True): every weight's input carries ~14 bits, prefill
+    (GEMMs, two passes) and decode (planes kernels, both levels in one pass) alike."""
+    from cflow.llm import LLM
+
+    fast = LLM(str(gguf_path), engine="native", fast=True, precise=True, quiet=True)
+    ours = fast.logits(text_ids)
+    assert (ours.argmax(-1) == text_ref.argmax(-1)).mean() >= 0.98
+    st = fast.engine.new_state()
+    dec = np.stack([fast.engine.forward(st, [t]) for t in text_ids[:64]])
+    assert (dec.argmax(-1) == text_ref[:64].argmax(-1)).mean() >= 0.98
+    err = np.abs(ours - text_ref).max(-1) / np.abs(text_ref).max(-1)
+    assert err.max() < 0.02
 
 
 def test_greedy_64_tokens_equal_the_reference(fp32, reference):

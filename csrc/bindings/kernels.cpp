@@ -36,7 +36,8 @@ WType parse_wtype(const std::string& s) {
 AType parse_act(const std::string& s) {
   if (s == "f32") return AType::F32;
   if (s == "q8") return AType::Q8;
-  throw nb::value_error(("activation type must be 'f32' or 'q8', got " + s).c_str());
+  if (s == "q8x2") return AType::Q8x2;
+  throw nb::value_error(("activation type must be 'f32', 'q8' or 'q8x2', got " + s).c_str());
 }
 
 Isa parse_isa(const std::optional<std::string>& s) {
@@ -66,7 +67,9 @@ TileShape check(WType wt, AType at, const Bytes& tiles, const VecF& x, int rows,
                 std::tuple<int, int> tile, int interleave, const std::string& pack) {
   TileShape ts{std::get<0>(tile), std::get<1>(tile), interleave, parse_pack(pack)};
   if (const char* err = check_tiling(wt, rows, cols, ts)) throw nb::value_error(err);
-  if (at == AType::Q8 && !has_q8_path(wt)) throw nb::value_error("this weight type has no int8 activation path");
+  if (at != AType::F32 && !has_q8_path(wt)) throw nb::value_error("this weight type has no int8 activation path");
+  if (!gemv_fn(wt, at, Isa::Scalar, nullptr, ts.pack))
+    throw nb::value_error("no kernel for this weight type, activation and pack (q8x2: planes-packed q4_0, q4_1, q8_0)");
   if (tiles.shape(0) != tiled_nbytes(wt, rows, cols))
     throw nb::value_error(("tiles: expected " + std::to_string(tiled_nbytes(wt, rows, cols)) + " bytes, got " +
                            std::to_string(tiles.shape(0))).c_str());

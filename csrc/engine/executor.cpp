@@ -19,12 +19,19 @@ struct Engine::Scratch {
   std::vector<float> y;              // (n, rows of a share) GEMM output before an epilogue
   std::vector<float> scores;         // (n_ctx,) attention scores
   std::vector<uint8_t> xa;           // one token's activation prepared for a GEMV kernel
+  // F_PRECISE: the residual x - d q (n, C), its int8 blocks, the second pass's output
+  std::vector<float> r;
+  std::vector<int8_t> q2;
+  std::vector<float> qd2, qs2, y2;
+  std::vector<uint8_t> xa2;
 };
 
 struct Engine::Input {
   const float* x = nullptr;
   int ldx = 0;
   QActs qa;
+  QActs qa2;          // F_PRECISE: the residual's int8 blocks
+  bool two = false;   // qa2 is set
 };
 
 State::State(int n_layer, int n_ctx_, int kv_dim_) : n_ctx(n_ctx_), kv_dim(kv_dim_), k(n_layer), v(n_layer) {
@@ -49,6 +56,7 @@ Engine::Engine(const uint8_t* base, size_t size, const ModelDims& dims, std::vec
   pool_ = std::make_unique<Pool>(nt);
   for (int t = 0; t < nt; ++t) priv_.push_back(std::make_unique<Scratch>());
   shared_ = std::make_unique<Scratch>();
+  for (const Op& op : plan_.ops) any_precise_ |= (op.flags & F_PRECISE) != 0;
   bufs_.resize(plan_.buf_width.size());
   vecs_.resize(T_.size());
   // Norm and bias vectors are small: dequantize them once.
@@ -192,7 +200,7 @@ void Engine::rmsnorm(const float* x, const float* w, int cols, float* out) const
 
 // Input of a GEMM: optionally normalised, optionally quantized. One token: each thread makes its
 // own copy (no barrier). Several tokens: threads split the tokens into shared scratch, barrier.
-Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int norm, bool q8, int tid) {
+Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int norm, bool q8, bool precise, int tid) {
   Input in;
   in.x = src;
   in.ldx = lds;
@@ -220,6 +228,33 @@ Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int no
     part.s += (size_t)k0 * (cols / 32);
     part.q += (size_t)k0 * cols;
     if (k1 > k0) quantize_acts(x + (size_t)k0 * ldx, ldx, k1 - k0, cols, part);
+    if (precise) {  // second level: the residual of each token's blocks, quantized again
+      if (one) {  // a private scratch; the shared one is sized by forward()
+        grow(s.r, (size_t)cols);
+        grow(s.q2, (size_t)cols);
+        grow(s.qd2, (size_t)cols / 32 + 1);
+        grow(s.qs2, (size_t)cols / 32 + 1);
+      }
+      in.qa2 = in.qa;
+      in.qa2.n = n;
+      in.qa2.cols = cols;
+      in.qa2.d = s.qd2.data();
+      in.qa2.s = s.qs2.data();
+      in.qa2.q = s.q2.data();
+      in.two = true;
+      QActs part2 = in.qa2;
+      part2.d += (size_t)k0 * (cols / 32);
+      part2.s += (size_t)k0 * (cols / 32);
+      part2.q += (size_t)k0 * cols;
+      for (int k = k0; k < k1; ++k) {
+        const float* xk = x + (size_t)k * ldx;
+        float* rk = s.r.data() + (size_t)k * cols;
+        const float* dk = in.qa.d + (size_t)k * (cols / 32);
+        const int8_t* qk = in.qa.q + (size_t)k * cols;
+        for (int c = 0; c < cols; ++c) rk[c] = xk[c] - dk[c / 32] * qk[c];
+      }
+      if (k1 > k0) quantize_acts(s.r.data() + (size_t)k0 * cols, cols, k1 - k0, cols, part2);
+    }
     in.qa.n = n;
     in.qa.cols = cols;
   }
@@ -230,15 +265,32 @@ Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int no
 // Decode reads each weight once for one token: the tile GEMV kernels (kernels.h), which split
 // work by whole stripes, are the bandwidth-bound path. int8 activations (block_q8a / block_q8_K)
 // on the fast path for quantized types, fp32 otherwise.
-GemvFn Engine::decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa) {
+GemvFn Engine::decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa, bool precise,
+                           const void** xa2) {
   const WType wt = static_cast<WType>(L.type);
   const AType at = fast_ && has_q8_path(wt) ? AType::Q8 : AType::F32;
   GemvFn fn = gemv_fn(wt, at, isa_, nullptr, static_cast<Pack>(L.pack));
+  if (xa2) *xa2 = nullptr;
   if (!fn) return nullptr;
   Scratch& s = *priv_[tid];
+  if (precise && at == AType::Q8) {  // both levels in one pass where a kernel takes them
+    if (GemvFn two = gemv_fn(wt, AType::Q8x2, isa_, nullptr, static_cast<Pack>(L.pack))) {
+      grow(s.xa, act_bytes(wt, AType::Q8x2, L.cols));
+      prepare_act(wt, AType::Q8x2, s.xa.data(), x, L.cols);
+      *xa = s.xa.data();
+      return two;
+    }
+  }
   grow(s.xa, act_bytes(wt, at, L.cols));
   prepare_act(wt, at, s.xa.data(), x, L.cols);
   *xa = s.xa.data();
+  if (precise && at == AType::Q8 && xa2) {
+    grow(s.r, (size_t)L.cols);
+    grow(s.xa2, act_bytes(wt, at, L.cols));
+    act_residual(wt, s.xa.data(), x, L.cols, s.r.data());
+    prepare_act(wt, at, s.xa2.data(), s.r.data(), L.cols);
+    *xa2 = s.xa2.data();
+  }
   return fn;
 }
 
@@ -281,9 +333,11 @@ void Engine::op_matvec(const Op& op, int tid) {
   }
   const bool one = n == 1;
   const bool q8 = !one && fast_ && q8_supported(L.type);
-  Input in = prepare(src, lds, n, C, op.norm, q8, tid);
+  const bool precise = fast_ && (op.flags & F_PRECISE);
+  Input in = prepare(src, lds, n, C, op.norm, q8, q8 && precise, tid);
   const void* xa = nullptr;
-  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa) : nullptr;
+  const void* xa2 = nullptr;
+  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa, precise, &xa2) : nullptr;
   int r0, r1;
   if (gemv) stripe_share(L, tid, pool_->size(), &r0, &r1);
   else row_share(L, tid, pool_->size(), &r0, &r1);
@@ -299,9 +353,25 @@ void Engine::op_matvec(const Op& op, int tid) {
     ldy = r1 - r0;
   }
   const uint8_t* w = base_ + W.off;
-  if (gemv) gemv(y, xa, w, R, C, TileShape{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)}, r0, r1);
-  else if (q8) gemm_q8(L, w, r0, r1, in.qa, y, ldy);
-  else gemm_f32(L, w, r0, r1, in.x, in.ldx, n, y, ldy);
+  const TileShape ts{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)};
+  if (gemv) {
+    gemv(y, xa, w, R, C, ts, r0, r1);
+    if (xa2) {
+      grow(s.y2, (size_t)(r1 - r0));
+      gemv(s.y2.data(), xa2, w, R, C, ts, r0, r1);
+      for (int r = 0; r < r1 - r0; ++r) y[r] += s.y2[r];
+    }
+  } else if (q8) {
+    gemm_q8(L, w, r0, r1, in.qa, y, ldy);
+    if (in.two) {
+      grow(s.y2, (size_t)n * (r1 - r0));
+      gemm_q8(L, w, r0, r1, in.qa2, s.y2.data(), r1 - r0);
+      for (int k = 0; k < n; ++k)
+        for (int r = 0; r < r1 - r0; ++r) y[(size_t)k * ldy + r] += s.y2[(size_t)k * (r1 - r0) + r];
+    }
+  } else {
+    gemm_f32(L, w, r0, r1, in.x, in.ldx, n, y, ldy);
+  }
   const float* b = op.bias >= 0 ? vec(op.bias) : nullptr;
   const float cap = op.f1;
   for (int k = 0; k < n; ++k) {
@@ -330,9 +400,11 @@ void Engine::op_glu(const Op& op, int tid) {
   // One token with chunks of half a stripe: each chunk pair is one stripe, a GEMV row range.
   const bool one = n_ == 1 && 2 * c == L.tr;
   const bool q8 = !one && fast_ && q8_supported(L.type);
-  Input in = prepare(bufs_[op.src].data(), lds, n_, C, op.norm, q8, tid);
+  const bool precise = fast_ && (op.flags & F_PRECISE);
+  Input in = prepare(bufs_[op.src].data(), lds, n_, C, op.norm, q8, q8 && precise, tid);
   const void* xa = nullptr;
-  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa) : nullptr;
+  const void* xa2 = nullptr;
+  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa, precise, &xa2) : nullptr;
   const TileShape ts{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)};
   const int P = (F + c - 1) / c;
   const int p0 = (int)((int64_t)P * tid / nth), p1 = (int)((int64_t)P * (tid + 1) / nth);
@@ -345,6 +417,13 @@ void Engine::op_glu(const Op& op, int tid) {
     if (gemv) gemv(s.y.data(), xa, w, L.rows, C, ts, r0, r1);
     else if (q8) gemm_q8(L, w, r0, r1, in.qa, s.y.data(), 2 * cp);
     else gemm_f32(L, w, r0, r1, in.x, in.ldx, n_, s.y.data(), 2 * cp);
+    if (xa2 || (q8 && in.two)) {  // F_PRECISE: the residual's pass, added before the activation
+      const size_t m = (size_t)n_ * 2 * cp;
+      grow(s.y2, m);
+      if (xa2) gemv(s.y2.data(), xa2, w, L.rows, C, ts, r0, r1);
+      else gemm_q8(L, w, r0, r1, in.qa2, s.y2.data(), 2 * cp);
+      for (size_t i = 0; i < m; ++i) s.y[i] += s.y2[i];
+    }
     for (int k = 0; k < n_; ++k) {
       const float* g = s.y.data() + (size_t)k * 2 * cp;
       const float* u = g + cp;
@@ -496,11 +575,17 @@ void Engine::forward(State& st, const int32_t* tokens, int n, bool all_logits, f
   for (size_t b = 0; b < bufs_.size(); ++b) grow(bufs_[b], (size_t)n * plan_.buf_width[b]);
   int maxc = 0;
   for (int w : plan_.buf_width) maxc = std::max(maxc, w);
-  for (Scratch* s : {shared_.get()}) {
+  for (Scratch* s : {shared_.get()}) {  // every thread writes its tokens' rows: sized here, once
     grow(s->xn, (size_t)n * maxc);
     grow(s->q, (size_t)n * maxc);
     grow(s->qd, (size_t)n * maxc / 32 + 1);
     grow(s->qs, (size_t)n * maxc / 32 + 1);
+    if (any_precise_) {
+      grow(s->r, (size_t)n * maxc);
+      grow(s->q2, (size_t)n * maxc);
+      grow(s->qd2, (size_t)n * maxc / 32 + 1);
+      grow(s->qs2, (size_t)n * maxc / 32 + 1);
+    }
   }
   for (auto& s : priv_) {
     grow(s->xn, (size_t)maxc);

@@ -35,13 +35,14 @@ const GemvTable kRefTable = {
 const GemvTable& ref_planes() {
   static GemvTable t = {};
   static const bool filled = [] {
-    auto set = [&](WType wt, GemvFn f32, GemvFn q8) {
+    auto set = [&](WType wt, GemvFn f32, GemvFn q8, GemvFn q8x2) {
       t[wtype_index(wt)][0] = f32;
       t[wtype_index(wt)][1] = q8;
+      t[wtype_index(wt)][2] = q8x2;
     };
-    set(WType::Q4_0, ref::gemv_q4_0_f32_planes, ref::gemv_q4_0_q8_planes);
-    set(WType::Q4_1, ref::gemv_q4_1_f32_planes, ref::gemv_q4_1_q8_planes);
-    set(WType::Q8_0, ref::gemv_q8_0_f32_planes, ref::gemv_q8_0_q8_planes);
+    set(WType::Q4_0, ref::gemv_q4_0_f32_planes, ref::gemv_q4_0_q8_planes, ref::gemv_q4_0_q8x2_planes);
+    set(WType::Q4_1, ref::gemv_q4_1_f32_planes, ref::gemv_q4_1_q8_planes, ref::gemv_q4_1_q8x2_planes);
+    set(WType::Q8_0, ref::gemv_q8_0_f32_planes, ref::gemv_q8_0_q8_planes, ref::gemv_q8_0_q8x2_planes);
     return true;
   }();
   (void)filled;
@@ -110,6 +111,7 @@ const char* check_tiling(WType wt, int rows, int cols, const TileShape& ts) {
 
 size_t act_bytes(WType wt, AType at, int cols) {
   if (at == AType::F32) return (size_t)cols * sizeof(float);
+  if (at == AType::Q8x2) return 2 * act_bytes(wt, AType::Q8, cols);
   if (block_elems(wt) == QK_K) return (size_t)(cols / QK_K) * sizeof(block_q8_K);
   return (size_t)(cols / QK) * sizeof(block_q8a);
 }
@@ -149,7 +151,25 @@ void quantize_q8_K(block_q8_K* xq, const float* x, int cols) {
   }
 }
 
+void act_residual(WType wt, const void* xa, const float* x, int cols, float* r) {
+  if (block_elems(wt) == QK_K) {
+    const block_q8_K* b = (const block_q8_K*)xa;
+    for (int c = 0; c < cols; ++c) r[c] = x[c] - b[c / QK_K].d * b[c / QK_K].qs[c % QK_K];
+  } else {
+    const block_q8a* b = (const block_q8a*)xa;
+    for (int c = 0; c < cols; ++c) r[c] = x[c] - b[c / QK].d * b[c / QK].qs[c % QK];
+  }
+}
+
 void prepare_act(WType wt, AType at, void* xa, const float* x, int cols) {
+  if (at == AType::Q8x2) {  // level 1, then the int8 quantization of what it misses
+    prepare_act(wt, AType::Q8, xa, x, cols);
+    thread_local std::vector<float> r;
+    r.resize((size_t)cols);
+    act_residual(wt, xa, x, cols, r.data());
+    prepare_act(wt, AType::Q8, (uint8_t*)xa + act_bytes(wt, AType::Q8, cols), r.data(), cols);
+    return;
+  }
   if (at == AType::F32) std::memcpy(xa, x, (size_t)cols * sizeof(float));
   else if (block_elems(wt) == QK_K) quantize_q8_K((block_q8_K*)xa, x, cols);
   else quantize_q8a((block_q8a*)xa, x, cols);
@@ -159,7 +179,7 @@ GemvFn gemv_fn(WType wt, AType at, Isa isa, Isa* used, Pack pack) {
   const bool planes = pack == Pack::Planes;
   const GemvTable& ref = planes ? ref_planes() : kRefTable;
   const int i = wtype_index(wt), a = (int)at;
-  if (i < 0 || a < 0 || a > 1 || !ref[i][a]) return nullptr;
+  if (i < 0 || a < 0 || a > 2 || !ref[i][a]) return nullptr;
 #if defined(CFLOW_X86)
   const GemvTable& t512 = planes ? gemv_planes_avx512() : gemv_table_avx512();
   if (isa == Isa::Avx512 && isa_supported(Isa::Avx512) && t512[i][a]) {

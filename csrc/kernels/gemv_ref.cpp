@@ -241,6 +241,9 @@ CFLOW_GEMV_DEF(gemv_q8_0_f32_planes, gemv_unpacked<WType::Q8_0, gemv_q8_0_f32>)
 CFLOW_GEMV_DEF(gemv_q4_0_q8_planes, gemv_unpacked<WType::Q4_0, gemv_q4_0_q8>)
 CFLOW_GEMV_DEF(gemv_q4_1_q8_planes, gemv_unpacked<WType::Q4_1, gemv_q4_1_q8>)
 CFLOW_GEMV_DEF(gemv_q8_0_q8_planes, gemv_unpacked<WType::Q8_0, gemv_q8_0_q8>)
+CFLOW_GEMV_DEF(gemv_q4_0_q8x2_planes, gemv_two_levels<gemv_q4_0_q8_planes>)
+CFLOW_GEMV_DEF(gemv_q4_1_q8x2_planes, gemv_two_levels<gemv_q4_1_q8_planes>)
+CFLOW_GEMV_DEF(gemv_q8_0_q8x2_planes, gemv_two_levels<gemv_q8_0_q8_planes>)
 #undef CFLOW_GEMV_DEF
 
 void dequantize(WType wt, const uint8_t* p, int n_blocks, float* out) {

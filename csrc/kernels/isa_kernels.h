@@ -10,7 +10,7 @@ constexpr int kNumWTypes = 9;
 int wtype_index(WType wt);
 
 // table[wtype_index][(int)AType]; nullptr where the ISA has no kernel (scalar is used).
-using GemvTable = GemvFn[kNumWTypes][2];
+using GemvTable = GemvFn[kNumWTypes][3];  // [type][AType]
 const GemvTable& gemv_table_avx2();
 const GemvTable& gemv_table_avx512();
 // The same for planes-packed weights (entries only for the types that have the pack).

@@ -25,7 +25,9 @@ from cflow.format.tiles import PACK_CODES
 
 # Op kinds and flags: csrc/include/cflow/engine.h
 OP_BARRIER, OP_EMBED, OP_MATVEC, OP_GLU, OP_ATTN, OP_NORM_ADD, OP_ACT_MUL = 0, 1, 2, 3, 4, 5, 6
-F_ACCUM, F_LAST = 1, 2
+F_ACCUM, F_LAST, F_PRECISE = 1, 2, 4
+# Weight roles whose int8 activations may be two-level (F_PRECISE; see Engine's `precise`).
+ROLES = ("qkv", "attn_output", "gate_up", "down", "head")
 MAX_BATCH = 512  # tokens per native call when prefilling (bounds the scratch)
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -77,16 +79,19 @@ class Plan:
         return ti, oi, of, np.array(self.buffers, dtype=np.int32)
 
 
-def build_plan(f, cfg: ModelConfig) -> Plan:
+def build_plan(f, cfg: ModelConfig, precise=()) -> Plan:
     """The op list of one forward for a dense model (llama, qwen2, qwen3, gemma3).
 
     f: an object with .tensors {name: entry with type (BlockType), rows, cols, tile, interleave,
-    offset, nbytes, stripe_rows}: a CflowFile.
+    offset, nbytes, stripe_rows}: a CflowFile. precise: the ROLES whose ops get F_PRECISE.
     """
     if cfg.arch not in SUPPORTED_ARCHS:
         raise UnsupportedError(f"the native engine runs {', '.join(SUPPORTED_ARCHS)}; not arch {cfg.arch!r} yet")
     if cfg.n_expert:
         raise UnsupportedError("mixture-of-experts layers are not in the native engine yet")
+    if unknown := set(precise) - set(ROLES):
+        raise CflowError(f"precise: unknown roles {sorted(unknown)}; the roles are {', '.join(ROLES)}")
+    flag = {role: F_PRECISE if role in precise else 0 for role in ROLES}
     P = Plan()
     ids: dict[str, int] = {}
 
@@ -124,16 +129,16 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
     P.bytes_per_token += et[1] // et[3]  # one row
     layer_w: list[int] = []  # the current layer's weights (each read once per token)
 
-    def residual_out(weight: str, src: int, post_norm: str) -> None:
+    def residual_out(weight: str, src: int, post_norm: str, role: str) -> None:
         """x += W @ src, or (gemma) x += post_norm(W @ src)."""
         wi = tensor(weight)
         layer_w.append(wi)
         if cfg.post_norms:
-            P.op(OP_MATVEC, w=wi, src=src, dst=TMP)
+            P.op(OP_MATVEC, w=wi, src=src, dst=TMP, flags=flag[role])
             P.barrier()
             P.op(OP_NORM_ADD, norm=tensor(post_norm), src=TMP, dst=X)
         else:
-            P.op(OP_MATVEC, w=wi, src=src, dst=X, flags=F_ACCUM)
+            P.op(OP_MATVEC, w=wi, src=src, dst=X, flags=F_ACCUM | flag[role])
         P.barrier()
 
     for l in range(cfg.n_layer):
@@ -147,7 +152,7 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
         for part in parts:
             wi = tensor(b + part)
             P.op(OP_MATVEC, w=wi, bias=tensor(b + part + ".bias", optional=not cfg.qkv_bias),
-                 norm=tensor(b + "attn_norm"), src=X, dst=QKV, aux1=col)
+                 norm=tensor(b + "attn_norm"), src=X, dst=QKV, aux1=col, flags=flag["qkv"])
             col += P.tensors[wi][3]
             layer_w.append(wi)
         P.barrier()
@@ -157,7 +162,7 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
         kn = tensor(b + "attn_k_norm") if cfg.qk_norm else -1
         P.op(OP_ATTN, w=qn, bias=kn, src=QKV, dst=ATT, layer=l, aux0=cfg.sliding_window if sliding else 0, f0=theta)
         P.barrier()
-        residual_out(b + "attn_output", ATT, b + "attn_post_norm")
+        residual_out(b + "attn_output", ATT, b + "attn_post_norm", "attn_output")
         gu = f.tensors.get(b + "ffn_gate_up")
         if gu is not None or b + "ffn_gate" not in f.tensors:
             if gu is None:
@@ -165,22 +170,25 @@ def build_plan(f, cfg: ModelConfig) -> Plan:
             if getattr(gu, "fuse", "stripe") not in (None, "stripe") or not getattr(gu, "stripe_rows", 0):
                 raise CflowFormatError(f"{b}ffn_gate_up must be stripe-fused (gate/up interleaved by stripes)")
             layer_w.append(tensor(b + "ffn_gate_up"))
-            P.op(OP_GLU, w=layer_w[-1], norm=tensor(b + "ffn_norm"), src=X, dst=H, aux0=gu.stripe_rows)
+            P.op(OP_GLU, w=layer_w[-1], norm=tensor(b + "ffn_norm"), src=X, dst=H, aux0=gu.stripe_rows,
+                 flags=flag["gate_up"])
         else:  # gate and up apart: two matvecs into (gate | up), then act(gate) * up
             if GU < 0:
                 GU = P.buffer("gate_up", 2 * cfg.d_ff)
             for col, part in ((0, "ffn_gate"), (cfg.d_ff, "ffn_up")):
                 layer_w.append(tensor(b + part))
-                P.op(OP_MATVEC, w=layer_w[-1], norm=tensor(b + "ffn_norm"), src=X, dst=GU, aux1=col)
+                P.op(OP_MATVEC, w=layer_w[-1], norm=tensor(b + "ffn_norm"), src=X, dst=GU, aux1=col,
+                     flags=flag["gate_up"])
             P.barrier()
             P.op(OP_ACT_MUL, src=GU, dst=H)
         P.barrier()
-        residual_out(b + "ffn_down", H, b + "ffn_post_norm")
+        residual_out(b + "ffn_down", H, b + "ffn_post_norm", "down")
         P.bytes_per_token += sum(weight_bytes(i) for i in layer_w)
     out = tensor("output", optional=cfg.tie_embeddings)
     if out < 0:
         out = emb
-    P.op(OP_MATVEC, w=out, norm=tensor("output_norm"), src=X, dst=LOGITS, flags=F_LAST, f1=cfg.final_logit_softcap)
+    P.op(OP_MATVEC, w=out, norm=tensor("output_norm"), src=X, dst=LOGITS, flags=F_LAST | flag["head"],
+         f1=cfg.final_logit_softcap)
     P.bytes_per_token += weight_bytes(out)
     return P
 
@@ -211,10 +219,13 @@ class Engine:
 
     fast=True: activations quantized to int8 once per op (integer dot products);
     fast=False: fp32 activations, the parity path.
+    precise=True (with fast): two-level int8 activations for every weight (ROLES; F_PRECISE,
+    kernels.h AType::Q8x2): about 14 bits of activation precision. Planes-packed weights take
+    both levels in one pass over the weights; other types, and prefill GEMMs, run two passes.
     """
 
     def __init__(self, path_or_cflowfile, *, threads: int | None = None, n_ctx: int | None = None,
-                 fast: bool = True):
+                 fast: bool = True, precise: bool = False):
         from cflow._native import core
 
         if isinstance(path_or_cflowfile, (str, os.PathLike)):
@@ -232,7 +243,8 @@ class Engine:
         if self.threads < 1:
             raise CflowError(f"threads must be >= 1, got {self.threads}")
         self.fast = bool(fast)
-        self.plan = build_plan(self.file, cfg)
+        self.precise = bool(precise) and self.fast
+        self.plan = build_plan(self.file, cfg, ROLES if self.precise else ())
         self.bytes_per_token = self.plan.bytes_per_token
         idims = np.array([cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.vocab_size,
                           self.n_ctx, 0 if cfg.rope_style == "neox" else 1, 0 if cfg.act == "silu" else 1], np.int32)

@@ -80,9 +80,10 @@ def load_model(model: str, *, cache=None, quiet: bool = False):
     return CflowFile(path)
 
 
-def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None):
+def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None, precise: bool = False):
     """The engine for an opened model: "auto" (the default; also CFLOW_ENGINE) is the native engine
-    when this build has it, else the numpy reference engine; "native" and "ref" force one."""
+    when this build has it, else the numpy reference engine; "native" and "ref" force one.
+    precise: two-level int8 activations (native engine; the reference engine has one level)."""
     choice = engine or os.environ.get("CFLOW_ENGINE", "auto")
     if choice not in ("auto", "native", "ref"):
         raise CflowError(f"engine must be auto, native or ref, got {choice!r}")
@@ -94,7 +95,7 @@ def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None 
                 raise CflowError(f"the native engine is not available in this build: {e}") from None
         else:
             try:
-                return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast)
+                return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise)
             except UnsupportedError:
                 if choice == "native":
                     raise
@@ -112,13 +113,13 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", *, threads=None, n_ctx=None, fast=True,
-                 engine: str | None = None, cache=None, quiet: bool = False):
+                 engine: str | None = None, cache=None, quiet: bool = False, precise: bool = False):
         self.name = model
         self.file = load_model(model, cache=cache, quiet=quiet)
         self.config = self.file.config
         self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.special_tokens)
         self.chat_template = self.file.chat_template
-        self.engine = make_engine(self.file, threads=threads, n_ctx=n_ctx, fast=fast, engine=engine)
+        self.engine = make_engine(self.file, threads=threads, n_ctx=n_ctx, fast=fast, engine=engine, precise=precise)
         self.n_ctx = self.engine.n_ctx
         self._template = None
 

@@ -42,7 +42,10 @@ enum OpKind : int32_t {
   OP_NORM_ADD = 5,  // dst (n, d) += rmsnorm(src) * (offset + W)                 (norm)
   OP_ACT_MUL = 6,   // src (n, 2F) = [gate | up] -> dst (n, F) = act(gate) * up (gate, up stored apart)
 };
-enum OpFlags : int32_t { F_ACCUM = 1, F_LAST = 2 };
+// F_PRECISE (fast path only): the op's int8 activations are two-level, x ~ d1 q1 + d2 q2 with
+// q2 the int8 quantization of the residual x - d1 q1: two integer passes over the weights (the
+// second mostly from cache), about 14 bits of activation precision instead of 8.
+enum OpFlags : int32_t { F_ACCUM = 1, F_LAST = 2, F_PRECISE = 4 };
 
 // One op; tensor ids index Weights, buffer ids index the plan's scratch buffers (-1: none).
 struct Op {
@@ -99,10 +102,12 @@ class Engine {
   void validate();
   const float* vec(int tensor) const;  // dequantized 1-D tensor (norms, biases)
   struct Input;
-  Input prepare(const float* src, int lds, int n, int cols, int norm, bool q8, int tid);
+  Input prepare(const float* src, int lds, int n, int cols, int norm, bool q8, bool precise, int tid);
   // One token: the tile GEMV kernel for W (kernels.h) and its activation type, or nullptr when
   // none applies (the GEMM path runs). `xa` receives x prepared for it (thread tid's scratch).
-  GemvFn decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa);
+  // precise: also the int8 residual of x into *xa2 (else *xa2 = nullptr).
+  GemvFn decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa, bool precise = false,
+                     const void** xa2 = nullptr);
   void rmsnorm(const float* x, const float* w, int cols, float* out) const;
 
   const uint8_t* base_;
@@ -111,6 +116,7 @@ class Engine {
   std::vector<TensorRef> T_;
   Plan plan_;
   bool fast_;
+  bool any_precise_ = false;  // some op has F_PRECISE
   Isa isa_;  // kernel ISA, resolved once (CFLOW_ISA caps it)
   std::unique_ptr<Pool> pool_;
   std::vector<std::vector<float>> vecs_;  // per tensor: dequantized when used as norm/bias

@@ -9,6 +9,7 @@
 //   AType::Q8  - x is quantized once per op (quantize_act) to int8 blocks: block_q8a[cols/32]
 //                for the 32-block types, block_q8_K[cols/256] for Q4_K/Q6_K; integer dot
 //                products (VNNI / maddubs). The fast path. F32/F16/BF16 weights have only F32.
+//   AType::Q8x2 - two int8 levels (below), planes-packed Q4_0/Q4_1/Q8_0.
 //
 // Every kernel has the GemvFn signature. The row range [row_begin, row_end) must start on a
 // stripe (row_begin % tr == 0) and end on one or at `rows`, so threads that take whole stripes
@@ -29,7 +30,11 @@ namespace cflow {
 enum class WType : int {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30
 };
-enum class AType : int { F32 = 0, Q8 = 1 };
+// Q8x2: two-level int8 activations, x ~ d1 q1 + d2 q2, q2 the int8 quantization of the
+// residual x - d1 q1 (act_residual): the prepared activation is the cols/32 block_q8a of the
+// first level followed by those of the second. About 14 bits of activation precision for the
+// integer arithmetic of one more dot per weight byte. Planes-packed Q4_0/Q4_1/Q8_0 only.
+enum class AType : int { F32 = 0, Q8 = 1, Q8x2 = 2 };
 
 // How an interleave group stores the blocks of one column block (docs/FORMAT.md, 5.1):
 //   Blocks: g whole blocks, one per row (GGUF's block encoding, any type);
@@ -59,6 +64,8 @@ const char* check_tiling(WType wt, int rows, int cols, const TileShape& ts);
 size_t act_bytes(WType wt, AType at, int cols);
 // Prepare x for (wt, at): F32 copies x; Q8 quantizes (quantize_q8a or quantize_q8_K).
 void prepare_act(WType wt, AType at, void* xa, const float* x, int cols);
+// r = x - (the values xa holds): the part of x an int8 activation (prepare_act, Q8) misses.
+void act_residual(WType wt, const void* xa, const float* x, int cols, float* r);
 // x: (cols) fp32 -> xq: (cols/32) blocks; cols % 32 == 0.
 void quantize_q8a(block_q8a* xq, const float* x, int cols);
 // x: (cols) fp32 -> xq: (cols/256) blocks; cols % 256 == 0.
@@ -106,6 +113,9 @@ CFLOW_GEMV_DECL(gemv_q8_0_f32_planes)
 CFLOW_GEMV_DECL(gemv_q4_0_q8_planes)
 CFLOW_GEMV_DECL(gemv_q4_1_q8_planes)
 CFLOW_GEMV_DECL(gemv_q8_0_q8_planes)
+CFLOW_GEMV_DECL(gemv_q4_0_q8x2_planes)
+CFLOW_GEMV_DECL(gemv_q4_1_q8x2_planes)
+CFLOW_GEMV_DECL(gemv_q8_0_q8x2_planes)
 }  // namespace ref
 
 // Rows [0, nr) of one stripe (nr rows, cols columns) of a planes-packed payload -> the same

@@ -78,4 +78,18 @@ void gemv_unpacked(float* y, const void* x, const uint8_t* w, int rows, int cols
   }
 }
 
+// The two-level GEMV (AType::Q8x2) from a one-level kernel F: F on each level, summed. The
+// scalar definition the single-pass SIMD kernels match.
+template <GemvFn F>
+void gemv_two_levels(float* y, const void* x, const uint8_t* w, int rows, int cols, const TileShape& ts,
+                     int row_begin, int row_end) {
+  thread_local std::vector<float> y2;
+  const int n = std::min(row_end, rows) - row_begin;
+  if (n <= 0) return;
+  y2.resize((size_t)n);
+  F(y, x, w, rows, cols, ts, row_begin, row_end);
+  F(y2.data(), (const block_q8a*)x + cols / QK, w, rows, cols, ts, row_begin, row_end);
+  for (int i = 0; i < n; ++i) y[i] += y2[i];
+}
+
 }  // namespace cflow

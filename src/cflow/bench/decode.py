@@ -6,6 +6,11 @@ Python); llama.cpp's figures come from its own perf counters (llama_perf_context
 eval times), so none of the Python binding's overhead is charged to it. Runs alternate between
 the two so that the machine's load affects both alike. Decode: median of --runs runs of
 --tokens greedy tokens after a warm-up; prefill: median over the runs of a --prompt-token prompt.
+
+Two probes: the standard one (PROBE_MIB, beyond what this machine's cache holds: memory
+bandwidth) and one over the model's own bytes per token, which says what the memory system
+delivers for a working set of that size (a model that fits a large L3 reads faster than memory).
+Every run's figures are in the JSON record too (decode_runs, prefill_runs), and the ISA that ran.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 
 from cflow.errors import CflowError
 
-PROBE_MIB = 512
+PROBE_MIB = 1024
 
 
 def add_arguments(p):
@@ -30,6 +35,7 @@ def add_arguments(p):
     p.add_argument("--runs", type=int, default=5, help="timed runs per engine (default 5)")
     p.add_argument("--tokens", type=int, default=128, help="decoded tokens per run (default 128)")
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt length (default 512)")
+    p.add_argument("--precise", action="store_true", help="two-level int8 activations (cflow generate --precise)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
 
 
@@ -133,27 +139,43 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
             lpre.append(theirs.prefill(long_))
         log(f"  run {r + 1}/{runs}: cflow decode {dec[-1]:.1f} tok/s, prefill {pre[-1]:.1f} tok/s"
             + (f" | llama.cpp decode {ldec[-1]:.1f} tok/s, prefill {lpre[-1]:.1f} tok/s" if theirs else ""))
-    probe = max(probe_read(PROBE_MIB, threads, 5))
+    from cflow.kernels import best_isa
+
+    probe = statistics.median(probe_read(PROBE_MIB, threads, 5))
+    probe_model = statistics.median(probe_read(max(16.0, engine.bytes_per_token / 2**20), threads, 5))
     d, p = statistics.median(dec), statistics.median(pre)
     gbps = engine.bytes_per_token * d / 1e9
+    rnd = lambda xs: [round(x, 2) for x in xs]
     rec = {"model": name, "threads": threads, "decode_tok_s": round(d, 2), "prefill_tok_s": round(p, 2),
            "bytes_per_token": int(engine.bytes_per_token), "gbps": round(gbps, 2), "probe_gbps": round(probe, 2),
-           "pct_of_probe": round(100 * gbps / probe, 1), "vs": {}}
+           "pct_of_probe": round(100 * gbps / probe, 1), "probe_model_gbps": round(probe_model, 2),
+           "pct_of_probe_model": round(100 * gbps / probe_model, 1), "isa": best_isa(),
+           "precise": bool(getattr(engine, "precise", False)), "decode_runs": rnd(dec), "prefill_runs": rnd(pre),
+           "vs": {}}
     if theirs:
         ld, lp = statistics.median(ldec), statistics.median(lpre)
         rec["vs"]["llama.cpp"] = {"decode_tok_s": round(ld, 2), "prefill_tok_s": round(lp, 2),
-                                  "ratio_decode": round(d / ld, 3), "ratio_prefill": round(p / lp, 3)}
+                                  "ratio_decode": round(d / ld, 3), "ratio_prefill": round(p / lp, 3),
+                                  "decode_runs": rnd(ldec), "prefill_runs": rnd(lpre),
+                                  "ratio_decode_runs": rnd(a / b for a, b in zip(dec, ldec)),
+                                  "ratio_prefill_runs": rnd(a / b for a, b in zip(pre, lpre))}
     return rec
 
 
 def report(rec: dict) -> str:
-    lines = [f"model {rec['model']}, {rec['threads']} threads",
-             f"  decode   {rec['decode_tok_s']:8.1f} tok/s   ({rec['bytes_per_token'] / 1e6:.1f} MB/token, "
-             f"{rec['gbps']:.1f} GB/s = {rec['pct_of_probe']:.0f}% of the probe's {rec['probe_gbps']:.1f} GB/s)",
-             f"  prefill  {rec['prefill_tok_s']:8.1f} tok/s"]
+    span = lambda xs: f"{min(xs):.1f}..{max(xs):.1f}"
+    lines = [f"model {rec['model']}, {rec['threads']} threads, {rec['isa']}"
+             + (", two-level activations" if rec["precise"] else ""),
+             f"  decode   {rec['decode_tok_s']:8.1f} tok/s  ({span(rec['decode_runs'])})  "
+             f"{rec['bytes_per_token'] / 1e6:.1f} MB/token, {rec['gbps']:.1f} GB/s = {rec['pct_of_probe']:.0f}% of "
+             f"the probe's {rec['probe_gbps']:.1f} GB/s ({PROBE_MIB} MiB), {rec['pct_of_probe_model']:.0f}% of "
+             f"{rec['probe_model_gbps']:.1f} GB/s over the model's bytes per token",
+             f"  prefill  {rec['prefill_tok_s']:8.1f} tok/s  ({span(rec['prefill_runs'])})"]
     for k, v in rec["vs"].items():
-        lines.append(f"  {k}: decode {v['decode_tok_s']:.1f} tok/s (cflow x{v['ratio_decode']:.2f}), "
-                     f"prefill {v['prefill_tok_s']:.1f} tok/s (cflow x{v['ratio_prefill']:.2f})")
+        lines.append(f"  {k}: decode {v['decode_tok_s']:.1f} tok/s ({span(v['decode_runs'])}), cflow x"
+                     f"{v['ratio_decode']:.2f} (per run {span(v['ratio_decode_runs'])}); prefill "
+                     f"{v['prefill_tok_s']:.1f} tok/s ({span(v['prefill_runs'])}), cflow x{v['ratio_prefill']:.2f} "
+                     f"(per run {span(v['ratio_prefill_runs'])})")
     return "\n".join(lines)
 
 
@@ -165,7 +187,8 @@ def main(args) -> int:
     src, gguf = _resolve(args.model, args.gguf, args.json)
     if args.vs and not gguf:
         raise CflowError("--vs llama.cpp needs the model's GGUF: pass --gguf PATH")
-    eng = Engine(src, threads=args.threads, n_ctx=max(args.prompt + 1, 16 + args.tokens + 8, 1024))
+    eng = Engine(src, threads=args.threads, n_ctx=max(args.prompt + 1, 16 + args.tokens + 8, 1024),
+                 precise=args.precise)
     rec = run(eng, name=args.model, threads=args.threads, gguf=gguf if args.vs else None, runs=args.runs,
               tokens=args.tokens, prompt_len=args.prompt, log=(lambda *a: None) if args.json else print)
     print(json.dumps(rec) if args.json else report(rec))

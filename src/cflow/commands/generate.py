@@ -18,6 +18,8 @@ def add_sampling_arguments(p):
     p.add_argument("--n-ctx", type=int, default=None, help="context length (default: the model's, at most 8192)")
     p.add_argument("--engine", choices=("auto", "native", "ref"), default=None, help="decode engine: auto (default: native when built), native, ref (numpy reference)")
     p.add_argument("--exact", action="store_true", help="fp32 activations (parity path) instead of the int8 fast path")
+    p.add_argument("--precise", action="store_true",
+                   help="two-level int8 activations (about 14 bits): near-fp32 logits for more arithmetic")
 
 
 def add_arguments(p):
@@ -35,7 +37,8 @@ def sampling_kwargs(args) -> dict:
 def load_llm(args):
     from cflow.llm import LLM
 
-    return LLM(args.model, threads=args.threads, n_ctx=args.n_ctx, fast=not args.exact, engine=args.engine)
+    return LLM(args.model, threads=args.threads, n_ctx=args.n_ctx, fast=not args.exact, engine=args.engine,
+               precise=args.precise)
 
 
 def speed_line(llm, final) -> str:

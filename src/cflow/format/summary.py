@@ -38,10 +38,10 @@ def summary_lines(f: CflowFile) -> list[str]:
 
 
 def tensor_table(f: CflowFile) -> list[str]:
-    out = [f"{'name':32s} {'type':5s} {'shape':>14s} {'tile':>9s} {'G':>3s} {'section':10s} {'offset':>12s} {'nbytes':>11s}"]
+    out = [f"{'name':32s} {'type':5s} {'shape':>14s} {'tile':>9s} {'G':>3s} {'pack':6s} {'section':10s} {'offset':>12s} {'nbytes':>11s}"]
     for t in f.tensors.values():
         shape = "x".join(map(str, t.shape))
-        line = (f"{t.name:32s} {t.type.name:5s} {shape:>14s} {t.tile[0]:>4d}x{t.tile[1]:<4d} {t.interleave:>3d} "
+        line = (f"{t.name:32s} {t.type.name:5s} {shape:>14s} {t.tile[0]:>4d}x{t.tile[1]:<4d} {t.interleave:>3d} {t.pack:6s} "
                 f"{t.section:10s} {t.offset:>12d} {t.nbytes:>11d}")
         if t.parts:
             line += f"  {t.fuse}" + (f"/{t.stripe_rows}" if t.fuse == "stripe" else "") + ": " + \

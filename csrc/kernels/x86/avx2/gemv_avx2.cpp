@@ -115,11 +115,14 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, __m256& acc0, __m
   }
 }
 
-template <WType WT>
+// TWO (AType::Q8x2): x holds the first level's cols/32 blocks, then the second's; both are
+// dotted with each chunk while it is in L1.
+template <WType WT, bool TWO = false>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
                     int row_begin, int row_end) {
   using K = PlanesKind<WT>;
   const block_q8a* x = (const block_q8a*)xv;
+  const block_q8a* x2 = x + cols / QK;
   walk_tiles(y, w, rows, cols, ts, QK, K::kBB, row_begin, row_end,
              [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
                alignas(32) uint8_t wide[kPlanesMaxG * K::kBB];
@@ -133,6 +136,7 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int co
                    c = wide;
                  }
                  planes_block<WT>(c, x[cb0 + b], acc0, acc1);
+                 if (TWO) planes_block<WT>(c, x2[cb0 + b], acc0, acc1);
                }
                alignas(32) float t[16];
                _mm256_store_ps(t, acc0);
@@ -147,14 +151,18 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int co
 const GemvTable& gemv_planes_avx2() {
   static GemvTable p = {};
   static const bool filled = [] {
-    auto set = [&](WType wt, GemvFn f32, GemvFn q8) {
+    auto set = [&](WType wt, GemvFn f32, GemvFn q8, GemvFn q8x2) {
       p[wtype_index(wt)][0] = f32;
       p[wtype_index(wt)][1] = q8;
+      p[wtype_index(wt)][2] = q8x2;
     };
     using namespace avx2;
-    set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0>);
-    set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1>);
-    set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0>);
+    set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0>,
+        gemv_planes_q8<WType::Q4_0, true>);
+    set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1>,
+        gemv_planes_q8<WType::Q4_1, true>);
+    set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0>,
+        gemv_planes_q8<WType::Q8_0, true>);
     return true;
   }();
   (void)filled;

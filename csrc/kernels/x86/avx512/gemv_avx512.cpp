@@ -288,40 +288,62 @@ struct PlanesKind {
   static constexpr bool kNib = WT != WType::Q8_0;
 };
 
-template <WType WT>
-inline __m512 planes_block(const uint8_t* c, const block_q8a& a, __m512 acc) {
+// TWO (AType::Q8x2): a second int8 activation (the residual level, a2) is dotted with the same
+// unpacked planes, so the second level costs arithmetic, not a second pass over the weights.
+template <WType WT, bool TWO>
+inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const block_q8a* a2, __m512 acc) {
   using K = PlanesKind<WT>;
   const __m512i lo = _mm512_set1_epi8(0x0F);
-  int32_t xw[8];  // the activation's 4-byte slices
+  auto start = [](const block_q8a& x) {  // the exact integer offset term
+    const int isum = x.lsum4[0] + x.lsum4[1] + x.lsum4[2] + x.lsum4[3];
+    return _mm512_set1_epi32(WT == WType::Q4_0 ? -8 * isum : WT == WType::Q8_0 ? -128 * isum : 0);
+  };
+  int32_t xw[8], xw2[8];  // the activations' 4-byte slices
   std::memcpy(xw, a.qs, 32);
-  const int isum = a.lsum4[0] + a.lsum4[1] + a.lsum4[2] + a.lsum4[3];
+  if (TWO) std::memcpy(xw2, a2->qs, 32);
   const __m512i* pl = (const __m512i*)(c + 16 * K::kHdr);
-  __m512i s0 = _mm512_set1_epi32(WT == WType::Q4_0 ? -8 * isum : WT == WType::Q8_0 ? -128 * isum : 0);
-  __m512i s1 = _mm512_setzero_si512();
+  __m512i s0 = start(a), s1 = _mm512_setzero_si512();
+  __m512i t0 = TWO ? start(*a2) : s1, t1 = s1;
+  // u: the unsigned weights of plane slot j; xj: the activation slice index it meets
+  auto dot = [&](__m512i u0, int j0, __m512i u1, int j1) {
+    s0 = _mm512_dpbusd_epi32(s0, u0, _mm512_set1_epi32(xw[j0]));
+    s1 = _mm512_dpbusd_epi32(s1, u1, _mm512_set1_epi32(xw[j1]));
+    if (TWO) {
+      t0 = _mm512_dpbusd_epi32(t0, u0, _mm512_set1_epi32(xw2[j0]));
+      t1 = _mm512_dpbusd_epi32(t1, u1, _mm512_set1_epi32(xw2[j1]));
+    }
+  };
   if (K::kNib) {
     for (int k = 0; k < 4; ++k) {
       const __m512i q = _mm512_loadu_si512(pl + k);
-      s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(q, lo), _mm512_set1_epi32(xw[k]));
-      s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), lo), _mm512_set1_epi32(xw[4 + k]));
+      dot(_mm512_and_si512(q, lo), k, _mm512_and_si512(_mm512_srli_epi16(q, 4), lo), 4 + k);
     }
   } else {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int k = 0; k < 8; k += 2) {
-      s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_loadu_si512(pl + k), flip), _mm512_set1_epi32(xw[k]));
-      s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_loadu_si512(pl + k + 1), flip), _mm512_set1_epi32(xw[k + 1]));
-    }
+    for (int k = 0; k < 8; k += 2)
+      dot(_mm512_xor_si512(_mm512_loadu_si512(pl + k), flip), k, _mm512_xor_si512(_mm512_loadu_si512(pl + k + 1), flip), k + 1);
   }
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
-  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc);
-  if (WT == WType::Q4_1) acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))), _mm512_set1_ps(a.s), acc);
+  if (TWO) {
+    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), _mm512_set1_ps(a2->d),
+                                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(a.d)));
+    acc = _mm512_fmadd_ps(d, f, acc);
+  } else {
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc);
+  }
+  if (WT == WType::Q4_1)
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))),
+                          _mm512_set1_ps(TWO ? a.s + a2->s : a.s), acc);
   return acc;
 }
 
-template <WType WT>
+// TWO: x holds the cols/32 blocks of the first level, then those of the second (AType::Q8x2).
+template <WType WT, bool TWO = false>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
                     int row_begin, int row_end) {
   using K = PlanesKind<WT>;
   const block_q8a* x = (const block_q8a*)xv;
+  const block_q8a* x2 = x + cols / QK;
   walk_tiles(y, w, rows, cols, ts, QK, K::kBB, row_begin, row_end,
              [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
                alignas(64) uint8_t wide[kPlanesMaxG * K::kBB];
@@ -330,12 +352,12 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int co
                if (gg == kPlanesMaxG) {
                  for (int b = 0; b < nb; ++b) {
                    planes_prefetch(grp + b * step, step);
-                   acc = planes_block<WT>(grp + b * step, x[cb0 + b], acc);
+                   acc = planes_block<WT, TWO>(grp + b * step, x[cb0 + b], x2 + cb0 + b, acc);
                  }
                } else {
                  for (int b = 0; b < nb; ++b) {
                    planes_widen(grp + b * step, gg, K::kHdr, K::kBB, wide);
-                   acc = planes_block<WT>(wide, x[cb0 + b], acc);
+                   acc = planes_block<WT, TWO>(wide, x[cb0 + b], x2 + cb0 + b, acc);
                  }
                }
                const __mmask16 m = (__mmask16)((1u << gg) - 1);
@@ -349,14 +371,18 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int co
 const GemvTable& gemv_planes_avx512() {
   static GemvTable p = {};
   static const bool filled = [] {
-    auto set = [&](WType wt, GemvFn f32, GemvFn q8) {
+    auto set = [&](WType wt, GemvFn f32, GemvFn q8, GemvFn q8x2) {
       p[wtype_index(wt)][0] = f32;
       p[wtype_index(wt)][1] = q8;
+      p[wtype_index(wt)][2] = q8x2;
     };
     using namespace avx512;
-    set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0>);
-    set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1>);
-    set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0>);
+    set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0>,
+        gemv_planes_q8<WType::Q4_0, true>);
+    set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1>,
+        gemv_planes_q8<WType::Q4_1, true>);
+    set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0>,
+        gemv_planes_q8<WType::Q8_0, true>);
     return true;
   }();
   (void)filled;
