@@ -64,18 +64,13 @@ struct V : Vec {
 };
 
 #include "../gemv_simd.h"
+#include "../planes_simd.h"
 
 // ---- planes-packed Q4_0 / Q4_1 / Q8_0, int8 activations (cflow/planes.h) ----
 // A group of 16 rows is two ymm of int32 lanes (rows 0..7, 8..15): each 64-byte plane is two
 // 32-byte halves, and slice k of the activation is broadcast to every lane. Nibbles: maddubs of
 // the low and the high nibbles, their int16 sums added (at most 2 * 2 * 15 * 127, no
 // saturation), one madd to int32. Q8_0: |w| times sign(x, w). Offsets as the AVX-512 kernel.
-template <WType WT>
-struct PlanesKind {
-  static constexpr int kHdr = WT == WType::Q4_1 ? 4 : 2;
-  static constexpr int kBB = WT == WType::Q4_1 ? 20 : WT == WType::Q4_0 ? 18 : 34;
-};
-
 template <WType WT>
 inline void planes_block(const uint8_t* c, const block_q8a& a, __m256& acc0, __m256& acc1) {
   using K = PlanesKind<WT>;
@@ -117,7 +112,7 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, __m256& acc0, __m
 
 // TWO (AType::Q8x2): x holds the first level's cols/32 blocks, then the second's; both are
 // dotted with each chunk while it is in L1.
-template <WType WT, bool TWO = false>
+template <WType WT, bool TWO>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
                     int row_begin, int row_end) {
   using K = PlanesKind<WT>;
@@ -150,21 +145,7 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int co
 
 const GemvTable& gemv_planes_avx2() {
   static GemvTable p = {};
-  static const bool filled = [] {
-    auto set = [&](WType wt, GemvFn f32, GemvFn q8, GemvFn q8x2) {
-      p[wtype_index(wt)][0] = f32;
-      p[wtype_index(wt)][1] = q8;
-      p[wtype_index(wt)][2] = q8x2;
-    };
-    using namespace avx2;
-    set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0>,
-        gemv_planes_q8<WType::Q4_0, true>);
-    set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1>,
-        gemv_planes_q8<WType::Q4_1, true>);
-    set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0>,
-        gemv_planes_q8<WType::Q8_0, true>);
-    return true;
-  }();
+  static const bool filled = ((avx2::fill_planes_table(p)), true);
   (void)filled;
   return p;
 }

@@ -226,6 +226,7 @@ struct V : Vec {
 };
 
 #include "../gemv_simd.h"
+#include "../planes_simd.h"
 
 // K-quants at 512 bits: 64 weights per maddubs + vpdpwssd (the shared kinds take 32).
 inline __m256i fold(__m512i s) { return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)); }
@@ -281,13 +282,6 @@ struct KQ6_K512 : BlkQ6_K {
 // partial dot product. No shuffles. The weight offsets enter the int32 accumulator exactly, as
 // its start value: Q4_0 -8 * sum(x), Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x);
 // Q4_1 adds m * d_x * sum(x) in float. A group of fewer rows is widened to 16 (planes_widen).
-template <WType WT>
-struct PlanesKind {
-  static constexpr int kHdr = WT == WType::Q4_1 ? 4 : 2;
-  static constexpr int kBB = WT == WType::Q4_1 ? 20 : WT == WType::Q4_0 ? 18 : 34;
-  static constexpr bool kNib = WT != WType::Q8_0;
-};
-
 // TWO (AType::Q8x2): a second int8 activation (the residual level, a2) is dotted with the same
 // unpacked planes, so the second level costs arithmetic, not a second pass over the weights.
 template <WType WT, bool TWO>
@@ -338,7 +332,7 @@ inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const block_q8a
 }
 
 // TWO: x holds the cols/32 blocks of the first level, then those of the second (AType::Q8x2).
-template <WType WT, bool TWO = false>
+template <WType WT, bool TWO>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
                     int row_begin, int row_end) {
   using K = PlanesKind<WT>;
@@ -370,21 +364,7 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int co
 
 const GemvTable& gemv_planes_avx512() {
   static GemvTable p = {};
-  static const bool filled = [] {
-    auto set = [&](WType wt, GemvFn f32, GemvFn q8, GemvFn q8x2) {
-      p[wtype_index(wt)][0] = f32;
-      p[wtype_index(wt)][1] = q8;
-      p[wtype_index(wt)][2] = q8x2;
-    };
-    using namespace avx512;
-    set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0>,
-        gemv_planes_q8<WType::Q4_0, true>);
-    set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1>,
-        gemv_planes_q8<WType::Q4_1, true>);
-    set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0>,
-        gemv_planes_q8<WType::Q8_0, true>);
-    return true;
-  }();
+  static const bool filled = ((avx512::fill_planes_table(p)), true);
   (void)filled;
   return p;
 }

@@ -1,0 +1,29 @@
+// Planes-pack pieces shared by the AVX2 and AVX-512 kernel files (cflow/planes.h, docs/KERNELS.md):
+// included *inside* each ISA's namespace, like gemv_simd.h. PlanesKind describes a type's
+// block; fill_planes_table fills the planes table from the including file's gemv_planes_q8
+// (its own kernel) and gemv_f32 (gemv_simd.h) after unpacking.
+
+template <WType WT>
+struct PlanesKind {
+  static constexpr int kHdr = WT == WType::Q4_1 ? 4 : 2;  // header bytes: d (and m)
+  static constexpr int kBB = WT == WType::Q4_1 ? 20 : WT == WType::Q4_0 ? 18 : 34;
+  static constexpr bool kNib = WT != WType::Q8_0;  // 4-bit quants (two weights per byte)
+};
+
+template <WType WT, bool TWO>
+void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
+                    int row_begin, int row_end);
+
+inline void fill_planes_table(GemvTable& p) {
+  auto set = [&](WType wt, GemvFn f32, GemvFn q8, GemvFn q8x2) {
+    p[wtype_index(wt)][(int)AType::F32] = f32;
+    p[wtype_index(wt)][(int)AType::Q8] = q8;
+    p[wtype_index(wt)][(int)AType::Q8x2] = q8x2;
+  };
+  set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0, false>,
+      gemv_planes_q8<WType::Q4_0, true>);
+  set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1, false>,
+      gemv_planes_q8<WType::Q4_1, true>);
+  set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0, false>,
+      gemv_planes_q8<WType::Q8_0, true>);
+}
