@@ -10,6 +10,28 @@ struct PlanesKind {
   static constexpr bool kNib = WT != WType::Q8_0;  // 4-bit quants (two weights per byte)
 };
 
+// Walks a planes payload by interleave group (walk_tiles): group(r, gg, cb0, nb, chunk), with
+// chunk(b) the 16-row chunk of column block b, prefetched ahead (planes_prefetch) and widened
+// to 16 rows in a stack buffer when the group is ragged (planes_widen).
+template <WType WT, class Group>
+inline void walk_planes(float* y, const uint8_t* w, int rows, int cols, const TileShape& ts, int row_begin,
+                        int row_end, Group&& group) {
+  using K = PlanesKind<WT>;
+  walk_tiles(y, w, rows, cols, ts, QK, K::kBB, row_begin, row_end,
+             [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
+               alignas(64) uint8_t wide[kPlanesMaxG * K::kBB];
+               const size_t step = (size_t)gg * K::kBB;
+               auto chunk = [&](int b) -> const uint8_t* {
+                 const uint8_t* c = grp + b * step;
+                 planes_prefetch(c, step);
+                 if (gg == kPlanesMaxG) return c;
+                 planes_widen(c, gg, K::kHdr, K::kBB, wide);
+                 return wide;
+               };
+               group(r, gg, cb0, nb, chunk);
+             });
+}
+
 template <WType WT, bool TWO>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
                     int row_begin, int row_end);

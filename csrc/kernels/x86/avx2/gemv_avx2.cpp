@@ -115,29 +115,20 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, __m256& acc0, __m
 template <WType WT, bool TWO>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
                     int row_begin, int row_end) {
-  using K = PlanesKind<WT>;
   const block_q8a* x = (const block_q8a*)xv;
   const block_q8a* x2 = x + cols / QK;
-  walk_tiles(y, w, rows, cols, ts, QK, K::kBB, row_begin, row_end,
-             [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
-               alignas(32) uint8_t wide[kPlanesMaxG * K::kBB];
-               __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-               const size_t step = (size_t)gg * K::kBB;
-               for (int b = 0; b < nb; ++b) {
-                 const uint8_t* c = grp + b * step;
-                 planes_prefetch(c, step);
-                 if (gg != kPlanesMaxG) {
-                   planes_widen(c, gg, K::kHdr, K::kBB, wide);
-                   c = wide;
-                 }
-                 planes_block<WT>(c, x[cb0 + b], acc0, acc1);
-                 if (TWO) planes_block<WT>(c, x2[cb0 + b], acc0, acc1);
-               }
-               alignas(32) float t[16];
-               _mm256_store_ps(t, acc0);
-               _mm256_store_ps(t + 8, acc1);
-               for (int i = 0; i < gg; ++i) y[r + i] += t[i];
-             });
+  walk_planes<WT>(y, w, rows, cols, ts, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* c = chunk(b);
+      planes_block<WT>(c, x[cb0 + b], acc0, acc1);
+      if (TWO) planes_block<WT>(c, x2[cb0 + b], acc0, acc1);
+    }
+    alignas(32) float t[16];
+    _mm256_store_ps(t, acc0);
+    _mm256_store_ps(t + 8, acc1);
+    for (int i = 0; i < gg; ++i) y[r + i] += t[i];
+  });
 }
 
 }  // namespace

@@ -335,28 +335,14 @@ inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const block_q8a
 template <WType WT, bool TWO>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
                     int row_begin, int row_end) {
-  using K = PlanesKind<WT>;
   const block_q8a* x = (const block_q8a*)xv;
   const block_q8a* x2 = x + cols / QK;
-  walk_tiles(y, w, rows, cols, ts, QK, K::kBB, row_begin, row_end,
-             [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
-               alignas(64) uint8_t wide[kPlanesMaxG * K::kBB];
-               __m512 acc = _mm512_setzero_ps();
-               const size_t step = (size_t)gg * K::kBB;
-               if (gg == kPlanesMaxG) {
-                 for (int b = 0; b < nb; ++b) {
-                   planes_prefetch(grp + b * step, step);
-                   acc = planes_block<WT, TWO>(grp + b * step, x[cb0 + b], x2 + cb0 + b, acc);
-                 }
-               } else {
-                 for (int b = 0; b < nb; ++b) {
-                   planes_widen(grp + b * step, gg, K::kHdr, K::kBB, wide);
-                   acc = planes_block<WT, TWO>(wide, x[cb0 + b], x2 + cb0 + b, acc);
-                 }
-               }
-               const __mmask16 m = (__mmask16)((1u << gg) - 1);
-               _mm512_mask_storeu_ps(y + r, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + r), acc));
-             });
+  walk_planes<WT>(y, w, rows, cols, ts, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) acc = planes_block<WT, TWO>(chunk(b), x[cb0 + b], x2 + cb0 + b, acc);
+    const __mmask16 m = (__mmask16)((1u << gg) - 1);
+    _mm512_mask_storeu_ps(y + r, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + r), acc));
+  });
 }
 
 }  // namespace
