@@ -7,7 +7,12 @@
 #include <cstring>
 #include <stdexcept>
 
+#if defined(CFLOW_X86)
+#include <immintrin.h>
+#endif
+
 #include "cflow/engine.h"
+#include "cflow/ops.h"
 #include "pool.h"
 
 namespace cflow {
@@ -191,11 +196,7 @@ void Engine::validate() {
 
 // ---------------------------------------------------------------- helpers
 void Engine::rmsnorm(const float* x, const float* w, int cols, float* out) const {
-  double ss = 0;
-  for (int i = 0; i < cols; ++i) ss += (double)x[i] * x[i];
-  const float r = (float)(1.0 / std::sqrt(ss / cols + dims_.eps));
-  const float off = dims_.norm_offset;
-  for (int i = 0; i < cols; ++i) out[i] = x[i] * r * (off + w[i]);
+  ops().rmsnorm(out, x, w, 1, cols, dims_.eps, dims_.norm_offset);
 }
 
 // Input of a GEMM: optionally normalised, optionally quantized. One token: each thread makes its
@@ -387,10 +388,6 @@ void Engine::op_matvec(const Op& op, int tid) {
   }
 }
 
-static inline float gelu_tanh(float x) {
-  return 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-}
-
 // gate_up rows come in pairs of chunks: [gate rows p*c .. +cp), [up rows p*c .. +cp), cp <= c.
 void Engine::op_glu(const Op& op, int tid) {
   const TensorRef& W = T_[op.w];
@@ -434,10 +431,8 @@ void Engine::op_glu(const Op& op, int tid) {
 
 // h[j] = act(g[j]) * u[j]: SwiGLU (act 0) or GeGLU with tanh GELU (act 1).
 void Engine::act_mul(const float* g, const float* u, float* h, int n) const {
-  if (dims_.act == 0)
-    for (int j = 0; j < n; ++j) h[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
-  else
-    for (int j = 0; j < n; ++j) h[j] = gelu_tanh(g[j]) * u[j];
+  if (dims_.act == 0) ops().swiglu(h, g, u, n);
+  else ops().geglu(h, g, u, n);
 }
 
 // Gate and up computed by two matvecs into one (n, 2F) buffer; threads split the columns.
@@ -515,12 +510,8 @@ void Engine::op_attn(const Op& op, int tid) {
     const float* q = qkv + (size_t)k * ld + h * hd;
     float* sc = s.scores.data();
     dot_rows(q, K + (size_t)lo * kvdim + j * hd, kvdim, len, hd, sc);
-    float mx = -INFINITY;
-    for (int i = 0; i < len; ++i) mx = std::max(mx, sc[i] *= scale);
-    float sum = 0;
-    for (int i = 0; i < len; ++i) sum += (sc[i] = std::exp(sc[i] - mx));
-    const float inv = 1.f / sum;
-    for (int i = 0; i < len; ++i) sc[i] *= inv;
+    for (int i = 0; i < len; ++i) sc[i] *= scale;
+    softmax(sc, 1, len);
     float* o = out + (size_t)k * qdim + h * hd;
     std::memset(o, 0, sizeof(float) * hd);
     mix_rows(sc, V + (size_t)lo * kvdim + j * hd, kvdim, len, hd, o);
@@ -543,8 +534,24 @@ void Engine::op_norm_add(const Op& op, int tid) {
 }
 
 // ---------------------------------------------------------------- forward
+// Denormal floats flushed to zero while a forward runs, restored after (the caller is a Python
+// thread). A gate of -90 gives silu ~ -1e-37, times an up value ~1e-2 a denormal, and x86 cores
+// take a microcode assist of ~100 cycles on each denormal operand or result: one prompt ran 25x
+// slower than a nearby one through that. Their contribution is below fp32 resolution anyway.
+class FlushDenormals {
+ public:
+#if defined(CFLOW_X86)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }  // FTZ (bit 15) | DAZ (bit 6)
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
 void Engine::run_ops(int tid) {
   using clk = std::chrono::steady_clock;
+  FlushDenormals ftz;
   for (const Op& op : plan_.ops) {
     clk::time_point t0;
     if (profile_on_ && tid == 0) t0 = clk::now();

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cflow/gemm.h"
+#include "cflow/planes.h"
 #include "test_util.h"
 
 using namespace cflow;
@@ -29,6 +30,24 @@ static std::vector<uint8_t> random_matrix(const TileLayout& L, std::mt19937& rng
   return w;
 }
 
+// A whole-block matrix regrouped into the planes pack (the inverse of unpack_planes): chunk by
+// chunk in payload order (tile, group, column block), block i of a g-row chunk put by planes_put.
+static std::vector<uint8_t> to_planes(const TileLayout& L, const std::vector<uint8_t>& w) {
+  std::vector<uint8_t> p(w.size());
+  const int hdr = planes_header(static_cast<WType>(L.type)), nbr = L.cols / L.qk, bpt = L.tc / L.qk;
+  size_t off = 0;
+  for (int s0 = 0; s0 < L.rows; s0 += L.tr) {
+    const int nr = std::min(L.tr, L.rows - s0);
+    for (int cb0 = 0; cb0 < nbr; cb0 += bpt)
+      for (int g0 = 0; g0 < nr; g0 += L.g) {
+        const int gg = std::min(L.g, nr - g0);
+        for (int b = 0; b < std::min(bpt, nbr - cb0); ++b, off += (size_t)gg * L.bb)
+          for (int i = 0; i < gg; ++i) planes_put(&p[off], gg, i, hdr, L.bb, &w[off + (size_t)i * L.bb]);
+      }
+  }
+  return p;
+}
+
 static float max_rel(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) { num += (a[i] - b[i]) * (a[i] - b[i]); den += b[i] * b[i]; }
@@ -38,10 +57,13 @@ static float max_rel(const std::vector<float>& a, const std::vector<float>& b) {
 TEST(gemm_matches_reference) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-2, 2);
-  struct Case { int type, rows, cols, tr, tc, g; };
+  struct Case { int type, rows, cols, tr, tc, g; bool planes = false; };
   const Case cases[] = {
       {T_Q4_1, 200, 96, 40, 64, 4}, {T_Q4_0, 77, 160, 32, 96, 8}, {T_Q8_0, 130, 64, 128, 256, 1},
       {T_Q5_0, 64, 288, 64, 128, 2}, {T_F32, 33, 40, 16, 24, 4}, {T_Q4_1, 576, 576, 128, 256, 4},
+      // planes: full 16-row groups, ragged groups at stripe ends, interleave below 16
+      {T_Q4_0, 77, 160, 32, 96, 16, true}, {T_Q4_1, 200, 96, 48, 64, 16, true},
+      {T_Q8_0, 130, 64, 128, 256, 16, true}, {T_Q4_1, 100, 288, 64, 128, 8, true},
   };
   for (const Case& c : cases) {
     TileLayout L;
@@ -49,7 +71,12 @@ TEST(gemm_matches_reference) {
     const char* err = nullptr;
     CHECK(make_layout(L, &err));
     auto w = random_matrix(L, rng);
-    for (int n : {1, 3, 9}) {
+    if (c.planes) {  // same weights, planes pack: every result below must not change
+      w = to_planes(L, w);
+      L.pack = 1;
+      CHECK(make_layout(L, &err));
+    }
+    for (int n : {1, 3, 9, 20}) {
       std::vector<float> x((size_t)n * L.cols);
       for (auto& v : x) v = u(rng);
       // whole matrix and a share starting at an interior group

@@ -113,7 +113,99 @@ static void gemm_q8_t(const TileLayout& L, const uint8_t* w, int r0, int r1, con
   });
 }
 
+// ---- planes-packed Q4_0 / Q4_1 / Q8_0 (cflow/planes.h): the prefill form of the planes GEMV ----
+// An interleave group of 16 rows is one zmm (lane i = row i). Per column block, the chunk's
+// planes are unpacked once into 8 registers of unsigned weights, u[j] holding slice j (weights
+// 4j..4j+3 of every row; for Q4 the high nibbles are slices 4..7); then each of NT tokens meets
+// them with its own 8 activation slices, broadcast: 8 vpdpbusd give the 16 rows' int32 dots.
+// Per (block, token): acc += d_w * (d_x * dot + off * s_x), off = -8 (Q4_0) or -128 (Q8_0, made
+// unsigned by ^ 0x80), or acc += d_w * d_x * dot + m_w * s_x (Q4_1); s_x = d_x * sum(q_x).
+// No shuffles, no horizontal sums; a weight chunk is read once per NT tokens.
+template <int TYPE>
+struct PlanesGeom {
+  static constexpr int kHdr = TYPE == T_Q4_1 ? 4 : 2;
+  static constexpr int kBB = TYPE == T_Q4_1 ? 20 : TYPE == T_Q4_0 ? 18 : 34;
+  static constexpr size_t kChunk = (size_t)kPlanesMaxG * kBB;  // one column block of 16 rows
+};
+
+// Tokens [k0, k0 + NT) against the group whose chunks are chunk(cb), cb = 0 .. bpr.
+template <int TYPE, int NT, class Chunk>
+static void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int ldy, __mmask16 mask) {
+  using K = PlanesGeom<TYPE>;
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  const int xb = x.cols / 32;
+  const __m512i lo = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+  for (int cb = 0; cb < bpr; ++cb) {
+    const uint8_t* c = chunk(cb);
+    const __m512i* pl = (const __m512i*)(c + kPlanesMaxG * K::kHdr);
+    __m512i u[8];
+    if constexpr (TYPE == T_Q8_0) {
+      for (int j = 0; j < 8; ++j) u[j] = _mm512_xor_si512(_mm512_loadu_si512(pl + j), flip);
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i q = _mm512_loadu_si512(pl + j);
+        u[j] = _mm512_and_si512(q, lo);
+        u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (TYPE == T_Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32)));
+    for (int t = 0; t < NT; ++t) {
+      const size_t kx = (size_t)(k0 + t);
+      const int32_t* xs = (const int32_t*)(x.q + kx * x.cols + (size_t)cb * 32);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(xs[j]));
+        s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(xs[j + 1]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      const __m512 dx = _mm512_set1_ps(x.d[kx * xb + cb]), sx = _mm512_set1_ps(x.s[kx * xb + cb]);
+      if constexpr (TYPE == T_Q4_1) {
+        acc[t] = _mm512_fmadd_ps(d, _mm512_mul_ps(dot, dx), acc[t]);
+        acc[t] = _mm512_fmadd_ps(m, sx, acc[t]);
+      } else {
+        const __m512 off = _mm512_set1_ps(TYPE == T_Q4_0 ? -8.f : -128.f);
+        acc[t] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(dot, dx, _mm512_mul_ps(off, sx)), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + (size_t)(k0 + t) * ldy, mask, acc[t]);
+}
+
+template <int TYPE>
+static void gemm_planes_t(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
+  using K = PlanesGeom<TYPE>;
+  thread_local std::vector<uint8_t> wide;  // a ragged group widened to 16 rows (planes_widen)
+  for_groups(L, w, r0, r1, [&](const Group& G) {
+    const size_t step = (size_t)G.g * K::kBB;
+    if (G.g != kPlanesMaxG) {
+      wide.resize((size_t)G.bpr * K::kChunk);
+      for (int cb = 0; cb < G.bpr; ++cb)
+        planes_widen(G.tile(cb / G.bpt) + (size_t)(cb % G.bpt) * step, G.g, K::kHdr, K::kBB,
+                     wide.data() + cb * K::kChunk);
+    }
+    const uint8_t* wd = wide.data();
+    auto chunk = [&](int cb) -> const uint8_t* {
+      if (G.g != kPlanesMaxG) return wd + cb * K::kChunk;
+      return G.tile(cb / G.bpt) + (size_t)(cb % G.bpt) * step;
+    };
+    const __mmask16 mask = (__mmask16)((1u << G.g) - 1);
+    float* yg = y + (G.row - r0);
+    int k = 0;
+    for (; k + 8 <= x.n; k += 8) planes_tokens<TYPE, 8>(G.bpr, chunk, x, k, yg, ldy, mask);
+    for (; k + 2 <= x.n; k += 2) planes_tokens<TYPE, 2>(G.bpr, chunk, x, k, yg, ldy, mask);
+    for (; k < x.n; ++k) planes_tokens<TYPE, 1>(G.bpr, chunk, x, k, yg, ldy, mask);
+  });
+}
+
 void gemm_q8_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
+  if (L.pack == (int)Pack::Planes) switch (L.type) {
+      case T_Q4_0: return gemm_planes_t<T_Q4_0>(L, w, r0, r1, x, y, ldy);
+      case T_Q4_1: return gemm_planes_t<T_Q4_1>(L, w, r0, r1, x, y, ldy);
+      case T_Q8_0: return gemm_planes_t<T_Q8_0>(L, w, r0, r1, x, y, ldy);
+    }
   if (gemm_on_whole_blocks(L, w, r0, r1, y, [&](const TileLayout& S, const uint8_t* ws, int a, int b, float* ys) {
         gemm_q8_avx512(S, ws, a, b, x, ys, ldy);
       }))
