@@ -363,13 +363,8 @@ void Engine::op_matvec(const Op& op, int tid) {
       for (int r = 0; r < r1 - r0; ++r) y[r] += s.y2[r];
     }
   } else if (q8) {
-    gemm_q8(L, w, r0, r1, in.qa, y, ldy);
-    if (in.two) {
-      grow(s.y2, (size_t)n * (r1 - r0));
-      gemm_q8(L, w, r0, r1, in.qa2, s.y2.data(), r1 - r0);
-      for (int k = 0; k < n; ++k)
-        for (int r = 0; r < r1 - r0; ++r) y[(size_t)k * ldy + r] += s.y2[(size_t)k * (r1 - r0) + r];
-    }
+    if (in.two) gemm_q8x2(L, w, r0, r1, in.qa, in.qa2, y, ldy);
+    else gemm_q8(L, w, r0, r1, in.qa, y, ldy);
   } else {
     gemm_f32(L, w, r0, r1, in.x, in.ldx, n, y, ldy);
   }
@@ -412,14 +407,13 @@ void Engine::op_glu(const Op& op, int tid) {
   for (int p = p0; p < p1; ++p) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
     if (gemv) gemv(s.y.data(), xa, w, L.rows, C, ts, r0, r1);
+    else if (q8 && in.two) gemm_q8x2(L, w, r0, r1, in.qa, in.qa2, s.y.data(), 2 * cp);
     else if (q8) gemm_q8(L, w, r0, r1, in.qa, s.y.data(), 2 * cp);
     else gemm_f32(L, w, r0, r1, in.x, in.ldx, n_, s.y.data(), 2 * cp);
-    if (xa2 || (q8 && in.two)) {  // F_PRECISE: the residual's pass, added before the activation
-      const size_t m = (size_t)n_ * 2 * cp;
-      grow(s.y2, m);
-      if (xa2) gemv(s.y2.data(), xa2, w, L.rows, C, ts, r0, r1);
-      else gemm_q8(L, w, r0, r1, in.qa2, s.y2.data(), 2 * cp);
-      for (size_t i = 0; i < m; ++i) s.y[i] += s.y2[i];
+    if (xa2) {  // F_PRECISE on a kernel without a one-pass form: the residual's pass, added
+      grow(s.y2, (size_t)2 * cp);
+      gemv(s.y2.data(), xa2, w, L.rows, C, ts, r0, r1);
+      for (int i = 0; i < 2 * cp; ++i) s.y[i] += s.y2[i];
     }
     for (int k = 0; k < n_; ++k) {
       const float* g = s.y.data() + (size_t)k * 2 * cp;

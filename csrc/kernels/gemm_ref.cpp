@@ -242,6 +242,20 @@ void gemm_q8(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs&
   gemm_q8_ref(L, w, r0, r1, x, y, ldy);
 }
 
+void gemm_q8x2(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, const QActs& x2, float* y,
+               int ldy) {
+#if defined(CFLOW_X86)
+  if (use_avx512() && gemm_q8x2_avx512(L, w, r0, r1, x, x2, y, ldy)) return;
+#endif
+  thread_local std::vector<float> y2;
+  const int nr = r1 - r0;
+  y2.resize((size_t)x.n * nr);
+  gemm_q8(L, w, r0, r1, x, y, ldy);
+  gemm_q8(L, w, r0, r1, x2, y2.data(), nr);
+  for (int k = 0; k < x.n; ++k)
+    for (int r = 0; r < nr; ++r) y[(size_t)k * ldy + r] += y2[(size_t)k * nr + r];
+}
+
 void quantize_acts(const float* x, int ldx, int n, int cols, QActs& out) {
 #if defined(CFLOW_X86)
   if (use_avx512()) return quantize_acts_avx512(x, ldx, n, cols, out);

@@ -101,6 +101,15 @@ TEST(gemm_matches_reference) {
         gemm_q8_ref(L, w.data(), r0, r1, qa, c2.data(), nr);
         CHECK(max_rel(a, c2) < 1e-5f);
         CHECK(max_rel(a, b) < 2e-2f);  // int8 activations stay close to the exact product
+        // two levels (the second a small residual-like input): the sum of two reference passes
+        std::vector<float> x2(x.size());
+        for (size_t i = 0; i < x.size(); ++i) x2[i] = 0.01f * x[(i * 7) % x.size()];
+        quantize_acts(x2.data(), L.cols, n, L.cols, qb);
+        std::vector<float> e2(a.size()), r2(a.size());
+        gemm_q8x2(L, w.data(), r0, r1, qa, qb, e2.data(), nr);
+        gemm_q8_ref(L, w.data(), r0, r1, qb, r2.data(), nr);
+        for (size_t i = 0; i < r2.size(); ++i) r2[i] += c2[i];
+        CHECK(max_rel(e2, r2) < 1e-5f);
       }
     }
     // rows dequantized one at a time agree with a GEMM against unit vectors

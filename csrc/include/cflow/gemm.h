@@ -61,6 +61,10 @@ void gemm_q8_ref(const TileLayout& L, const uint8_t* w, int r0, int r1, const QA
 void gemm_f32(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
               float* y, int ldy);
 void gemm_q8(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy);
+// Two activation levels (x ~ x1 + x2, kernels.h AType::Q8x2): y = W x1 + W x2. Planes-packed
+// weights take both in one pass (AVX-512); others, two gemm_q8 passes summed.
+void gemm_q8x2(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x1, const QActs& x2, float* y,
+               int ldy);
 
 // Row r of W dequantized to fp32: out (C,).
 void dequant_row(const TileLayout& L, const uint8_t* w, int r, float* out);
@@ -75,6 +79,8 @@ void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* 
 
 #if defined(CFLOW_X86)
 void gemm_q8_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy);
+bool gemm_q8x2_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x1, const QActs& x2,
+                      float* y, int ldy);  // false (nothing done) unless planes-packed
 void gemm_f32_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
                      float* y, int ldy);
 void dot_rows_avx512(const float* q, const float* K, size_t ldk, int n, int hd, float* out);

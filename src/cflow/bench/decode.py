@@ -15,6 +15,7 @@ Every run's figures are in the JSON record too (decode_runs, prefill_runs), and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -67,6 +68,35 @@ class CflowRunner:
         return len(prompt) / (time.perf_counter() - t0)
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _model_params(llama_cpp, **fields):
+    """llama_cpp.Llama builds its llama_model_params from llama_model_default_params() and has
+    no argument for some fields: set them by wrapping that function while the model loads."""
+    import llama_cpp.llama as module
+
+    orig = module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = orig()
+        for k, v in fields.items():
+            setattr(p, k, v)
+        return p
+
+    module.llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_cpp.llama_model_default_params = orig
+
+
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python's low-level API, timed by its perf counters."""
 
@@ -76,20 +106,34 @@ class LlamaCppRunner:
         except ImportError as e:
             raise CflowError("--vs llama.cpp needs llama-cpp-python: pip install 'cflow[bench]'") from e
         self.lc = llama_cpp
-        self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                                   n_threads_batch=threads, verbose=False)
+        # On CPUs with AMX, ggml's AMX buffer type takes this model's Q4_1 matrices and its
+        # ggml_backend_amx_mul_mat segfaults (llama-cpp-python 0.3.36, Xeon with amx_int8), so
+        # extra buffer types are turned off there: llama.cpp then runs its AVX-512/VNNI CPU
+        # kernels, which is what it runs on every CPU without AMX. On this model no other extra
+        # buffer type (CPU_REPACK) applies.
+        self.extra_bufts = not _cpu_has_amx()
+        with _model_params(llama_cpp, use_extra_bufts=self.extra_bufts):
+            self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                                       n_threads_batch=threads, verbose=False)
         self.ctx = self.llm._ctx.ctx
 
     def _perf(self):
         return self.lc.llama_perf_context(self.ctx)
 
+    def _eval(self, tokens: list[int]) -> None:
+        # llama.cpp charges the tokens queued since the last synchronize to its counters when it
+        # synchronizes: one token as a decode step, more as prompt. Llama.eval does not
+        # synchronize, so without this every step would be charged later as one big "prompt".
+        self.llm.eval(tokens)
+        self.lc.llama_synchronize(self.ctx)
+
     def decode(self, prompt: list[int], n: int) -> float:
         llm = self.llm
         llm.reset()
-        llm.eval(prompt)
+        self._eval(prompt)
         self.lc.llama_perf_context_reset(self.ctx)
         for _ in range(n):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            self._eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         p = self._perf()
         if p.n_eval != n:
             raise CflowError(f"llama.cpp counted {p.n_eval} decode steps, expected {n}")
@@ -99,8 +143,10 @@ class LlamaCppRunner:
         llm = self.llm
         llm.reset()
         self.lc.llama_perf_context_reset(self.ctx)
-        llm.eval(prompt)
+        self._eval(prompt)
         p = self._perf()
+        if p.n_p_eval != len(prompt):
+            raise CflowError(f"llama.cpp counted {p.n_p_eval} prompt tokens, expected {len(prompt)}")
         return p.n_p_eval / (p.t_p_eval_ms / 1e3)
 
 
@@ -165,7 +211,8 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
                                   "ratio_decode": round(d / ld, 3), "ratio_prefill": round(p / lp, 3),
                                   "decode_runs": rnd(ldec), "prefill_runs": rnd(lpre),
                                   "ratio_decode_runs": rnd(a / b for a, b in zip(dec, ldec)),
-                                  "ratio_prefill_runs": rnd(a / b for a, b in zip(pre, lpre))}
+                                  "ratio_prefill_runs": rnd(a / b for a, b in zip(pre, lpre)),
+                                  "extra_bufts": theirs.extra_bufts}
     return rec
 
 
@@ -183,7 +230,8 @@ def report(rec: dict) -> str:
         lines.append(f"  {k}: decode {v['decode_tok_s']:.1f} tok/s ({span(v['decode_runs'])}), cflow x"
                      f"{v['ratio_decode']:.2f} (per run {span(v['ratio_decode_runs'])}); prefill "
                      f"{v['prefill_tok_s']:.1f} tok/s ({span(v['prefill_runs'])}), cflow x{v['ratio_prefill']:.2f} "
-                     f"(per run {span(v['ratio_prefill_runs'])})")
+                     f"(per run {span(v['ratio_prefill_runs'])})"
+                     + ("" if v.get("extra_bufts", True) else "; extra buffer types (AMX) off"))
     return "\n".join(lines)
 
 

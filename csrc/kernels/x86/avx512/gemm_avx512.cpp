@@ -128,14 +128,27 @@ struct PlanesGeom {
   static constexpr size_t kChunk = (size_t)kPlanesMaxG * kBB;  // one column block of 16 rows
 };
 
-// Tokens [k0, k0 + NT) against the group whose chunks are chunk(cb), cb = 0 .. bpr.
-template <int TYPE, int NT, class Chunk>
-static void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int ldy, __mmask16 mask) {
+// Tokens [k0, k0 + NT) against the group whose chunks are chunk(cb), cb = 0 .. bpr. TWO: x2 is
+// the second activation level (AType::Q8x2), dotted with the same unpacked weights.
+template <int TYPE, int NT, bool TWO, class Chunk>
+static void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int k0, float* y, int ldy,
+                          __mmask16 mask) {
   using K = PlanesGeom<TYPE>;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   const int xb = x.cols / 32;
   const __m512i lo = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+  const __m512 off = _mm512_set1_ps(TYPE == T_Q4_0 ? -8.f : TYPE == T_Q8_0 ? -128.f : 0.f);
+  // The int32 dots of one token's activation blocks q with the 16 rows.
+  auto dot = [](const __m512i* u, const int8_t* q) {
+    const int32_t* xs = (const int32_t*)q;
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+      s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(xs[j]));
+      s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(xs[j + 1]));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+  };
   for (int cb = 0; cb < bpr; ++cb) {
     const uint8_t* c = chunk(cb);
     const __m512i* pl = (const __m512i*)(c + kPlanesMaxG * K::kHdr);
@@ -153,29 +166,27 @@ static void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float*
     __m512 m = _mm512_setzero_ps();
     if constexpr (TYPE == T_Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32)));
     for (int t = 0; t < NT; ++t) {
-      const size_t kx = (size_t)(k0 + t);
-      const int32_t* xs = (const int32_t*)(x.q + kx * x.cols + (size_t)cb * 32);
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int j = 0; j < 8; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(xs[j]));
-        s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(xs[j + 1]));
+      const size_t kx = (size_t)(k0 + t), o = kx * xb + cb, oq = kx * x.cols + (size_t)cb * 32;
+      // f = d_x * dot + off * s_x, summed over the levels; Q4_1's m * s_x goes in separately
+      __m512 f = _mm512_mul_ps(dot(u, x.q + oq), _mm512_set1_ps(x.d[o]));
+      float sx = x.s[o];
+      if constexpr (TWO) {
+        f = _mm512_fmadd_ps(dot(u, x2->q + oq), _mm512_set1_ps(x2->d[o]), f);
+        sx += x2->s[o];
       }
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      const __m512 dx = _mm512_set1_ps(x.d[kx * xb + cb]), sx = _mm512_set1_ps(x.s[kx * xb + cb]);
       if constexpr (TYPE == T_Q4_1) {
-        acc[t] = _mm512_fmadd_ps(d, _mm512_mul_ps(dot, dx), acc[t]);
-        acc[t] = _mm512_fmadd_ps(m, sx, acc[t]);
+        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), _mm512_fmadd_ps(d, f, acc[t]));
       } else {
-        const __m512 off = _mm512_set1_ps(TYPE == T_Q4_0 ? -8.f : -128.f);
-        acc[t] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(dot, dx, _mm512_mul_ps(off, sx)), acc[t]);
+        acc[t] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(off, _mm512_set1_ps(sx), f), acc[t]);
       }
     }
   }
   for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + (size_t)(k0 + t) * ldy, mask, acc[t]);
 }
 
-template <int TYPE>
-static void gemm_planes_t(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
+template <int TYPE, bool TWO>
+static void gemm_planes_t(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, const QActs* x2,
+                          float* y, int ldy) {
   using K = PlanesGeom<TYPE>;
   thread_local std::vector<uint8_t> wide;  // a ragged group widened to 16 rows (planes_widen)
   for_groups(L, w, r0, r1, [&](const Group& G) {
@@ -194,18 +205,34 @@ static void gemm_planes_t(const TileLayout& L, const uint8_t* w, int r0, int r1,
     const __mmask16 mask = (__mmask16)((1u << G.g) - 1);
     float* yg = y + (G.row - r0);
     int k = 0;
-    for (; k + 8 <= x.n; k += 8) planes_tokens<TYPE, 8>(G.bpr, chunk, x, k, yg, ldy, mask);
-    for (; k + 2 <= x.n; k += 2) planes_tokens<TYPE, 2>(G.bpr, chunk, x, k, yg, ldy, mask);
-    for (; k < x.n; ++k) planes_tokens<TYPE, 1>(G.bpr, chunk, x, k, yg, ldy, mask);
+    for (; k + 8 <= x.n; k += 8) planes_tokens<TYPE, 8, TWO>(G.bpr, chunk, x, x2, k, yg, ldy, mask);
+    for (; k + 2 <= x.n; k += 2) planes_tokens<TYPE, 2, TWO>(G.bpr, chunk, x, x2, k, yg, ldy, mask);
+    for (; k < x.n; ++k) planes_tokens<TYPE, 1, TWO>(G.bpr, chunk, x, x2, k, yg, ldy, mask);
   });
 }
 
+// The planes GEMM of L's type, one level (x2 null) or two; false when L is not planes-packed.
+static bool gemm_planes(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, const QActs* x2,
+                        float* y, int ldy) {
+  if (L.pack != (int)Pack::Planes) return false;
+  switch (L.type * 2 + (x2 != nullptr)) {
+    case T_Q4_0 * 2: gemm_planes_t<T_Q4_0, false>(L, w, r0, r1, x, x2, y, ldy); return true;
+    case T_Q4_0 * 2 + 1: gemm_planes_t<T_Q4_0, true>(L, w, r0, r1, x, x2, y, ldy); return true;
+    case T_Q4_1 * 2: gemm_planes_t<T_Q4_1, false>(L, w, r0, r1, x, x2, y, ldy); return true;
+    case T_Q4_1 * 2 + 1: gemm_planes_t<T_Q4_1, true>(L, w, r0, r1, x, x2, y, ldy); return true;
+    case T_Q8_0 * 2: gemm_planes_t<T_Q8_0, false>(L, w, r0, r1, x, x2, y, ldy); return true;
+    case T_Q8_0 * 2 + 1: gemm_planes_t<T_Q8_0, true>(L, w, r0, r1, x, x2, y, ldy); return true;
+  }
+  return false;
+}
+
+bool gemm_q8x2_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, const QActs& x2,
+                      float* y, int ldy) {
+  return gemm_planes(L, w, r0, r1, x, &x2, y, ldy);
+}
+
 void gemm_q8_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
-  if (L.pack == (int)Pack::Planes) switch (L.type) {
-      case T_Q4_0: return gemm_planes_t<T_Q4_0>(L, w, r0, r1, x, y, ldy);
-      case T_Q4_1: return gemm_planes_t<T_Q4_1>(L, w, r0, r1, x, y, ldy);
-      case T_Q8_0: return gemm_planes_t<T_Q8_0>(L, w, r0, r1, x, y, ldy);
-    }
+  if (gemm_planes(L, w, r0, r1, x, nullptr, y, ldy)) return;
   if (gemm_on_whole_blocks(L, w, r0, r1, y, [&](const TileLayout& S, const uint8_t* ws, int a, int b, float* ys) {
         gemm_q8_avx512(S, ws, a, b, x, ys, ldy);
       }))
