@@ -116,6 +116,7 @@ class LlamaCppRunner:
             self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                                        n_threads_batch=threads, verbose=False)
         self.ctx = self.llm._ctx.ctx
+        self.steps: list[float] = []  # seconds of every decode step timed so far
 
     def _perf(self):
         return self.lc.llama_perf_context(self.ctx)
@@ -128,16 +129,20 @@ class LlamaCppRunner:
         self.lc.llama_synchronize(self.ctx)
 
     def decode(self, prompt: list[int], n: int) -> float:
+        """Decode tok/s of the run, and each step's time into self.steps, all by its counters."""
         llm = self.llm
         llm.reset()
         self._eval(prompt)
-        self.lc.llama_perf_context_reset(self.ctx)
+        total_ms = 0.0
         for _ in range(n):
+            self.lc.llama_perf_context_reset(self.ctx)
             self._eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-        p = self._perf()
-        if p.n_eval != n:
-            raise CflowError(f"llama.cpp counted {p.n_eval} decode steps, expected {n}")
-        return p.n_eval / (p.t_eval_ms / 1e3)
+            p = self._perf()
+            if p.n_eval != 1:
+                raise CflowError(f"llama.cpp counted {p.n_eval} decode steps, expected 1")
+            total_ms += p.t_eval_ms
+            self.steps.append(p.t_eval_ms / 1e3)
+        return n / (total_ms / 1e3)
 
     def prefill(self, prompt: list[int]) -> float:
         llm = self.llm
@@ -180,6 +185,8 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
         theirs.prefill(long_[:64])
     dec, pre, ldec, lpre = [], [], [], []
     ours.steps.clear()
+    if theirs:
+        theirs.steps.clear()
     for r in range(runs):
         dec.append(ours.decode(short, tokens))
         if theirs:
@@ -212,7 +219,10 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
                                   "decode_runs": rnd(ldec), "prefill_runs": rnd(lpre),
                                   "ratio_decode_runs": rnd(a / b for a, b in zip(dec, ldec)),
                                   "ratio_prefill_runs": rnd(a / b for a, b in zip(pre, lpre)),
-                                  "extra_bufts": theirs.extra_bufts}
+                                  "extra_bufts": theirs.extra_bufts,
+                                  "decode_step_ms_median": round(1e3 * statistics.median(theirs.steps), 3),
+                                  "ratio_decode_step": round(statistics.median(theirs.steps)
+                                                             / statistics.median(ours.steps), 3)}
     return rec
 
 
@@ -232,6 +242,7 @@ def report(rec: dict) -> str:
                      f"{v['prefill_tok_s']:.1f} tok/s ({span(v['prefill_runs'])}), cflow x{v['ratio_prefill']:.2f} "
                      f"(per run {span(v['ratio_prefill_runs'])})"
                      + ("" if v.get("extra_bufts", True) else "; extra buffer types (AMX) off"))
+        lines.append(f"  {k}: median step {v['decode_step_ms_median']:.2f} ms, cflow x{v['ratio_decode_step']:.2f}")
     return "\n".join(lines)
 
 
