@@ -77,7 +77,7 @@ def _cpu_has_amx() -> bool:
 
 
 @contextlib.contextmanager
-def _model_params(llama_cpp, **fields):
+def _model_params(**fields):
     """llama_cpp.Llama builds its llama_model_params from llama_model_default_params() and has
     no argument for some fields: set them by wrapping that function while the model loads."""
     import llama_cpp.llama as module
@@ -112,7 +112,7 @@ class LlamaCppRunner:
         # kernels, which is what it runs on every CPU without AMX. On this model no other extra
         # buffer type (CPU_REPACK) applies.
         self.extra_bufts = not _cpu_has_amx()
-        with _model_params(llama_cpp, use_extra_bufts=self.extra_bufts):
+        with _model_params(use_extra_bufts=self.extra_bufts):
             self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                                        n_threads_batch=threads, verbose=False)
         self.ctx = self.llm._ctx.ctx
