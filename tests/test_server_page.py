@@ -60,20 +60,25 @@ def test_stop_button_cancels_the_generation(page):
     page.fill("#temperature", "0")
     page.fill("#max_tokens", "3000")
     page.fill("#prompt", "Tell me a very long story.")
+    # Click Stop from a DOM observer that runs as soon as the first piece of the answer is on the
+    # page: a click() from here, or a polling wait, can come too late on a fast machine (the tiny
+    # model writes 3000 tokens in about 2 s) or a busy one (the page's polling starves).
+    page.evaluate("""() => {
+        window.stopOutcome = new Promise((resolve) => {
+          const seen = new MutationObserver(() => {
+            const texts = document.querySelectorAll('.msg.assistant .text');
+            if (!texts.length || !texts[texts.length - 1].textContent) return;
+            seen.disconnect();
+            const stop = document.getElementById('stop');
+            if (stop.disabled) return resolve('finished before Stop could be clicked');
+            stop.click();
+            resolve('clicked');
+          });
+          seen.observe(document.getElementById('log'), { subtree: true, childList: true, characterData: true });
+        });
+      }""")
     page.click("#send")
-    # Click Stop in the same script run that sees the answer streaming, polling every 10 ms: a
-    # separate click() would wait for actionability checks, and on a fast machine the tiny model
-    # can finish its 3000 tokens in that time.
-    outcome = page.wait_for_function(
-        """() => {
-             const texts = document.querySelectorAll('.msg.assistant .text');
-             const stop = document.getElementById('stop');
-             if (!texts.length || texts[texts.length - 1].textContent.length <= 5) return false;
-             if (stop.disabled) return 'finished before Stop could be clicked';
-             stop.click();
-             return 'clicked';
-           }""",
-        polling=10).json_value()
+    outcome = page.evaluate("window.stopOutcome")
     assert outcome == "clicked"
     page.wait_for_selector(".msg.assistant .stats:has-text('stopped')")
     assert page.is_enabled("#send") and not page.is_enabled("#stop")

@@ -92,6 +92,7 @@ async function send(text) {
       throw new Error((err.error && err.error.message) || r.status + " " + r.statusText);
     }
     for await (const ev of events(r)) {
+      controller.signal.throwIfAborted();  // Stop: no more text, even from an already-read chunk
       if (ev.error) throw new Error(ev.error.message);
       const choice = ev.choices && ev.choices[0];
       if (!choice) continue;
