@@ -112,6 +112,22 @@ def test_context_full_and_bad_input():
     assert st.pos == 0
 
 
+def test_activation_settings():
+    # the default is two-level int8 everywhere; a subset of roles, one level and fp32 are named so
+    # (bench decode and generate report the name); an unknown role is refused
+    f = to_cflow(tiny_hf("llama"), wtype="q4_1")
+    named = {Engine(f, **kw).activations for kw in ({}, dict(precise=False), dict(fast=False))}
+    assert named == {"int8x2", "int8", "fp32"}
+    some = Engine(f, precise=("qkv", "down"))
+    assert some.activations == "int8x2:qkv+down" and some.precise
+    full = Engine(f).forward(Engine(f).new_state(), IDS[:8])
+    part = some.forward(some.new_state(), IDS[:8])
+    one = Engine(f, precise=False).forward(Engine(f, precise=False).new_state(), IDS[:8])
+    assert not np.array_equal(full, part) and not np.array_equal(part, one)  # the flags reach the ops
+    with pytest.raises(CflowError, match="unknown roles.*qkv, attn_output"):
+        Engine(f, precise=("qkv", "lm_head"))
+
+
 def test_offsets_are_checked():
     model = tiny_hf("llama")
     f = to_cflow(model)

@@ -11,7 +11,7 @@ from cflow import hub  # noqa: E402
 from test_models_smollm2 import TEXT  # noqa: E402
 
 
-FAST_TOP1_MIN = 0.90
+ONE_LEVEL_TOP1_MIN = 0.90
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,10 @@ def test_top1_agrees_with_transformers(llm, gguf_path):
 
     exact = LLM(str(gguf_path), quiet=True, n_ctx=1024, fast=False)  # fp32 activations
     assert (exact.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= 0.98
-    # int8 activations (the default, fast path): measured 93.8% against the fp32 path on these
-    # 128 tokens (docs/MODELS.md, Parity); guarded so that a regression shows
-    assert (llm.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= FAST_TOP1_MIN
+    # two-level int8 activations (the default fast path): the 98% acceptance
+    assert llm.engine.activations == "int8x2"
+    assert (llm.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= 0.98
+    # one-level int8 (--activations int8): measured 93.8% on these 128 tokens (docs/MODELS.md,
+    # Parity); guarded so that a regression shows
+    one = LLM(str(gguf_path), quiet=True, n_ctx=1024, precise=False)
+    assert (one.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= ONE_LEVEL_TOP1_MIN

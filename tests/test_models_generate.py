@@ -157,11 +157,11 @@ def test_bench_decode_json(tiny_dir, cli_cache):
     import json
 
     p = _cli("bench", "decode", "-m", str(tiny_dir), "--json", "--runs", "2", "--tokens", "4", "--prompt", "16",
-             "--threads", "1", "--precise", cache=cli_cache)
+             "--threads", "1", "--activations", "int8", cache=cli_cache)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     rec = json.loads(out.strip().splitlines()[-1])
-    assert rec["threads"] == 1 and rec["precise"] is True and rec["vs"] == {}
+    assert rec["threads"] == 1 and rec["activations"] == "int8" and rec["vs"] == {}
     assert len(rec["decode_runs"]) == len(rec["prefill_runs"]) == 2
     assert min(rec["decode_runs"]) <= rec["decode_tok_s"] <= max(rec["decode_runs"])
     assert rec["bytes_per_token"] > 0 and rec["probe_gbps"] > 0 and rec["probe_model_gbps"] > 0

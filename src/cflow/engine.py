@@ -15,6 +15,7 @@ whole forward (all layers, all threads, GIL released). Python never loops over l
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -214,18 +215,34 @@ class State:
         self._st.pos = n
 
 
+ACTIVATIONS = {"int8x2": dict(fast=True, precise=True), "int8": dict(fast=True, precise=False),
+               "fp32": dict(fast=False, precise=False)}
+"""The activation settings by name (CLI --activations): two-level int8 (the default), one-level
+int8, fp32."""
+
+
+def activations_name(fast: bool, precise_roles=ROLES) -> str:
+    if not fast:
+        return "fp32"
+    if not precise_roles:
+        return "int8"
+    return "int8x2" if set(precise_roles) == set(ROLES) else "int8x2:" + "+".join(precise_roles)
+
+
 class Engine:
     """A converted model on the native executor; one per model, any number of States.
 
     fast=True: activations quantized to int8 once per op (integer dot products);
     fast=False: fp32 activations, the parity path.
-    precise=True (with fast): two-level int8 activations for every weight (ROLES; F_PRECISE,
-    kernels.h AType::Q8x2): about 14 bits of activation precision. Planes-packed weights take
-    both levels in one pass over the weights; other types, and prefill GEMMs, run two passes.
+    precise=True (with fast; the default): two-level int8 activations for every weight (ROLES;
+    F_PRECISE, kernels.h AType::Q8x2): about 14 bits of activation precision. Planes-packed
+    weights take both levels in one pass over the weights (decode, and AVX-512 prefill); other
+    types run two passes. A collection of ROLES names limits it to those weights; False: one
+    level, as llama.cpp's q8 activations. ACTIVATIONS names the three settings.
     """
 
     def __init__(self, path_or_cflowfile, *, threads: int | None = None, n_ctx: int | None = None,
-                 fast: bool = True, precise: bool = False):
+                 fast: bool = True, precise: bool | Iterable[str] = True):
         from cflow._native import core
 
         if isinstance(path_or_cflowfile, (str, os.PathLike)):
@@ -243,8 +260,11 @@ class Engine:
         if self.threads < 1:
             raise CflowError(f"threads must be >= 1, got {self.threads}")
         self.fast = bool(fast)
-        self.precise = bool(precise) and self.fast
-        self.plan = build_plan(self.file, cfg, ROLES if self.precise else ())
+        roles = ROLES if precise is True else () if precise is False or precise is None else tuple(precise)
+        self.precise_roles = roles if self.fast else ()
+        self.precise = bool(self.precise_roles)
+        self.activations = activations_name(self.fast, self.precise_roles)
+        self.plan = build_plan(self.file, cfg, self.precise_roles)
         self.bytes_per_token = self.plan.bytes_per_token
         idims = np.array([cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.vocab_size,
                           self.n_ctx, 0 if cfg.rope_style == "neox" else 1, 0 if cfg.act == "silu" else 1], np.int32)

@@ -80,10 +80,11 @@ def load_model(model: str, *, cache=None, quiet: bool = False):
     return CflowFile(path)
 
 
-def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None, precise: bool = False):
+def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None, precise: bool = True):
     """The engine for an opened model: "auto" (the default; also CFLOW_ENGINE) is the native engine
     when this build has it, else the numpy reference engine; "native" and "ref" force one.
-    precise: two-level int8 activations (native engine; the reference engine has one level)."""
+    fast / precise: the native engine's activations (cflow.engine.ACTIVATIONS); the reference
+    engine always runs fp32 activations."""
     choice = engine or os.environ.get("CFLOW_ENGINE", "auto")
     if choice not in ("auto", "native", "ref"):
         raise CflowError(f"engine must be auto, native or ref, got {choice!r}")
@@ -113,7 +114,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", *, threads=None, n_ctx=None, fast=True,
-                 engine: str | None = None, cache=None, quiet: bool = False, precise: bool = False):
+                 engine: str | None = None, cache=None, quiet: bool = False, precise: bool = True):
         self.name = model
         self.file = load_model(model, cache=cache, quiet=quiet)
         self.config = self.file.config

@@ -28,6 +28,8 @@ PROBE_MIB = 1024
 
 
 def add_arguments(p):
+    from cflow.commands.generate import add_activation_arguments
+
     p.add_argument("-m", "--model", default="smollm2-135m",
                    help="model: a name known to `cflow pull`, a .cflow or .gguf path (default smollm2-135m)")
     p.add_argument("--gguf", help="GGUF file for --vs llama.cpp (default: the model's own source)")
@@ -36,7 +38,7 @@ def add_arguments(p):
     p.add_argument("--runs", type=int, default=5, help="timed runs per engine (default 5)")
     p.add_argument("--tokens", type=int, default=128, help="decoded tokens per run (default 128)")
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt length (default 512)")
-    p.add_argument("--precise", action="store_true", help="two-level int8 activations (cflow generate --precise)")
+    add_activation_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON line")
 
 
@@ -207,7 +209,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
            "bytes_per_token": int(engine.bytes_per_token), "gbps": round(gbps, 2), "probe_gbps": round(probe, 2),
            "pct_of_probe": round(100 * gbps / probe, 1), "probe_model_gbps": round(probe_model, 2),
            "pct_of_probe_model": round(100 * gbps / probe_model, 1), "isa": best_isa(),
-           "precise": bool(getattr(engine, "precise", False)), "decode_runs": rnd(dec), "prefill_runs": rnd(pre),
+           "activations": getattr(engine, "activations", "fp32"), "decode_runs": rnd(dec), "prefill_runs": rnd(pre),
            # a host that stalls the VM for a second now and then drags a whole run's average;
            # the median single step is what the engine does when it runs
            "decode_step_ms_median": round(1e3 * statistics.median(ours.steps), 3),
@@ -228,8 +230,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
 
 def report(rec: dict) -> str:
     span = lambda xs: f"{min(xs):.1f}..{max(xs):.1f}"
-    lines = [f"model {rec['model']}, {rec['threads']} threads, {rec['isa']}"
-             + (", two-level activations" if rec["precise"] else ""),
+    lines = [f"model {rec['model']}, {rec['threads']} threads, {rec['isa']} kernels, {rec['activations']} activations",
              f"  decode   {rec['decode_tok_s']:8.1f} tok/s  ({span(rec['decode_runs'])})  "
              f"{rec['bytes_per_token'] / 1e6:.1f} MB/token, {rec['gbps']:.1f} GB/s = {rec['pct_of_probe']:.0f}% of "
              f"the probe's {rec['probe_gbps']:.1f} GB/s ({PROBE_MIB} MiB), {rec['pct_of_probe_model']:.0f}% of "
@@ -247,6 +248,7 @@ def report(rec: dict) -> str:
 
 
 def main(args) -> int:
+    from cflow.commands.generate import activation_kwargs
     from cflow.engine import Engine
 
     if args.threads < 1 or args.runs < 1 or args.tokens < 1 or args.prompt < 1:
@@ -255,7 +257,7 @@ def main(args) -> int:
     if args.vs and not gguf:
         raise CflowError("--vs llama.cpp needs the model's GGUF: pass --gguf PATH")
     eng = Engine(src, threads=args.threads, n_ctx=max(args.prompt + 1, 16 + args.tokens + 8, 1024),
-                 precise=args.precise)
+                 **activation_kwargs(args))
     rec = run(eng, name=args.model, threads=args.threads, gguf=gguf if args.vs else None, runs=args.runs,
               tokens=args.tokens, prompt_len=args.prompt, log=(lambda *a: None) if args.json else print)
     print(json.dumps(rec) if args.json else report(rec))

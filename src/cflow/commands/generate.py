@@ -17,9 +17,21 @@ def add_sampling_arguments(p):
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--n-ctx", type=int, default=None, help="context length (default: the model's, at most 8192)")
     p.add_argument("--engine", choices=("auto", "native", "ref"), default=None, help="decode engine: auto (default: native when built), native, ref (numpy reference)")
-    p.add_argument("--exact", action="store_true", help="fp32 activations (parity path) instead of the int8 fast path")
-    p.add_argument("--precise", action="store_true",
-                   help="two-level int8 activations (about 14 bits): near-fp32 logits for more arithmetic")
+    add_activation_arguments(p)
+
+
+def add_activation_arguments(p):
+    p.add_argument("--activations", choices=("int8x2", "int8", "fp32"), default="int8x2",
+                   help="what the weights are multiplied with: int8x2, two-level int8 (about 14 bits; "
+                        "the default), int8, one level as llama.cpp's q8 (the fastest), fp32 (the parity path)")
+    p.add_argument("--exact", dest="activations", action="store_const", const="fp32", help="--activations fp32")
+
+
+def activation_kwargs(args) -> dict:
+    """fast= and precise= of LLM / Engine for --activations."""
+    from cflow.engine import ACTIVATIONS
+
+    return dict(ACTIVATIONS[args.activations])
 
 
 def add_arguments(p):
@@ -37,8 +49,7 @@ def sampling_kwargs(args) -> dict:
 def load_llm(args):
     from cflow.llm import LLM
 
-    return LLM(args.model, threads=args.threads, n_ctx=args.n_ctx, fast=not args.exact, engine=args.engine,
-               precise=args.precise)
+    return LLM(args.model, threads=args.threads, n_ctx=args.n_ctx, engine=args.engine, **activation_kwargs(args))
 
 
 def speed_line(llm, final) -> str:

@@ -4,12 +4,14 @@ HELP = "serve a model over an OpenAI-compatible HTTP API, with a chat page at /"
 
 
 def add_arguments(p):
+    from cflow.commands.generate import add_activation_arguments
+
     p.add_argument("-m", "--model", default=None,
                    help="model name known to `cflow pull`, .cflow / .gguf path or HF directory (default: the built-in default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
-    p.add_argument("--precise", action="store_true", help="two-level int8 activations (see cflow generate --help)")
+    add_activation_arguments(p)
     p.add_argument("--n-ctx", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-concurrency", type=int, default=1,
                    help="generations that run at once; later requests queue in arrival order (default %(default)s)")
@@ -34,7 +36,9 @@ def main(args) -> int:
 
     if args.max_concurrency < 1:
         raise CflowError("--max-concurrency must be at least 1")
-    kw = dict(threads=args.threads, n_ctx=args.n_ctx, precise=args.precise)
+    from cflow.commands.generate import activation_kwargs
+
+    kw = dict(threads=args.threads, n_ctx=args.n_ctx, **activation_kwargs(args))
     llm = LLM(args.model, **kw) if args.model else LLM(**kw)
     api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None
     app = create_app(llm, max_concurrency=args.max_concurrency, api_key=api_key, max_queue=args.max_queue)
