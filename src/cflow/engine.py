@@ -221,7 +221,7 @@ ACTIVATIONS = {"int8x2": dict(fast=True, precise=True), "int8": dict(fast=True, 
 int8, fp32."""
 
 
-def activations_name(fast: bool, precise_roles=ROLES) -> str:
+def activations_name(fast: bool, precise_roles) -> str:
     if not fast:
         return "fp32"
     if not precise_roles:
@@ -260,7 +260,7 @@ class Engine:
         if self.threads < 1:
             raise CflowError(f"threads must be >= 1, got {self.threads}")
         self.fast = bool(fast)
-        roles = ROLES if precise is True else () if precise is False or precise is None else tuple(precise)
+        roles = ROLES if precise is True else tuple(precise or ())
         self.precise_roles = roles if self.fast else ()
         self.precise = bool(self.precise_roles)
         self.activations = activations_name(self.fast, self.precise_roles)

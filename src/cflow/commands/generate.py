@@ -21,7 +21,9 @@ def add_sampling_arguments(p):
 
 
 def add_activation_arguments(p):
-    p.add_argument("--activations", choices=("int8x2", "int8", "fp32"), default="int8x2",
+    from cflow.engine import ACTIVATIONS
+
+    p.add_argument("--activations", choices=tuple(ACTIVATIONS), default="int8x2",
                    help="what the weights are multiplied with: int8x2, two-level int8 (about 14 bits; "
                         "the default), int8, one level as llama.cpp's q8 (the fastest), fp32 (the parity path)")
     p.add_argument("--exact", dest="activations", action="store_const", const="fp32", help="--activations fp32")
