@@ -224,8 +224,13 @@ def test_queue_is_first_come_first_served_and_a_queued_client_can_leave(tiny_llm
         order, health = [], lambda: httpx.get(u + "/health").json()
 
         def ask(i):
-            httpx.post(u + "/v1/completions", json={"prompt": f"n{i}", "max_tokens": 3}, timeout=120)
+            # Each queued client streams a long answer and, at its first token, notes its turn and
+            # leaves: the next client's generation can only start after that, so `order` is the
+            # server's order, whatever the client threads' scheduling.
+            c, r = _long_stream(u)
             order.append(i)
+            r.close()
+            c.close()
 
         threads = []
         for i in range(3):
@@ -241,7 +246,10 @@ def test_queue_is_first_come_first_served_and_a_queued_client_can_leave(tiny_llm
         for th in threads:
             th.join(60)
         assert order == [0, 1, 2]
-        assert _metric(u, "cflow_completion_tokens_total") == 9
+        # all five left early: the long stream, the three queued streams and the impatient client
+        wait_for(lambda: _metric(u, "cflow_generations_cancelled_total") == 5, what="five cancelled requests")
+        assert _metric(u, "cflow_completion_tokens_total") == 0
+        assert health()["queued"] == 0
 
 
 def test_queue_limit_gives_503(tiny_llm):

@@ -13,7 +13,7 @@
 
 #include "cflow/engine.h"
 #include "cflow/ops.h"
-#include "pool.h"
+#include "cflow/threadpool.h"
 
 namespace cflow {
 
@@ -58,7 +58,7 @@ Engine::Engine(const uint8_t* base, size_t size, const ModelDims& dims, std::vec
     : base_(base), size_(size), dims_(dims), T_(std::move(tensors)), plan_(std::move(plan)), fast_(fast), isa_(best_isa()) {
   validate();
   int nt = threads > 0 ? threads : 1;
-  pool_ = std::make_unique<Pool>(nt);
+  pool_ = std::make_unique<ThreadPool>(nt);
   for (int t = 0; t < nt; ++t) priv_.push_back(std::make_unique<Scratch>());
   shared_ = std::make_unique<Scratch>();
   for (const Op& op : plan_.ops) any_precise_ |= (op.flags & F_PRECISE) != 0;
@@ -599,8 +599,7 @@ void Engine::forward(State& st, const int32_t* tokens, int n, bool all_logits, f
   tokens_ = tokens;
   n_ = n;
   all_logits_ = all_logits;
-  std::function<void(int)> fn = [this](int tid) { run_ops(tid); };
-  pool_->run(fn);
+  pool_->run([this](int tid, int) { run_ops(tid); });
   st.pos += n;
   const float* lg = bufs_[plan_.logits_buf].data();
   std::memcpy(logits, lg, sizeof(float) * (size_t)dims_.vocab * (all_logits ? n : 1));

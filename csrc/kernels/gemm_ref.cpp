@@ -7,6 +7,7 @@
 #include "cflow/gemm.h"
 #include "cflow/kernels.h"
 #include "gemm_tiles.h"
+#include "isa_kernels.h"
 
 namespace cflow {
 
@@ -222,31 +223,37 @@ void mix_rows_ref(const float* p, const float* V, size_t ldv, int n, int hd, flo
 }
 
 // ---------------------------------------------------------------- dispatch
-static bool use_avx512() {
-  static const bool v = best_isa() == Isa::Avx512;
-  return v;
+static bool no_q8x2(const TileLayout&, const uint8_t*, int, int, const QActs&, const QActs&, float*, int) {
+  return false;
+}
+
+const GemmTable& gemm_table(Isa isa) {
+  static const GemmTable ref{Isa::Scalar, gemm_f32_ref, gemm_q8_ref, no_q8x2, quantize_acts_ref, dot_rows_ref,
+                             mix_rows_ref};
+#if defined(CFLOW_X86)
+  if (isa == Isa::Avx512) return gemm_table_avx512();
+  if (isa == Isa::Avx2) return gemm_table_avx2();
+#endif
+  return ref;
+}
+
+static const GemmTable& best() {
+  static const GemmTable& t = gemm_table(best_isa());
+  return t;
 }
 
 void gemm_f32(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
               float* y, int ldy) {
-#if defined(CFLOW_X86)
-  if (use_avx512()) return gemm_f32_avx512(L, w, r0, r1, x, ldx, n, y, ldy);
-#endif
-  gemm_f32_ref(L, w, r0, r1, x, ldx, n, y, ldy);
+  best().f32(L, w, r0, r1, x, ldx, n, y, ldy);
 }
 
 void gemm_q8(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
-#if defined(CFLOW_X86)
-  if (use_avx512()) return gemm_q8_avx512(L, w, r0, r1, x, y, ldy);
-#endif
-  gemm_q8_ref(L, w, r0, r1, x, y, ldy);
+  best().q8(L, w, r0, r1, x, y, ldy);
 }
 
 void gemm_q8x2(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, const QActs& x2, float* y,
                int ldy) {
-#if defined(CFLOW_X86)
-  if (use_avx512() && gemm_q8x2_avx512(L, w, r0, r1, x, x2, y, ldy)) return;
-#endif
+  if (best().q8x2(L, w, r0, r1, x, x2, y, ldy)) return;
   thread_local std::vector<float> y2;
   const int nr = r1 - r0;
   y2.resize((size_t)x.n * nr);
@@ -256,28 +263,14 @@ void gemm_q8x2(const TileLayout& L, const uint8_t* w, int r0, int r1, const QAct
     for (int r = 0; r < nr; ++r) y[(size_t)k * ldy + r] += y2[(size_t)k * nr + r];
 }
 
-void quantize_acts(const float* x, int ldx, int n, int cols, QActs& out) {
-#if defined(CFLOW_X86)
-  if (use_avx512()) return quantize_acts_avx512(x, ldx, n, cols, out);
-#endif
-  quantize_acts_ref(x, ldx, n, cols, out);
-}
+void quantize_acts(const float* x, int ldx, int n, int cols, QActs& out) { best().quantize(x, ldx, n, cols, out); }
 
-}  // namespace cflow
-
-namespace cflow {
 void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* out) {
-#if defined(CFLOW_X86)
-  if (use_avx512() && hd % 16 == 0) return dot_rows_avx512(q, K, ldk, n, hd, out);
-#endif
-  dot_rows_ref(q, K, ldk, n, hd, out);
+  best().dot_rows(q, K, ldk, n, hd, out);
 }
 
 void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* out) {
-#if defined(CFLOW_X86)
-  if (use_avx512() && hd % 16 == 0) return mix_rows_avx512(p, V, ldv, n, hd, out);
-#endif
-  mix_rows_ref(p, V, ldv, n, hd, out);
+  best().mix_rows(p, V, ldv, n, hd, out);
 }
-}  // namespace cflow
 
+}  // namespace cflow

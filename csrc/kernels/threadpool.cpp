@@ -1,8 +1,15 @@
 #include "cflow/threadpool.h"
 
+#include <chrono>
+#include <climits>
 #include <cstdlib>
 #include <memory>
-
+#include <mutex>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define CFLOW_PAUSE() _mm_pause()
@@ -13,10 +20,29 @@
 namespace cflow {
 
 namespace {
-// Spin iterations before sleeping: ~50-100 us, longer than the gap between the jobs of one
-// decode step, far shorter than the gap between user calls.
-constexpr int kSpinJob = 1 << 11;
-constexpr int kSpinBarrier = 1 << 10;
+// Spin budgets: a barrier partner or the end of a run is close (decode ops take 10-100 us); the
+// next run comes after the caller's own work between forwards (sampling: ~0.1-1 ms).
+constexpr int kSpinBarrierUs = 50;
+constexpr int kSpinIdleUs = 2000;
+
+void sleep_while(std::atomic<uint32_t>& w, uint32_t old) {
+#if defined(__linux__)
+  // The kernel compares *w with old atomically, so a change made after our last look wakes us.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAIT_PRIVATE, old, nullptr, nullptr, 0);
+#else
+  (void)w;
+  (void)old;
+  std::this_thread::yield();
+#endif
+}
+
+void wake_all(std::atomic<uint32_t>& w) {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+#else
+  (void)w;
+#endif
+}
 }  // namespace
 
 ThreadPool::ThreadPool(int n_threads) : n_(n_threads < 1 ? 1 : n_threads) {
@@ -24,34 +50,41 @@ ThreadPool::ThreadPool(int n_threads) : n_(n_threads < 1 ? 1 : n_threads) {
 }
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_.store(true);
-    epoch_.fetch_add(1);
+  stop_.store(true);
+  gen_.fetch_add(1);
+  notify(gen_);
+  for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::wait_change(std::atomic<uint32_t>& w, uint32_t old, int spin_us) {
+  using clk = std::chrono::steady_clock;
+  const auto t0 = clk::now();
+  for (int spins = 1; w.load(std::memory_order_acquire) == old; ++spins) {
+    if ((spins & 63) || clk::now() - t0 < std::chrono::microseconds(spin_us)) {
+      CFLOW_PAUSE();
+      continue;
+    }
+    // Dekker with notify(): our sleepers_ increment and the changer's write to w are both
+    // seq_cst, so either we see the new value here or the changer sees us and wakes us.
+    sleepers_.fetch_add(1);
+    if (w.load() == old) sleep_while(w, old);
+    sleepers_.fetch_sub(1);
   }
-  cv_.notify_all();
-  for (auto& th : threads_) th.join();
+}
+
+void ThreadPool::notify(std::atomic<uint32_t>& w) {
+  if (sleepers_.load() > 0) wake_all(w);
 }
 
 void ThreadPool::worker(int tid) {
-  unsigned seen = 0;
+  uint32_t seen = 0;
   for (;;) {
-    unsigned e = epoch_.load(std::memory_order_acquire);
-    for (int i = 0; e == seen && i < kSpinJob; ++i) {
-      CFLOW_PAUSE();
-      e = epoch_.load(std::memory_order_acquire);
-    }
-    if (e == seen) {
-      std::unique_lock<std::mutex> lk(mu_);
-      sleepers_.fetch_add(1);
-      cv_.wait(lk, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
-      sleepers_.fetch_sub(1);
-      e = epoch_.load(std::memory_order_acquire);
-    }
-    seen = e;
+    wait_change(gen_, seen, kSpinIdleUs);
+    seen = gen_.load(std::memory_order_acquire);
     if (stop_.load()) return;
     fn_(ctx_, tid, n_);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    done_.fetch_add(1);
+    notify(done_);
   }
 }
 
@@ -62,30 +95,26 @@ void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
   }
   fn_ = fn;
   ctx_ = ctx;
-  pending_.store(n_ - 1, std::memory_order_relaxed);
-  {
-    // The lock orders the epoch bump against a worker that is about to sleep.
-    std::lock_guard<std::mutex> lk(mu_);
-    epoch_.fetch_add(1, std::memory_order_release);
-  }
-  if (sleepers_.load()) cv_.notify_all();
+  done_.store(0, std::memory_order_relaxed);
+  gen_.fetch_add(1);
+  notify(gen_);
   fn(ctx, 0, n_);
-  while (pending_.load(std::memory_order_acquire) != 0) CFLOW_PAUSE();
+  for (uint32_t d; (d = done_.load(std::memory_order_acquire)) != (uint32_t)(n_ - 1);)
+    wait_change(done_, d, kSpinBarrierUs);
 }
 
 void ThreadPool::barrier() {
   if (n_ == 1) return;
-  const unsigned sense = bar_sense_.load(std::memory_order_acquire);
-  if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+  const uint32_t g = bar_gen_.load(std::memory_order_acquire);
+  if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == (uint32_t)(n_ - 1)) {
     bar_count_.store(0, std::memory_order_relaxed);
-    bar_sense_.store(sense + 1, std::memory_order_release);
+    bar_gen_.fetch_add(1);
+    notify(bar_gen_);
     return;
   }
-  for (int i = 0; bar_sense_.load(std::memory_order_acquire) == sense; ++i) {
-    if (i < kSpinBarrier) CFLOW_PAUSE();
-    else std::this_thread::yield();
-  }
+  wait_change(bar_gen_, g, kSpinBarrierUs);
 }
+
 
 namespace {
 std::mutex g_pool_mu;

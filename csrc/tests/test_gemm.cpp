@@ -1,4 +1,5 @@
-// Tile GEMMs: the dispatched (SIMD) kernels against the scalar references, ragged shapes included.
+// Tile GEMMs: every ISA's kernels (GemmTable) against the scalar references, ragged shapes included.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -54,7 +55,21 @@ static float max_rel(const std::vector<float>& a, const std::vector<float>& b) {
   return (float)std::sqrt(num / (den + 1e-30));
 }
 
+// The tables of every ISA this CPU runs, scalar included.
+static std::vector<const GemmTable*> gemm_tables() {
+  std::vector<const GemmTable*> t;
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512})
+    if (isa_supported(isa)) t.push_back(&gemm_table(isa));
+  return t;
+}
+
+TEST(gemm_dispatch_table_matches_isa) {
+  CHECK(gemm_table(Isa::Scalar).isa == Isa::Scalar);
+  CHECK(gemm_table(best_isa()).isa == best_isa());
+}
+
 TEST(gemm_matches_reference) {
+  const auto tables = gemm_tables();
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-2, 2);
   struct Case { int type, rows, cols, tr, tc, g; bool planes = false; };
@@ -85,31 +100,39 @@ TEST(gemm_matches_reference) {
         const int r0 = part ? unit_row(L, units / 3) : 0, r1 = part ? unit_row(L, 2 * units / 3 + 1) : L.rows;
         const int nr = r1 - r0;
         std::vector<float> a((size_t)n * nr), b((size_t)n * nr);
-        gemm_f32(L, w.data(), r0, r1, x.data(), L.cols, n, a.data(), nr);
         gemm_f32_ref(L, w.data(), r0, r1, x.data(), L.cols, n, b.data(), nr);
-        CHECK(max_rel(a, b) < 1e-5f);
-        if (!q8_supported(L.type)) continue;
-        std::vector<int8_t> q((size_t)n * L.cols);
-        std::vector<float> d((size_t)n * L.cols / 32), s(d.size()), d2(d.size()), s2(d.size());
-        std::vector<int8_t> q2(q.size());
-        QActs qa{n, L.cols, d.data(), s.data(), q.data()}, qb{n, L.cols, d2.data(), s2.data(), q2.data()};
-        quantize_acts(x.data(), L.cols, n, L.cols, qa);
-        quantize_acts_ref(x.data(), L.cols, n, L.cols, qb);
-        CHECK(q == q2);
-        gemm_q8(L, w.data(), r0, r1, qa, a.data(), nr);
-        std::vector<float> c2(a.size());
-        gemm_q8_ref(L, w.data(), r0, r1, qa, c2.data(), nr);
-        CHECK(max_rel(a, c2) < 1e-5f);
-        CHECK(max_rel(a, b) < 2e-2f);  // int8 activations stay close to the exact product
-        // two levels (the second a small residual-like input): the sum of two reference passes
+        std::vector<int8_t> qr((size_t)n * L.cols);
+        std::vector<float> dr((size_t)n * L.cols / 32), sr(dr.size());
+        QActs ref_q{n, L.cols, dr.data(), sr.data(), qr.data()};
+        if (q8_supported(L.type)) quantize_acts_ref(x.data(), L.cols, n, L.cols, ref_q);
+        // the second level: a small residual-like input
         std::vector<float> x2(x.size());
         for (size_t i = 0; i < x.size(); ++i) x2[i] = 0.01f * x[(i * 7) % x.size()];
-        quantize_acts(x2.data(), L.cols, n, L.cols, qb);
-        std::vector<float> e2(a.size()), r2(a.size());
-        gemm_q8x2(L, w.data(), r0, r1, qa, qb, e2.data(), nr);
-        gemm_q8_ref(L, w.data(), r0, r1, qb, r2.data(), nr);
-        for (size_t i = 0; i < r2.size(); ++i) r2[i] += c2[i];
-        CHECK(max_rel(e2, r2) < 1e-5f);
+        for (const GemmTable* T : tables) {
+          T->f32(L, w.data(), r0, r1, x.data(), L.cols, n, a.data(), nr);
+          CHECK(max_rel(a, b) < 1e-5f);
+          if (!q8_supported(L.type)) continue;
+          std::vector<int8_t> q((size_t)n * L.cols), q2(q.size());
+          std::vector<float> d((size_t)n * L.cols / 32), s(d.size()), d2(d.size()), s2(d.size());
+          QActs qa{n, L.cols, d.data(), s.data(), q.data()}, qb{n, L.cols, d2.data(), s2.data(), q2.data()};
+          T->quantize(x.data(), L.cols, n, L.cols, qa);
+          CHECK(q == qr && d == dr && max_rel(s, sr) < 1e-6f);
+          T->q8(L, w.data(), r0, r1, qa, a.data(), nr);
+          std::vector<float> c2(a.size());
+          gemm_q8_ref(L, w.data(), r0, r1, qa, c2.data(), nr);
+          CHECK(max_rel(a, c2) < 1e-5f);
+          CHECK(max_rel(a, b) < 2e-2f);  // int8 activations stay close to the exact product
+          // two levels: one pass where the ISA has it, else (and always through the
+          // dispatcher) the sum of two passes; both equal the sum of two reference passes
+          T->quantize(x2.data(), L.cols, n, L.cols, qb);
+          std::vector<float> e2(a.size()), r2(a.size());
+          gemm_q8_ref(L, w.data(), r0, r1, qb, r2.data(), nr);
+          for (size_t i = 0; i < r2.size(); ++i) r2[i] += c2[i];
+          if (T->q8x2(L, w.data(), r0, r1, qa, qb, e2.data(), nr)) CHECK(max_rel(e2, r2) < 1e-5f);
+          if (T->isa != best_isa()) continue;
+          gemm_q8x2(L, w.data(), r0, r1, qa, qb, e2.data(), nr);
+          CHECK(max_rel(e2, r2) < 1e-5f);
+        }
       }
     }
     // rows dequantized one at a time agree with a GEMM against unit vectors
@@ -127,15 +150,20 @@ TEST(gemm_matches_reference) {
 TEST(attention_loops_match_reference) {
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
-  const int hd = 64, n = 37, ld = 192;
-  std::vector<float> q(hd), K((size_t)n * ld), p(n), a(n), b(n), oa(hd, 0.f), ob(hd, 0.f);
-  for (auto& v : q) v = u(rng);
-  for (auto& v : K) v = u(rng);
-  for (auto& v : p) v = u(rng);
-  dot_rows(q.data(), K.data(), ld, n, hd, a.data());
-  dot_rows_ref(q.data(), K.data(), ld, n, hd, b.data());
-  CHECK(max_rel(a, b) < 1e-5f);
-  mix_rows(p.data(), K.data(), ld, n, hd, oa.data());
-  mix_rows_ref(p.data(), K.data(), ld, n, hd, ob.data());
-  CHECK(max_rel(oa, ob) < 1e-5f);
+  for (const int hd : {64, 80, 36}) {  // whole vectors and masked tails
+    const int n = 37, ld = 192;
+    std::vector<float> q(hd), K((size_t)n * ld), p(n), a(n), b(n), oa(hd), ob(hd, 0.f);
+    for (auto& v : q) v = u(rng);
+    for (auto& v : K) v = u(rng);
+    for (auto& v : p) v = u(rng);
+    dot_rows_ref(q.data(), K.data(), ld, n, hd, b.data());
+    mix_rows_ref(p.data(), K.data(), ld, n, hd, ob.data());
+    for (const GemmTable* T : gemm_tables()) {
+      T->dot_rows(q.data(), K.data(), ld, n, hd, a.data());
+      CHECK(max_rel(a, b) < 1e-5f);
+      std::fill(oa.begin(), oa.end(), 0.f);
+      T->mix_rows(p.data(), K.data(), ld, n, hd, oa.data());
+      CHECK(max_rel(oa, ob) < 1e-5f);
+    }
+  }
 }

@@ -71,7 +71,7 @@ struct State {
   State& operator=(const State&) = delete;
 };
 
-class Pool;
+class ThreadPool;
 
 class Engine {
  public:
@@ -118,7 +118,7 @@ class Engine {
   bool fast_;
   bool any_precise_ = false;  // some op has F_PRECISE
   Isa isa_;  // kernel ISA, resolved once (CFLOW_ISA caps it)
-  std::unique_ptr<Pool> pool_;
+  std::unique_ptr<ThreadPool> pool_;
   std::vector<std::vector<float>> vecs_;  // per tensor: dequantized when used as norm/bias
   std::vector<std::vector<float>> bufs_;
   std::vector<std::unique_ptr<Scratch>> priv_;  // per thread

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cflow/blocks.h"  // fp16_to_f32, bf16_to_f32
+#include "cflow/cpu.h"     // Isa
 
 namespace cflow {
 
@@ -57,7 +58,7 @@ int unit_row(const TileLayout& L, int u);
 void gemm_f32_ref(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
                   float* y, int ldy);
 void gemm_q8_ref(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy);
-// Dispatched versions (best ISA; CFLOW_ISA caps it).
+// Dispatched versions (best ISA; CFLOW_ISA caps it; gemm_table below).
 void gemm_f32(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
               float* y, int ldy);
 void gemm_q8(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy);
@@ -77,15 +78,21 @@ void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* 
 void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
 
 
-#if defined(CFLOW_X86)
-void gemm_q8_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy);
-bool gemm_q8x2_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x1, const QActs& x2,
-                      float* y, int ldy);  // false (nothing done) unless planes-packed
-void gemm_f32_avx512(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n,
-                     float* y, int ldy);
-void dot_rows_avx512(const float* q, const float* K, size_t ldk, int n, int hd, float* out);
-void mix_rows_avx512(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
-void quantize_acts_avx512(const float* x, int ldx, int n, int cols, QActs& out);
-#endif
+// The GEMM kernels of one ISA. The dispatched functions above use gemm_table(best_isa()).
+struct GemmTable {
+  Isa isa;
+  void (*f32)(const TileLayout& L, const uint8_t* w, int r0, int r1, const float* x, int ldx, int n, float* y,
+              int ldy);
+  void (*q8)(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy);
+  // Both levels in one pass; false (nothing done) where the ISA has no such kernel for L's
+  // layout, and gemm_q8x2 then sums two q8 passes.
+  bool (*q8x2)(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x1, const QActs& x2, float* y,
+               int ldy);
+  void (*quantize)(const float* x, int ldx, int n, int cols, QActs& out);
+  void (*dot_rows)(const float* q, const float* K, size_t ldk, int n, int hd, float* out);
+  void (*mix_rows)(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
+};
+// The table of one ISA; `isa` must be supported by this CPU (isa_supported).
+const GemmTable& gemm_table(Isa isa);
 
 }  // namespace cflow

@@ -1,12 +1,14 @@
-// Persistent thread pool for decode steps: n-1 worker threads plus the calling thread.
-// Workers spin on an epoch counter for a short while after each job (a decode step issues jobs
-// back to back), then sleep on a condition variable. Inside a job, barrier() is a
-// sense-reversing spin barrier (spin, then yield), so a whole step can run as one job with
-// barriers only where data dependence needs them.
+// The persistent thread pool of the kernels and the engine: n-1 workers plus the calling
+// thread, one function per run, barriers inside it where data dependence needs them (a whole
+// decode step is one run). Every wait (for a run, for the workers' end, at a barrier) spins with
+// pause for a short budget, then sleeps on the very word it waits for (a futex on Linux, a
+// yield loop elsewhere), and whoever changes the word wakes its sleepers: a waiter early by more
+// than the budget gives its core away. With more runnable threads than cores a step still waits
+// for partners' time slices at its ~100 barriers (docs/KERNELS.md, "Thread pool"): give the
+// engine no more threads than idle cores.
 #pragma once
 #include <atomic>
-#include <condition_variable>
-#include <mutex>
+#include <cstdint>
 #include <thread>
 #include <vector>
 
@@ -55,18 +57,20 @@ class ThreadPool {
 
  private:
   void worker(int tid);
+  // Returns once w no longer holds `old`: spins for spin_us, then sleeps on w.
+  void wait_change(std::atomic<uint32_t>& w, uint32_t old, int spin_us);
+  // After changing w (seq_cst): wakes its sleepers, if any thread sleeps.
+  void notify(std::atomic<uint32_t>& w);
 
   int n_;
   std::vector<std::thread> threads_;
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
-  alignas(64) std::atomic<unsigned> epoch_{0};     // bumped once per job
-  alignas(64) std::atomic<int> pending_{0};        // workers still running the job
-  alignas(64) std::atomic<int> bar_count_{0};
-  alignas(64) std::atomic<unsigned> bar_sense_{0};
+  alignas(64) std::atomic<uint32_t> gen_{0};   // bumped per run
+  alignas(64) std::atomic<uint32_t> done_{0};  // workers finished with this run
+  alignas(64) std::atomic<uint32_t> bar_count_{0};
+  std::atomic<uint32_t> bar_gen_{0};  // bumped per completed barrier
   std::atomic<bool> stop_{false};
-  std::mutex mu_;
-  std::condition_variable cv_;
   std::atomic<int> sleepers_{0};
 };
 

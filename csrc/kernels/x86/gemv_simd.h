@@ -9,11 +9,7 @@
 // load_e_n<E> (W or n < W weights of element kind E: 0 f32, 1 f16, 2 bf16, as floats) and
 // fma32(q, d0, o0, d1, o1, x, a0, a1): the 32 signed bytes q as weights d*q + o (d0, o0 for
 // bytes 0..15, d1, o1 for 16..31) times x[0..32) added into a0 / a1.
-// For the int8 side (256-bit integer vectors; "lane" = 4 bytes = one int32 of the result):
-//   dot(acc, u, s)          acc + lane sums of u * s (u unsigned, < 128; s signed)
-//   dot_sc(acc, u, s, sc)   acc + madd(maddubs(u, s), sc): pair sums of u * s times the int16 sc
-//   dot_s8(w, s, lsum8)     lane sums of w * s, both signed (lsum8: the lane sums of s)
-//   bits32(b)               byte j = 0xFF where bit j of b is set
+// For the int8 side: the ISA's IVec (vec.h): dot, dot_sc, dot_s8, bits32 over 256-bit vectors.
 // The including file has already included <immintrin.h>, <cstring>, isa_kernels.h, tile_walk.h.
 
 inline float h2f(const uint8_t* p) {

@@ -16,8 +16,7 @@ namespace cflow {
 namespace avx2 {
 namespace {
 
-struct V : Vec {
-  static float hsum8(__m256 a) { return hsum(a); }
+struct V : Vec, IVec {
   static void add_n(float* y, reg a, int n) { store_n(y, add(load_n(y, n), a), n); }
   static reg cvt_e(int e, __m128i h) {  // 8 fp16 or bf16 values -> floats
     if (e == 1) return _mm256_cvtph_ps(h);
@@ -45,21 +44,6 @@ struct V : Vec {
     a1 = fmadd(w(_mm_srli_si128(lo, 8), D0, O0), load(x + 8), a1);
     a0 = fmadd(w(hi, D1, O1), load(x + 16), a0);
     a1 = fmadd(w(_mm_srli_si128(hi, 8), D1, O1), load(x + 24), a1);
-  }
-  static __m256i dot(__m256i acc, __m256i u, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-  }
-  static __m256i dot_sc(__m256i acc, __m256i u, __m256i s, __m256i sc) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc));
-  }
-  static __m256i dot_s8(__m256i w, __m256i s, __m256i) {
-    return dot(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
-  }
-  static __m256i bits32(uint32_t b) {  // byte j of the broadcast holds bit j's byte; test it
-    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)b), shuf);
-    const __m256i bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // all bits but bit j % 8
-    return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit), _mm256_set1_epi64x(-1));
   }
 };
 

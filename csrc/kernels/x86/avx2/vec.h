@@ -44,6 +44,7 @@ struct Vec {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  static float hsum8(__m256 a) { return hsum(a); }
   static float hmax(reg a) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -67,6 +68,29 @@ struct Vec {
     return _mm256_set_m128(_mm_unpackhi_ps(a, a), _mm_unpacklo_ps(a, a));
   }
   static reg swap_pairs(reg a) { return _mm256_permute_ps(a, 0xB1); }
+};
+
+// The int8 side, over 256-bit integer vectors ("lane" = 4 bytes = one int32 of the result):
+//   dot(acc, u, s)          acc + lane sums of u * s (u unsigned, at most 128; s signed)
+//   dot_sc(acc, u, s, sc)   acc + madd(maddubs(u, s), sc): pair sums of u * s times the int16 sc
+//   dot_s8(w, s, lsum8)     lane sums of w * s, both signed (lsum8: the lane sums of s)
+//   bits32(b)               byte j = 0xFF where bit j of b is set
+struct IVec {
+  static __m256i dot(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static __m256i dot_sc(__m256i acc, __m256i u, __m256i s, __m256i sc) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc));
+  }
+  static __m256i dot_s8(__m256i w, __m256i s, __m256i) {
+    return dot(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
+  }
+  static __m256i bits32(uint32_t b) {  // byte j of the broadcast holds bit j's byte; test it
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)b), shuf);
+    const __m256i bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // all bits but bit j % 8
+    return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit), _mm256_set1_epi64x(-1));
+  }
 };
 
 }  // namespace avx2

@@ -190,8 +190,7 @@ void gemv_nib_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols,
 // bytes; the K-quants' sub-block scales enter by maddubs + vpdpwssd (int16 pair sums times the
 // int16 scale, accumulated in int32). Q8_0 weights are offset to unsigned (w ^ 0x80 = w + 128)
 // and -128 * (lane sums of x) starts the accumulator. fp32 paths are 512-bit, masked tails.
-struct V : Vec {
-  static float hsum8(__m256 a) { return _mm512_reduce_add_ps(_mm512_zextps256_ps512(a)); }
+struct V : Vec, IVec {
   static void add_n(float* y, reg a, int n) { store_n(y, add(load_n(y, n), a), n); }
   static reg cvt_e(int e, __m256i h) {  // 16 fp16 or bf16 values -> floats
     if (e == 1) return _mm512_cvtph_ps(h);
@@ -214,15 +213,6 @@ struct V : Vec {
     a0 = fmadd(w(_mm256_castsi256_si128(q), d0, o0), load(x), a0);
     a1 = fmadd(w(_mm256_extracti128_si256(q, 1), d1, o1), load(x + 16), a1);
   }
-  static __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-  static __m256i dot_sc(__m256i acc, __m256i u, __m256i s, __m256i sc) {
-    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), sc);
-  }
-  static __m256i dot_s8(__m256i w, __m256i s, __m256i lsum8) {
-    const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(lsum8, 7));
-    return _mm256_dpbusd_epi32(c, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), s);
-  }
-  static __m256i bits32(uint32_t b) { return _mm256_movm_epi8(b); }
 };
 
 #include "../gemv_simd.h"

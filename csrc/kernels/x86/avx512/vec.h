@@ -38,6 +38,7 @@ struct Vec {
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
   static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
+  static float hsum8(__m256 a) { return _mm512_reduce_add_ps(_mm512_zextps256_ps512(a)); }
   static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
   static reg round(reg a) {
     return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -56,6 +57,23 @@ struct Vec {
     return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(p)));
   }
   static reg swap_pairs(reg a) { return _mm512_permute_ps(a, 0xB1); }
+};
+
+// The int8 side, over 256-bit integer vectors ("lane" = 4 bytes = one int32 of the result):
+//   dot(acc, u, s)          acc + lane sums of u * s (u unsigned, at most 128; s signed)
+//   dot_sc(acc, u, s, sc)   acc + madd(maddubs(u, s), sc): pair sums of u * s times the int16 sc
+//   dot_s8(w, s, lsum8)     lane sums of w * s, both signed (lsum8: the lane sums of s)
+//   bits32(b)               byte j = 0xFF where bit j of b is set
+struct IVec {
+  static __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+  static __m256i dot_sc(__m256i acc, __m256i u, __m256i s, __m256i sc) {
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), sc);
+  }
+  static __m256i dot_s8(__m256i w, __m256i s, __m256i lsum8) {
+    const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(lsum8, 7));
+    return _mm256_dpbusd_epi32(c, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), s);
+  }
+  static __m256i bits32(uint32_t b) { return _mm256_movm_epi8(b); }
 };
 
 }  // namespace avx512

@@ -1,0 +1,82 @@
+// The prefill GEMM of every ISA this CPU runs, on one matrix, one thread (the kernel called
+// directly, no thread pool): GMAC/s, best and median of --repeats runs, int8 activations.
+//   build/dev/cflow_bench_gemm [--type q4_1] [--pack planes|blocks] [--rows 3072] [--cols 576]
+//                              [--tokens 512] [--repeats 7]
+// Defaults: SmolLM2-135M's gate+up (3072 x 576, Q4_1, planes at interleave 16, as `cflow
+// convert` writes it) against a 512-token prompt. Weights are random bytes with sane fp16
+// scales: a GEMM's speed does not depend on the values.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cflow/gemm.h"
+#include "cflow/planes.h"
+
+using namespace cflow;
+
+int main(int argc, char** argv) {
+  std::string type = "q4_1", pack = "planes";
+  int rows = 3072, cols = 576, tokens = 512, repeats = 7;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--type") type = v;
+    else if (k == "--pack") pack = v;
+    else if (k == "--rows") rows = std::atoi(v.c_str());
+    else if (k == "--cols") cols = std::atoi(v.c_str());
+    else if (k == "--tokens") tokens = std::atoi(v.c_str());
+    else if (k == "--repeats") repeats = std::atoi(v.c_str());
+    else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
+  }
+  WType wt;
+  if (!wtype_from_name(type.c_str(), &wt) || !q8_supported((int)wt)) {
+    std::fprintf(stderr, "--type: one of q4_0, q4_1, q5_0, q8_0\n");
+    return 2;
+  }
+  TileLayout L;
+  L.type = (int)wt; L.rows = rows; L.cols = cols;
+  L.pack = pack == "planes" ? (int)Pack::Planes : 0;
+  L.g = L.pack ? kPlanesMaxG : 1;
+  const char* err = nullptr;
+  if (repeats < 1 || tokens < 1 || !make_layout(L, &err)) {
+    std::fprintf(stderr, "bad shape: %s\n", err ? err : "tokens and repeats must be positive");
+    return 2;
+  }
+  std::mt19937 rng(1);
+  std::vector<uint8_t> w(layout_nbytes(L));
+  for (auto& b : w) b = (uint8_t)rng();
+  // fp16 0.01 in every word that can be a scale (whole blocks: the header; planes: the chunk's
+  // 16 (or 32) header words lead each chunk), so no value is a NaN or a denormal
+  const uint16_t h = 0x211f;
+  const size_t hdr = L.pack ? (size_t)kPlanesMaxG * planes_header(wt) : (wt == WType::Q4_1 ? 4 : 2);
+  const size_t unit = L.pack ? (size_t)kPlanesMaxG * L.bb : (size_t)L.bb;
+  for (size_t o = 0; o + unit <= w.size(); o += unit)
+    for (size_t j = 0; j < hdr; j += 2) std::memcpy(&w[o + j], &h, 2);
+  std::vector<float> x((size_t)tokens * cols), y((size_t)tokens * rows);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto& v : x) v = u(rng);
+  std::vector<int8_t> q(x.size());
+  std::vector<float> d(x.size() / 32), s(d.size());
+  QActs qa{tokens, cols, d.data(), s.data(), q.data()};
+  quantize_acts_ref(x.data(), cols, tokens, cols, qa);
+  std::printf("%s %s, %d x %d, %d tokens, 1 thread, best / median of %d\n", type.c_str(), pack.c_str(), rows, cols,
+              tokens, repeats);
+  const double macs = (double)tokens * rows * cols;
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa)) continue;
+    const GemmTable& T = gemm_table(isa);
+    std::vector<double> sec;
+    for (int r = 0; r < repeats; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      T.q8(L, w.data(), 0, rows, qa, y.data(), rows);
+      sec.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(sec.begin(), sec.end());
+    std::printf("  %-7s %7.1f / %7.1f GMAC/s\n", isa_name(isa), macs / sec[0] * 1e-9, macs / sec[sec.size() / 2] * 1e-9);
+  }
+  return 0;
+}
