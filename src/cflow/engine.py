@@ -236,7 +236,7 @@ class Engine:
     fast=False: fp32 activations, the parity path.
     precise=True (with fast; the default): two-level int8 activations for every weight (ROLES;
     F_PRECISE, kernels.h AType::Q8x2): about 14 bits of activation precision. Planes-packed
-    weights take both levels in one pass over the weights (decode, and AVX-512 prefill); other
+    weights take both levels in one pass over the weights (decode and prefill); other
     types run two passes. A collection of ROLES names limits it to those weights; False: one
     level, as llama.cpp's q8 activations. ACTIVATIONS names the three settings.
     """

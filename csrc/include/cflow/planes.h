@@ -19,7 +19,7 @@
 namespace cflow {
 
 // Header bytes of a block type that has a planes pack (Q4_0 2, Q4_1 4, Q8_0 2); 0 for others.
-inline int planes_header(WType wt) {
+constexpr int planes_header(WType wt) {
   switch (wt) {
     case WType::Q4_0: return 2;
     case WType::Q8_0: return 2;

@@ -106,7 +106,7 @@ void gemm_blocks_t(const TileLayout& L, const uint8_t* w, int r0, int r1, const 
 template <int TYPE, bool TWO>
 void gemm_planes_t(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, const QActs* x2, float* y,
                    int ldy) {
-  const int hdr = TYPE == T_Q4_1 ? 4 : 2, bb = TYPE == T_Q4_1 ? 20 : TYPE == T_Q4_0 ? 18 : 34;
+  const int hdr = planes_header(static_cast<WType>(TYPE)), bb = L.bb;
   const size_t chunk_bytes = (size_t)kPlanesMaxG * bb;  // one column block of 16 rows
   thread_local std::vector<uint8_t> wide;
   for_groups(L, w, r0, r1, [&](const Group& G) {
@@ -145,18 +145,6 @@ bool gemm_planes(const TileLayout& L, const uint8_t* w, int r0, int r1, const QA
   return false;
 }
 
-// The q8 GEMMs of the table (gemm.h GemmTable::q8, q8x2).
-bool gemm_q8x2_simd(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, const QActs& x2, float* y,
-                    int ldy) {
-  return gemm_planes(L, w, r0, r1, x, &x2, y, ldy);
-}
-
-void gemm_q8_blocks(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy);
-
-void gemm_q8_simd(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
-  if (!gemm_planes(L, w, r0, r1, x, nullptr, y, ldy)) gemm_q8_blocks(L, w, r0, r1, x, y, ldy);
-}
-
 // The q8 GEMM of a whole-block layout. Types without a q8 kernel: the reference.
 void gemm_q8_blocks(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
   switch (L.type) {
@@ -166,6 +154,16 @@ void gemm_q8_blocks(const TileLayout& L, const uint8_t* w, int r0, int r1, const
     case T_Q8_0: return gemm_blocks_t<T_Q8_0>(L, w, r0, r1, x, y, ldy);
   }
   gemm_q8_ref(L, w, r0, r1, x, y, ldy);
+}
+
+// The q8 GEMMs of the table (gemm.h GemmTable::q8, q8x2).
+bool gemm_q8x2_simd(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, const QActs& x2, float* y,
+                    int ldy) {
+  return gemm_planes(L, w, r0, r1, x, &x2, y, ldy);
+}
+
+void gemm_q8_simd(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
+  if (!gemm_planes(L, w, r0, r1, x, nullptr, y, ldy)) gemm_q8_blocks(L, w, r0, r1, x, y, ldy);
 }
 
 // fp32 path: each row is dequantized once (dequant_group_row reads either pack) and dotted with

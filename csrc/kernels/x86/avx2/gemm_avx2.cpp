@@ -30,7 +30,7 @@ struct V : Vec, IVec {
 // Q4_0), summed over the levels; acc += d_w * f (+ m_w * s_x for Q4_1); s_x = d_x * sum(q_x).
 template <int TYPE, int NT, bool TWO, class Chunk>
 void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int k0, float* y, int ldy, int g) {
-  constexpr int kHdr = TYPE == T_Q4_1 ? 4 : 2;
+  constexpr int kHdr = planes_header(static_cast<WType>(TYPE));
   __m256 acc[NT][2];
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   const int xb = x.cols / 32;
@@ -66,6 +66,8 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int 
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
+      __m256 m = _mm256_setzero_ps();
+      if constexpr (TYPE == T_Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h)));
       for (int t = 0; t < NT; ++t) {
         const size_t kx = (size_t)(k0 + t), o = kx * xb + cb, oq = kx * x.cols + (size_t)cb * 32;
         __m256 f = _mm256_mul_ps(dot(u, x.q + oq), _mm256_set1_ps(x.d[o]));
@@ -76,9 +78,7 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int 
         }
         if constexpr (TYPE == T_Q4_0) f = _mm256_add_ps(f, _mm256_set1_ps(-8.f * sx));
         acc[t][h] = _mm256_fmadd_ps(d, f, acc[t][h]);
-        if constexpr (TYPE == T_Q4_1)
-          acc[t][h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h))),
-                                      _mm256_set1_ps(sx), acc[t][h]);
+        if constexpr (TYPE == T_Q4_1) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[t][h]);
       }
     }
   }

@@ -30,7 +30,7 @@ struct V : Vec, IVec {
 // No shuffles, no horizontal sums.
 template <int TYPE, int NT, bool TWO, class Chunk>
 void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int k0, float* y, int ldy, int g) {
-  constexpr int kHdr = TYPE == T_Q4_1 ? 4 : 2;
+  constexpr int kHdr = planes_header(static_cast<WType>(TYPE));
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   const int xb = x.cols / 32;
