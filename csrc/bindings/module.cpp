@@ -9,6 +9,7 @@ namespace nb = nanobind;
 
 void bind_kernels(nb::module_& m);  // csrc/bindings/kernels.cpp
 void bind_ops(nb::module_& m);      // csrc/bindings/ops.cpp
+void bind_plan(nb::module_& m);     // csrc/bindings/plan.cpp
 void bind_engine(nb::module_& m);   // csrc/bindings/engine.cpp
 
 NB_MODULE(_core, m) {
@@ -22,5 +23,6 @@ NB_MODULE(_core, m) {
   });
   bind_kernels(m);
   bind_ops(m);
+  bind_plan(m);
   bind_engine(m);
 }

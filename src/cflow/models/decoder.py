@@ -1,0 +1,85 @@
+"""The pre-norm decoder of llama and its relatives, as a step plan (cflow.plan).
+
+One layer, with the switches of ModelConfig (qkv_bias, qk_norm, post_norms, layer_types ...):
+
+    h = x + post_attn_norm?( Wo @ attn( rope( qk_norm?( Wqkv @ rms(x) + b? ) ) ) )
+    x = h + post_ffn_norm?( Wd @ ( act(Wg @ rms(h)) * (Wu @ rms(h)) ) )
+
+Tensor names are cflow's (docs/FORMAT.md): blk.{l}.attn_qkv (or attn_q/k/v apart when their
+block types differ), blk.{l}.ffn_gate_up (or ffn_gate/ffn_up apart), ... Buffers, per token:
+x (d), qkv (q + 2 kv), att (q), h (d_ff), gate_up (2 d_ff, only when gate/up are apart),
+tmp (d, only with post norms), logits (vocab).
+"""
+
+from __future__ import annotations
+
+from cflow.errors import CflowFormatError, UnsupportedError
+from cflow.plan import ACTS, ActMul, Attention, Embed, Glu, Matmul, NormAdd, Plan, PlanBuilder
+
+
+def build_decoder(b: PlanBuilder, cfg) -> Plan:
+    if cfg.rope_style != "neox":
+        raise UnsupportedError(f"rope style {cfg.rope_style!r}: the engines run neox rope (rotate halves)")
+    if cfg.n_expert:
+        raise UnsupportedError("mixture-of-experts layers are not in the engines yet")
+    act = ACTS[cfg.act]
+    d, q, kv = cfg.d_model, cfg.q_dim, cfg.kv_dim
+    X = b.buffer("x", d)
+    QKV = b.buffer("qkv", q + 2 * kv)
+    ATT = b.buffer("att", q)
+    H = b.buffer("h", cfg.d_ff)
+    GU = None  # (gate | up) of layers that store them apart
+    TMP = b.buffer("tmp", d) if cfg.post_norms else -1
+    LOGITS = b.buffer("logits", cfg.vocab_size)
+
+    b.op(Embed, table="tok_embd", dst=X, scale=cfg.embed_scale)
+    b.barrier()
+
+    def residual_out(weight: str, src: int, post_norm: str, role: str) -> None:
+        """x += W @ src, or (post norms) x += post_norm(W @ src)."""
+        if cfg.post_norms:
+            b.op(Matmul, weight=weight, src=src, dst=TMP, role=role)
+            b.barrier()
+            b.op(NormAdd, norm=post_norm, src=TMP, dst=X)
+        else:
+            b.op(Matmul, weight=weight, src=src, dst=X, accumulate=True, role=role)
+        b.barrier()
+
+    for l in range(cfg.n_layer):
+        p = f"blk.{l}."
+        # Q/K/V: one fused weight, or three (block types differ) writing their columns of (q | k | v);
+        # no barrier between them: they read the same input.
+        parts = ["attn_qkv"] if b.has(p + "attn_qkv") or not b.has(p + "attn_q") else ["attn_q", "attn_k", "attn_v"]
+        col = 0
+        for part in parts:
+            b.op(Matmul, weight=p + part, norm=p + "attn_norm", src=X, dst=QKV, dst_col=col,
+                 bias=b.tensor(p + part + ".bias", optional=not cfg.qkv_bias), role="qkv")
+            col += b.rows(p + part)
+        b.barrier()
+        sliding = cfg.layer_type(l) == "sliding"
+        b.op(Attention, kv=l, src=QKV, dst=ATT, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
+             q_norm=p + "attn_q_norm" if cfg.qk_norm else -1, k_norm=p + "attn_k_norm" if cfg.qk_norm else -1,
+             window=cfg.sliding_window if sliding else 0, scale=cfg.attn_scale,
+             rope_theta=(cfg.rope_local_theta or cfg.rope_theta) if sliding else cfg.rope_theta)
+        b.barrier()
+        residual_out(p + "attn_output", ATT, p + "attn_post_norm", "attn_output")
+        if b.has(p + "ffn_gate_up") or not b.has(p + "ffn_gate"):
+            gu = b.entry(p + "ffn_gate_up")
+            striped = getattr(gu, "fuse", None) == "stripe"
+            chunk = gu.stripe_rows if striped else cfg.d_ff  # stacked [gate; up]: one piece
+            if striped and not chunk:
+                raise CflowFormatError(f"{p}ffn_gate_up: stripe fusion without stripe rows")
+            b.op(Glu, weight=p + "ffn_gate_up", norm=p + "ffn_norm", src=X, dst=H, chunk=chunk, act=act, role="gate_up")
+        else:  # gate and up apart: two matmuls into (gate | up), then act(gate) * up
+            if GU is None:
+                GU = b.buffer("gate_up", 2 * cfg.d_ff)
+            for col, part in ((0, "ffn_gate"), (cfg.d_ff, "ffn_up")):
+                b.op(Matmul, weight=p + part, norm=p + "ffn_norm", src=X, dst=GU, dst_col=col, role="gate_up")
+            b.barrier()
+            b.op(ActMul, src=GU, dst=H, act=act)
+        b.barrier()
+        residual_out(p + "ffn_down", H, p + "ffn_post_norm", "down")
+    head = "tok_embd" if cfg.tie_embeddings and not b.has("output") else "output"
+    b.op(Matmul, weight=head, norm="output_norm", src=X, dst=LOGITS, last_token=True,
+         softcap=cfg.final_logit_softcap, role="head")
+    return b.finish(logits=LOGITS, norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset)

@@ -1,0 +1,149 @@
+"""The step plan: the one description of a model's forward pass (docs/ENGINE.md).
+
+A model's module (cflow.models) describes its forward pass as typed ops through a PlanBuilder:
+
+    b = PlanBuilder(weights, precise=ROLES)          # weights: CflowFile or Checkpoint
+    X = b.buffer("x", d_model)
+    b.op(Embed, table="tok_embd", dst=X, scale=1.0)
+    b.barrier()
+    b.op(Matmul, weight="blk.0.attn_qkv", norm="blk.0.attn_norm", src=X, dst=QKV, role="qkv")
+    ...
+    plan = b.finish(logits=LOGITS, norm_eps=1e-6)
+
+The op kinds and their fields are defined once, in csrc/include/cflow/plan.h, and bound as
+classes of the native module (cflow._core.Matmul, ...): `Matmul._fields` lists them. The
+native executor runs a plan, the numpy reference engine (engine_ref.py) interprets it, and
+`bytes_per_token` walks it. Tensor fields (table, weight, bias, norm, q_norm, k_norm) take a
+tensor name, which the builder turns into an index of plan.tensors.
+"""
+
+from __future__ import annotations
+
+from cflow._native import core
+from cflow.errors import CflowError, CflowFormatError
+
+Barrier, Embed, Matmul, Glu, ActMul, Attention, NormAdd = (core.Barrier, core.Embed, core.Matmul, core.Glu,
+                                                           core.ActMul, core.Attention, core.NormAdd)
+OP_KINDS = core.OP_KINDS
+Plan, TensorRef, BufferSpec = core.Plan, core.TensorRef, core.BufferSpec
+
+# Weight roles whose int8 activations may be two-level (Engine's `precise`; the op's two_level).
+ROLES = ("qkv", "attn_output", "gate_up", "down", "head")
+TENSOR_FIELDS = ("table", "weight", "bias", "norm", "q_norm", "k_norm")
+ACTS = {"silu": 0, "gelu_tanh": 1}  # Glu / ActMul `act`
+PACK_CODES = {"blocks": 0, "planes": 1}
+
+
+def tensor_ref(name: str, t) -> TensorRef:
+    """A TensorRef from a tensor entry of a CflowFile (format.spec.Tensor), of a Checkpoint
+    (convert.Tensor: in memory, offset -1: the reference engine only) or any object with the
+    fields type, rows/cols or shape, tile, interleave, offset, nbytes, pack."""
+    from cflow.format.tiles import block_type
+
+    shape = tuple(getattr(t, "shape", None) or (t.rows, t.cols))
+    rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
+    typ = t.type if hasattr(t.type, "code") else block_type(str(t.type))
+    tile = getattr(t, "tile", (128, 256))
+    offset = getattr(t, "offset", -1)
+    nbytes = getattr(t, "nbytes", None)
+    if nbytes is None:
+        nbytes = int(t.data.nbytes)
+    return TensorRef(name=name, offset=int(offset), nbytes=int(nbytes), type=int(typ.code), rows=int(rows),
+                     cols=int(cols), tile_rows=int(tile[0]), tile_cols=int(tile[1]),
+                     interleave=int(getattr(t, "interleave", 1)), pack=PACK_CODES[getattr(t, "pack", "blocks")])
+
+
+class PlanBuilder:
+    """Collects tensors, buffers and ops; `finish` returns the core.Plan.
+
+    weights: an object with .tensors {name: entry} (CflowFile, Checkpoint).
+    precise: the ROLES whose ops run two-level int8 activations (two_level=True).
+    """
+
+    def __init__(self, weights, precise=()):
+        if unknown := set(precise) - set(ROLES):
+            raise CflowError(f"precise: unknown roles {sorted(unknown)}; the roles are {', '.join(ROLES)}")
+        self.weights = weights
+        self.precise = frozenset(precise)
+        self.tensors: list[TensorRef] = []
+        self.buffers: list[BufferSpec] = []
+        self.ops: list = []
+        self._ids: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- tensors and buffers
+    def has(self, name: str) -> bool:
+        return name in self.weights.tensors
+
+    def entry(self, name: str):
+        """The file's entry of a tensor (stripe_rows, fuse, parts ...)."""
+        t = self.weights.tensors.get(name)
+        if t is None:
+            raise CflowFormatError(f"the model has no tensor {name!r}")
+        return t
+
+    def tensor(self, name: str, *, optional: bool = False) -> int:
+        """The plan's index of a tensor; -1 when optional and absent."""
+        if name in self._ids:
+            return self._ids[name]
+        if optional and not self.has(name):
+            return -1
+        self.tensors.append(tensor_ref(name, self.entry(name)))
+        self._ids[name] = len(self.tensors) - 1
+        return self._ids[name]
+
+    def rows(self, name: str) -> int:
+        return self.tensors[self.tensor(name)].rows
+
+    def buffer(self, name: str, width: int) -> int:
+        self.buffers.append(BufferSpec(name=name, width=int(width)))
+        return len(self.buffers) - 1
+
+    # ---------------------------------------------------------------- ops
+    def op(self, kind, *, role: str | None = None, **fields):
+        """Append kind(**fields); tensor fields may be names; role: one of ROLES (two-level)."""
+        for f in TENSOR_FIELDS:
+            if isinstance(fields.get(f), str):
+                fields[f] = self.tensor(fields[f])
+        if role is not None:
+            if role not in ROLES:
+                raise CflowError(f"unknown role {role!r}")
+            fields["two_level"] = role in self.precise
+        op = kind(**fields)
+        self.ops.append(op)
+        return op
+
+    def barrier(self) -> None:
+        if self.ops and not isinstance(self.ops[-1], Barrier):
+            self.ops.append(Barrier())
+
+    def finish(self, *, logits: int, norm_eps: float, norm_offset: float = 0.0) -> Plan:
+        p = Plan()
+        p.tensors, p.buffers, p.ops = self.tensors, self.buffers, self.ops
+        p.logits, p.norm_eps, p.norm_offset = int(logits), float(norm_eps), float(norm_offset)
+        return p
+
+
+def bytes_per_token(plan: Plan) -> int:
+    """Weight bytes one decode step reads: every matrix an op multiplies by, once per op, and one
+    row of each embedding table."""
+    total = 0
+    for op in plan.ops:
+        if isinstance(op, (Matmul, Glu)):
+            total += plan.tensors[op.weight].nbytes
+        elif isinstance(op, Embed):
+            t = plan.tensors[op.table]
+            total += t.nbytes // t.rows
+    return total
+
+
+def kv_slots(plan: Plan) -> list[tuple[int, int]]:
+    """Per KV slot of a sequence state: (n_kv_head, head_dim), from the plan's Attention ops."""
+    slots: dict[int, tuple[int, int]] = {}
+    for op in plan.ops:
+        if isinstance(op, Attention):
+            shape = (op.n_kv_head, op.head_dim)
+            if slots.setdefault(op.kv, shape) != shape:
+                raise CflowError(f"plan: KV slot {op.kv} is used with two head shapes")
+    if sorted(slots) != list(range(len(slots))):
+        raise CflowError("plan: KV slots must be numbered 0..n-1")
+    return [slots[i] for i in range(len(slots))]
