@@ -81,9 +81,13 @@ void bind_plan(nb::module_& m) {
   }
   nb::class_<Plan>(m, "Plan", "The step plan (cflow/plan.h): tensors, buffers, ops, logits buffer, RMSNorm constants")
       .def(nb::init<>())
-      .def_rw("tensors", &Plan::tensors)
-      .def_rw("buffers", &Plan::buffers)
-      .def_rw("ops", &Plan::ops)
+      // The lists come out as copies (a list of references into the vector would dangle once
+      // the vector is assigned); change one by assigning the whole list back.
+      .def_prop_rw("tensors", [](const Plan& p) { return p.tensors; },
+                   [](Plan& p, std::vector<TensorRef> v) { p.tensors = std::move(v); })
+      .def_prop_rw("buffers", [](const Plan& p) { return p.buffers; },
+                   [](Plan& p, std::vector<BufferSpec> v) { p.buffers = std::move(v); })
+      .def_prop_rw("ops", [](const Plan& p) { return p.ops; }, [](Plan& p, std::vector<Op> v) { p.ops = std::move(v); })
       .def_rw("logits", &Plan::logits)
       .def_rw("norm_eps", &Plan::norm_eps)
       .def_rw("norm_offset", &Plan::norm_offset);

@@ -1,11 +1,12 @@
-// The plan executor: validates a plan against the mapped file, then runs whole forwards on the
-// persistent pool (one pool.run per forward; barriers only where the plan places them).
+// The plan executor: validates a plan against the mapped file, then runs forwards, each on a
+// workspace of its own (one pool.run per forward; barriers only where the plan places them).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 #if defined(CFLOW_X86)
 #include <immintrin.h>
@@ -17,34 +18,47 @@
 
 namespace cflow {
 
-struct Engine::Scratch {
+// What one thread, or the threads together, use inside an op.
+struct Scratch {
   std::vector<float> xn;             // (n, C) normalised input
   std::vector<int8_t> q;             // (n, C) int8 input
   std::vector<float> qd, qs;         // (n, C/32)
   std::vector<float> y;              // (n, rows of a share) GEMM output before an epilogue
   std::vector<float> scores;         // (n_ctx,) attention scores
   std::vector<uint8_t> xa;           // one token's activation prepared for a GEMV kernel
-  // F_PRECISE: the residual x - d q (n, C), its int8 blocks, the second pass's output
+  // two-level activations: the residual x - d q (n, C), its int8 blocks, the second pass's output
   std::vector<float> r;
   std::vector<int8_t> q2;
   std::vector<float> qd2, qs2, y2;
   std::vector<uint8_t> xa2;
 };
 
+// One forward's pool, buffers and scratch, and the rows of its step.
+struct Engine::Workspace {
+  explicit Workspace(int threads) : pool(threads) {
+    for (int t = 0; t < threads; ++t) priv.push_back(std::make_unique<Scratch>());
+  }
+  ThreadPool pool;
+  std::vector<std::vector<float>> bufs;  // per plan buffer: (n, width)
+  std::vector<std::unique_ptr<Scratch>> priv;  // per thread
+  Scratch shared;                        // written by all threads, each its rows
+  std::vector<float> gather;             // (seqs, C): the last row of each sequence
+  std::vector<double> prof;              // per op kind, seconds
+  // the step: n rows, sequence by sequence
+  int n = 0;
+  bool all_logits = false;
+  std::vector<int32_t> tokens, row_seq, row_pos;  // per row
+  std::vector<int32_t> last_row;                  // per sequence
+  std::vector<State*> states;                     // per sequence
+};
+
 struct Engine::Input {
   const float* x = nullptr;
   int ldx = 0;
   QActs qa;
-  QActs qa2;          // F_PRECISE: the residual's int8 blocks
+  QActs qa2;          // two-level: the residual's int8 blocks
   bool two = false;   // qa2 is set
 };
-
-State::State(int n_layer, int n_ctx_, int kv_dim_) : n_ctx(n_ctx_), kv_dim(kv_dim_), k(n_layer), v(n_layer) {
-  for (int l = 0; l < n_layer; ++l) {
-    k[l].reset(new float[(size_t)n_ctx * kv_dim]);
-    v[l].reset(new float[(size_t)n_ctx * kv_dim]);
-  }
-}
 
 static void fail(const std::string& msg) { throw std::runtime_error(msg); }
 
@@ -53,163 +67,234 @@ static void grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-Engine::Engine(const uint8_t* base, size_t size, const ModelDims& dims, std::vector<TensorRef> tensors, Plan plan,
-               int threads, bool fast)
-    : base_(base), size_(size), dims_(dims), T_(std::move(tensors)), plan_(std::move(plan)), fast_(fast), isa_(best_isa()) {
-  validate();
-  int nt = threads > 0 ? threads : 1;
-  pool_ = std::make_unique<ThreadPool>(nt);
-  for (int t = 0; t < nt; ++t) priv_.push_back(std::make_unique<Scratch>());
-  shared_ = std::make_unique<Scratch>();
-  for (const Op& op : plan_.ops) any_precise_ |= (op.flags & F_PRECISE) != 0;
-  bufs_.resize(plan_.buf_width.size());
-  vecs_.resize(T_.size());
-  // Norm and bias vectors are small: dequantize them once.
-  for (const Op& op : plan_.ops) {
-    for (int id : {op.bias, op.norm, op.kind == OP_ATTN ? op.w : -1}) {
-      if (id < 0 || !vecs_[id].empty()) continue;
-      const TileLayout& L = T_[id].L;
-      std::vector<float> v((size_t)L.rows * L.cols);
-      for (int r = 0; r < L.rows; ++r) dequant_row(L, base_ + T_[id].off, r, v.data() + (size_t)r * L.cols);
-      vecs_[id] = std::move(v);
-    }
+State::State(int n_ctx, const std::vector<int>& kv_widths) : n_ctx_(n_ctx), kv_width_(kv_widths) {
+  for (int w : kv_width_) {
+    k_.emplace_back(new float[(size_t)n_ctx * w]);
+    v_.emplace_back(new float[(size_t)n_ctx * w]);
   }
-  // RoPE tables per distinct theta: (n_ctx, hd/2) cos and sin.
-  const int half = dims_.head_dim / 2;
+}
+
+void State::truncate(int n) {
+  if (n < 0 || n > pos())
+    fail("truncate(" + std::to_string(n) + "): the state holds " + std::to_string(pos()) + " tokens");
+  tokens_.resize(n);
+}
+
+Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threads, bool fast)
+    : base_(base), size_(size), plan_(std::move(plan)), n_ctx_(n_ctx), threads_(threads > 0 ? threads : 1),
+      fast_(fast), isa_(best_isa()) {
+  validate();
+  vecs_.resize(W_.size());
+  // Norm and bias vectors are small: dequantize them once.
+  auto keep_vec = [&](int id) {
+    if (id < 0 || !vecs_[id].empty()) return;
+    const TileLayout& L = W_[id].L;
+    std::vector<float> v((size_t)L.rows * L.cols);
+    for (int r = 0; r < L.rows; ++r) dequant_row(L, W_[id].data, r, v.data() + (size_t)r * L.cols);
+    vecs_[id] = std::move(v);
+  };
   for (const Op& op : plan_.ops) {
-    if (op.kind != OP_ATTN || std::find(rope_theta_.begin(), rope_theta_.end(), op.f0) != rope_theta_.end()) continue;
-    rope_theta_.push_back(op.f0);
-    std::vector<float> c((size_t)dims_.n_ctx * half), s((size_t)dims_.n_ctx * half);
-    for (int i = 0; i < half; ++i) {
-      const float inv = (float)(1.0 / std::pow((double)op.f0, (2.0 * i) / dims_.head_dim));  // fp32 like HF
-      for (int p = 0; p < dims_.n_ctx; ++p) {
-        const double a = (double)((float)p * inv);
-        c[(size_t)p * half + i] = (float)std::cos(a);
-        s[(size_t)p * half + i] = (float)std::sin(a);
+    std::visit([&](const auto& o) {
+      using T = std::decay_t<decltype(o)>;
+      if constexpr (std::is_same_v<T, Matmul>) { keep_vec(o.norm); keep_vec(o.bias); any_precise_ |= o.two_level; }
+      if constexpr (std::is_same_v<T, GateUp>) { keep_vec(o.norm); any_precise_ |= o.two_level; }
+      if constexpr (std::is_same_v<T, NormAdd>) keep_vec(o.norm);
+      if constexpr (std::is_same_v<T, Attention>) {
+        keep_vec(o.q_norm);
+        keep_vec(o.k_norm);
+        // RoPE tables per distinct (theta, head_dim): (n_ctx, hd/2) cos and sin, angles in fp32 like HF.
+        for (const RopeTable& t : rope_)
+          if (t.theta == o.rope_theta && t.head_dim == o.head_dim) return;
+        const int half = o.head_dim / 2;
+        RopeTable t{o.rope_theta, o.head_dim, std::vector<float>((size_t)n_ctx_ * half),
+                    std::vector<float>((size_t)n_ctx_ * half)};
+        for (int i = 0; i < half; ++i) {
+          const float inv = (float)(1.0 / std::pow((double)o.rope_theta, (2.0 * i) / o.head_dim));
+          for (int p = 0; p < n_ctx_; ++p) {
+            const double a = (double)((float)p * inv);
+            t.cos[(size_t)p * half + i] = (float)std::cos(a);
+            t.sin[(size_t)p * half + i] = (float)std::sin(a);
+          }
+        }
+        rope_.push_back(std::move(t));
       }
-    }
-    rope_cos_.push_back(std::move(c));
-    rope_sin_.push_back(std::move(s));
+    }, op);
   }
   const char* pe = std::getenv("CFLOW_PROFILE");
   profile_on_ = pe && *pe && *pe != '0';
-  prof_.assign(8, 0.0);
+  prof_.assign(std::variant_size_v<Op>, 0.0);
+  free_.push_back(std::make_unique<Workspace>(threads_));  // the first caller's, threads started now
 }
 
 Engine::~Engine() = default;
 
-int Engine::threads() const { return pool_->size(); }
+std::unique_ptr<State> Engine::new_state() const { return std::make_unique<State>(n_ctx_, kv_width_); }
 
-std::unique_ptr<State> Engine::new_state() const {
-  return std::make_unique<State>(dims_.n_layer, dims_.n_ctx, dims_.n_kv_head * dims_.head_dim);
+std::vector<double> Engine::profile() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return prof_;
 }
 
-const float* Engine::vec(int tensor) const { return vecs_[tensor].data(); }
+std::unique_ptr<Engine::Workspace> Engine::take_workspace() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!free_.empty()) {
+      auto ws = std::move(free_.back());
+      free_.pop_back();
+      return ws;
+    }
+  }
+  return std::make_unique<Workspace>(threads_);  // another thread's forward is running
+}
+
+void Engine::give_workspace(std::unique_ptr<Workspace> ws) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (size_t i = 0; i < ws->prof.size(); ++i) prof_[i] += ws->prof[i];
+  std::fill(ws->prof.begin(), ws->prof.end(), 0.0);
+  free_.push_back(std::move(ws));
+}
 
 // ---------------------------------------------------------------- validation
 void Engine::validate() {
-  const ModelDims& D = dims_;
-  if (D.n_layer <= 0 || D.d_model <= 0 || D.n_head <= 0 || D.n_kv_head <= 0 || D.head_dim <= 0 || D.vocab <= 0 ||
-      D.n_ctx <= 0 || D.n_head % D.n_kv_head || D.head_dim % 2 || D.head_dim > 1024)
-    fail("engine: bad model dimensions");
-  for (size_t i = 0; i < T_.size(); ++i) {
-    TensorRef& t = T_[i];
+  if (n_ctx_ <= 0) fail("engine: n_ctx must be positive");
+  const int nt = (int)plan_.tensors.size();
+  for (int i = 0; i < nt; ++i) {
+    const TensorRef& t = plan_.tensors[i];
+    const std::string at = "tensor " + t.name + ": ";
+    TileLayout L;
+    L.type = t.type; L.rows = t.rows; L.cols = t.cols; L.tr = t.tile_rows; L.tc = t.tile_cols; L.g = t.interleave;
+    L.pack = t.pack;
     const char* err = nullptr;
-    if (!make_layout(t.L, &err)) fail("tensor #" + std::to_string(i) + ": " + err);
-    if (t.off < 0 || t.nbytes < 0 || (uint64_t)t.off > size_ || (uint64_t)t.nbytes > size_ - (uint64_t)t.off)
-      fail("tensor #" + std::to_string(i) + ": byte range [" + std::to_string(t.off) + ", +" + std::to_string(t.nbytes) +
+    if (!make_layout(L, &err)) fail(at + err);
+    if (t.offset < 0) fail(at + "not in a mapped file (the native engine runs .cflow files)");
+    if (t.nbytes < 0 || (uint64_t)t.offset > size_ || (uint64_t)t.nbytes > size_ - (uint64_t)t.offset)
+      fail(at + "byte range [" + std::to_string(t.offset) + ", +" + std::to_string(t.nbytes) +
            ") lies outside the mapped file of " + std::to_string(size_) + " bytes");
-    if ((size_t)t.nbytes != layout_nbytes(t.L))
-      fail("tensor #" + std::to_string(i) + ": " + std::to_string(t.nbytes) + " bytes, its shape needs " +
-           std::to_string(layout_nbytes(t.L)));
+    if ((size_t)t.nbytes != layout_nbytes(L))
+      fail(at + std::to_string(t.nbytes) + " bytes, its shape needs " + std::to_string(layout_nbytes(L)));
+    W_.push_back({base_ + t.offset, L});
   }
-  const int nb = (int)plan_.buf_width.size();
-  for (int w : plan_.buf_width)
-    if (w <= 0 || w > (1 << 24)) fail("plan: bad buffer width");
-  if (plan_.logits_buf < 0 || plan_.logits_buf >= nb || plan_.buf_width[plan_.logits_buf] != D.vocab)
-    fail("plan: the logits buffer must have the vocabulary's width");
+  const int nb = (int)plan_.buffers.size();
+  for (const BufferSpec& b : plan_.buffers) {
+    if (b.width <= 0 || b.width > (1 << 24)) fail("plan: buffer " + b.name + " has a bad width");
+    max_width_ = std::max(max_width_, b.width);
+  }
+  if (plan_.logits < 0 || plan_.logits >= nb) fail("plan: bad logits buffer");
+  vocab_ = plan_.buffers[plan_.logits].width;
+  if (!(plan_.norm_eps >= 0) || !std::isfinite(plan_.norm_offset)) fail("plan: bad RMSNorm constants");
   auto tensor = [&](int id, const char* what) -> const TileLayout* {
     if (id == -1) return nullptr;
-    if (id < -1 || id >= (int)T_.size()) fail(std::string("plan: bad tensor id for ") + what);
-    return &T_[id].L;
+    if (id < -1 || id >= nt) fail(std::string("bad tensor id for ") + what);
+    return &W_[id].L;
   };
   auto buffer = [&](int id, const char* what) -> int {
-    if (id < 0 || id >= nb) fail(std::string("plan: bad buffer id for ") + what);
-    return plan_.buf_width[id];
+    if (id < 0 || id >= nb) fail(std::string("bad buffer id for ") + what);
+    return plan_.buffers[id].width;
   };
   auto numel = [](const TileLayout* L) { return (int64_t)L->rows * L->cols; };
-  const int qdim = D.n_head * D.head_dim, kvdim = D.n_kv_head * D.head_dim;
   for (size_t i = 0; i < plan_.ops.size(); ++i) {
-    const Op& op = plan_.ops[i];
     const std::string at = "plan op #" + std::to_string(i) + ": ";
-    switch (op.kind) {
-      case OP_BARRIER: break;
-      case OP_EMBED: {
-        const TileLayout* W = tensor(op.w, "embedding");
-        if (!W || W->rows != D.vocab || W->cols != buffer(op.dst, "embed") || W->cols != D.d_model)
-          fail(at + "embedding shape does not match (vocab, d_model)");
-        break;
-      }
-      case OP_MATVEC:
-      case OP_GLU: {
-        const TileLayout* W = tensor(op.w, "matvec");
-        if (!W) fail(at + "matvec without a weight");
-        const int C = buffer(op.src, "matvec src"), R = buffer(op.dst, "matvec dst");
-        if (W->cols != C) fail(at + "weight columns " + std::to_string(W->cols) + " != input width " + std::to_string(C));
-        if (op.kind == OP_MATVEC && (op.aux1 < 0 || op.aux1 > R || W->rows > R - op.aux1))
-          fail(at + "weight rows " + std::to_string(W->rows) + " at column " + std::to_string(op.aux1) +
-               " do not fit the output width " + std::to_string(R));
-        if (op.kind == OP_GLU) {
-          if (W->rows != 2 * R) fail(at + "gate_up rows must be twice the FFN width");
-          if (op.aux0 <= 0 || op.aux0 % W->g) fail(at + "gate_up chunk must be a positive multiple of the interleave");
+    auto check = [&](bool ok, const std::string& msg) {
+      if (!ok) fail(at + msg);
+    };
+    auto norm_of = [&](int id, int width, const char* what) {
+      if (const TileLayout* N = tensor(id, what)) check(numel(N) == width, std::string(what) + " size");
+    };
+    const Op& op = plan_.ops[i];
+    try {
+      std::visit([&](const auto& o) {
+        using T = std::decay_t<decltype(o)>;
+        if constexpr (std::is_same_v<T, std::monostate>) {
+          check(false, "empty op");
+        } else if constexpr (std::is_same_v<T, Embed>) {
+          const TileLayout* E = tensor(o.table, "embedding");
+          check(E && E->rows == vocab_ && E->cols == buffer(o.dst, "embed dst"),
+                "embedding table shape does not match (vocab, width of dst)");
+        } else if constexpr (std::is_same_v<T, Matmul> || std::is_same_v<T, GateUp>) {
+          const TileLayout* M = tensor(o.weight, "weight");
+          check(M != nullptr, "no weight");
+          const int C = buffer(o.src, "src"), R = buffer(o.dst, "dst");
+          check(M->cols == C, "weight columns " + std::to_string(M->cols) + " != input width " + std::to_string(C));
+          check(o.src != o.dst, "input and output are one buffer");
+          norm_of(o.norm, C, "norm");
+          if constexpr (std::is_same_v<T, Matmul>) {
+            check(o.dst_col >= 0 && o.dst_col <= R && M->rows <= R - o.dst_col,
+                  "weight rows " + std::to_string(M->rows) + " at column " + std::to_string(o.dst_col) +
+                      " do not fit the output width " + std::to_string(R));
+            norm_of(o.bias, M->rows, "bias");
+            check(!(o.last_token && o.accumulate), "a last-token op cannot accumulate");
+            check(std::isfinite(o.scale) && o.softcap >= 0, "bad scale or softcap");
+          } else {
+            check(M->rows == 2 * R, "gate_up rows must be twice the FFN width");
+            check(o.chunk > 0 && o.chunk % M->g == 0, "gate_up chunk must be a positive multiple of the interleave");
+            check(o.act == 0 || o.act == 1, "unknown activation");
+          }
+        } else if constexpr (std::is_same_v<T, ActMul>) {
+          const int F = buffer(o.dst, "act_mul dst");
+          check(buffer(o.src, "act_mul src") == 2 * F, "input is not (gate, up) of twice the output width");
+          check(o.act == 0 || o.act == 1, "unknown activation");
+        } else if constexpr (std::is_same_v<T, Attention>) {
+          check(o.n_head > 0 && o.n_kv_head > 0 && o.n_head % o.n_kv_head == 0, "heads");
+          check(o.head_dim > 0 && o.head_dim % 2 == 0 && o.head_dim <= 1024, "head_dim must be even, at most 1024");
+          check(o.kv >= 0 && o.kv < 4096, "bad KV slot");
+          const int q = o.n_head * o.head_dim, kv = o.n_kv_head * o.head_dim;
+          check(buffer(o.src, "attention src") == q + 2 * kv, "attention input is not (q | k | v)");
+          check(buffer(o.dst, "attention dst") == q, "attention output width");
+          norm_of(o.q_norm, o.head_dim, "q norm");
+          norm_of(o.k_norm, o.head_dim, "k norm");
+          check(o.window >= 0 && o.rope_theta > 0 && o.scale >= 0, "bad window, RoPE base or scale");
+          if ((int)kv_width_.size() <= o.kv) kv_width_.resize(o.kv + 1, 0);
+          check(kv_width_[o.kv] == 0 || kv_width_[o.kv] == kv, "KV slot used with two widths");
+          kv_width_[o.kv] = kv;
+        } else if constexpr (std::is_same_v<T, NormAdd>) {
+          const int w = buffer(o.src, "norm_add src");
+          check(buffer(o.dst, "norm_add dst") == w, "norm_add widths");
+          check(tensor(o.norm, "norm") != nullptr, "norm_add without a norm");
+          norm_of(o.norm, w, "norm");
         }
-        if (const TileLayout* B = tensor(op.bias, "bias"); B && numel(B) != W->rows) fail(at + "bias size");
-        if (const TileLayout* N = tensor(op.norm, "norm"); N && numel(N) != C) fail(at + "norm size");
-        if (op.src == op.dst) fail(at + "matvec in place");
-        if (op.flags & F_LAST && op.flags & F_ACCUM) fail(at + "last-token op cannot accumulate");
-        break;
-      }
-      case OP_ATTN: {
-        if (op.layer < 0 || op.layer >= D.n_layer) fail(at + "bad layer");
-        if (buffer(op.src, "attn src") != qdim + 2 * kvdim) fail(at + "attention input is not (q, k, v)");
-        if (buffer(op.dst, "attn dst") != qdim) fail(at + "attention output width");
-        if (const TileLayout* N = tensor(op.w, "q norm"); N && numel(N) != D.head_dim) fail(at + "q norm size");
-        if (const TileLayout* N = tensor(op.bias, "k norm"); N && numel(N) != D.head_dim) fail(at + "k norm size");
-        if (op.aux0 < 0 || !(op.f0 > 0)) fail(at + "bad window or rope theta");
-        break;
-      }
-      case OP_NORM_ADD: {
-        const TileLayout* N = tensor(op.norm, "norm");
-        const int w = buffer(op.src, "norm src");
-        if (!N || numel(N) != w || buffer(op.dst, "norm dst") != w) fail(at + "norm_add shapes");
-        break;
-      }
-      case OP_ACT_MUL: {
-        const int F = buffer(op.dst, "act_mul dst");
-        if (buffer(op.src, "act_mul src") != 2 * F) fail(at + "act_mul input is not (gate, up) of twice the output width");
-        break;
-      }
-      default: fail(at + "unknown op kind " + std::to_string(op.kind));
+      }, op);
+    } catch (const std::runtime_error& e) {
+      const std::string m = e.what();
+      if (m.rfind("plan op #", 0) == 0) throw;
+      fail(at + m);
     }
   }
+  for (size_t s = 0; s < kv_width_.size(); ++s)
+    if (!kv_width_[s]) fail("plan: KV slot " + std::to_string(s) + " is not used by any attention op");
 }
 
 // ---------------------------------------------------------------- helpers
 void Engine::rmsnorm(const float* x, const float* w, int cols, float* out) const {
-  ops().rmsnorm(out, x, w, 1, cols, dims_.eps, dims_.norm_offset);
+  ops().rmsnorm(out, x, w, 1, cols, plan_.norm_eps, plan_.norm_offset);
 }
 
-// Input of a GEMM: optionally normalised, optionally quantized. One token: each thread makes its
-// own copy (no barrier). Several tokens: threads split the tokens into shared scratch, barrier.
-Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int norm, bool q8, bool precise, int tid) {
+// The one RoPE of the engine, neox style (rotate halves): x (head_dim,) at position pos.
+void Engine::rope(float* x, int head_dim, float theta, int pos) const {
+  const RopeTable* t = &rope_[0];
+  for (const RopeTable& r : rope_)
+    if (r.theta == theta && r.head_dim == head_dim) t = &r;
+  const int half = head_dim / 2;
+  const float* c = t->cos.data() + (size_t)pos * half;
+  const float* s = t->sin.data() + (size_t)pos * half;
+  for (int i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c[i] - b * s[i];
+    x[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+// Input of a GEMM: optionally normalised, optionally quantized. One row: each thread makes its
+// own copy (no barrier). Several rows: threads split the rows into shared scratch, barrier.
+Engine::Input Engine::prepare(Workspace& ws, const float* src, int lds, int n, int cols, int norm, bool q8,
+                              bool precise, int tid) {
   Input in;
   in.x = src;
   in.ldx = lds;
-  if (!norm && !q8) return in;
+  if (norm < 0 && !q8) return in;
   const bool one = n == 1;
-  Scratch& s = one ? *priv_[tid] : *shared_;
-  const int nth = one ? 1 : pool_->size();
-  if (!one) pool_->barrier();  // the shared scratch may still be read by the previous op
+  Scratch& s = one ? *ws.priv[tid] : ws.shared;
+  const int nth = one ? 1 : ws.pool.size();
+  if (!one) ws.pool.barrier();  // the shared scratch may still be read by the previous op
   const int k0 = one ? 0 : (int)((int64_t)n * tid / nth), k1 = one ? 1 : (int)((int64_t)n * (tid + 1) / nth);
   const float* x = src;
   int ldx = lds;
@@ -221,32 +306,32 @@ Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int no
     in.ldx = ldx;
   }
   if (q8) {
-    in.qa.d = s.qd.data();
-    in.qa.s = s.qs.data();
-    in.qa.q = s.q.data();
-    QActs part = in.qa;
-    part.d += (size_t)k0 * (cols / 32);
-    part.s += (size_t)k0 * (cols / 32);
-    part.q += (size_t)k0 * cols;
+    auto blocks = [&](QActs a, float* d, float* sum, int8_t* q) {
+      a.n = n;
+      a.cols = cols;
+      a.d = d;
+      a.s = sum;
+      a.q = q;
+      return a;
+    };
+    auto rows_of = [&](QActs a) {  // this thread's rows
+      a.d += (size_t)k0 * (cols / 32);
+      a.s += (size_t)k0 * (cols / 32);
+      a.q += (size_t)k0 * cols;
+      return a;
+    };
+    in.qa = blocks(in.qa, s.qd.data(), s.qs.data(), s.q.data());
+    QActs part = rows_of(in.qa);
     if (k1 > k0) quantize_acts(x + (size_t)k0 * ldx, ldx, k1 - k0, cols, part);
-    if (precise) {  // second level: the residual of each token's blocks, quantized again
+    if (precise) {  // second level: the residual of each row's blocks, quantized again
       if (one) {  // a private scratch; the shared one is sized by forward()
         grow(s.r, (size_t)cols);
         grow(s.q2, (size_t)cols);
         grow(s.qd2, (size_t)cols / 32 + 1);
         grow(s.qs2, (size_t)cols / 32 + 1);
       }
-      in.qa2 = in.qa;
-      in.qa2.n = n;
-      in.qa2.cols = cols;
-      in.qa2.d = s.qd2.data();
-      in.qa2.s = s.qs2.data();
-      in.qa2.q = s.q2.data();
+      in.qa2 = blocks(in.qa, s.qd2.data(), s.qs2.data(), s.q2.data());
       in.two = true;
-      QActs part2 = in.qa2;
-      part2.d += (size_t)k0 * (cols / 32);
-      part2.s += (size_t)k0 * (cols / 32);
-      part2.q += (size_t)k0 * cols;
       for (int k = k0; k < k1; ++k) {
         const float* xk = x + (size_t)k * ldx;
         float* rk = s.r.data() + (size_t)k * cols;
@@ -254,26 +339,25 @@ Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int no
         const int8_t* qk = in.qa.q + (size_t)k * cols;
         for (int c = 0; c < cols; ++c) rk[c] = xk[c] - dk[c / 32] * qk[c];
       }
+      QActs part2 = rows_of(in.qa2);
       if (k1 > k0) quantize_acts(s.r.data() + (size_t)k0 * cols, cols, k1 - k0, cols, part2);
     }
-    in.qa.n = n;
-    in.qa.cols = cols;
   }
-  if (!one) pool_->barrier();
+  if (!one) ws.pool.barrier();
   return in;
 }
 
 // Decode reads each weight once for one token: the tile GEMV kernels (kernels.h), which split
 // work by whole stripes, are the bandwidth-bound path. int8 activations (block_q8a / block_q8_K)
 // on the fast path for quantized types, fp32 otherwise.
-GemvFn Engine::decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa, bool precise,
-                           const void** xa2) {
+GemvFn Engine::decode_gemv(Workspace& ws, const TileLayout& L, const float* x, int tid, const void** xa,
+                           bool precise, const void** xa2) {
   const WType wt = static_cast<WType>(L.type);
   const AType at = fast_ && has_q8_path(wt) ? AType::Q8 : AType::F32;
   GemvFn fn = gemv_fn(wt, at, isa_, nullptr, static_cast<Pack>(L.pack));
-  if (xa2) *xa2 = nullptr;
+  *xa2 = nullptr;
   if (!fn) return nullptr;
-  Scratch& s = *priv_[tid];
+  Scratch& s = *ws.priv[tid];
   if (precise && at == AType::Q8) {  // both levels in one pass where a kernel takes them
     if (GemvFn two = gemv_fn(wt, AType::Q8x2, isa_, nullptr, static_cast<Pack>(L.pack))) {
       grow(s.xa, act_bytes(wt, AType::Q8x2, L.cols));
@@ -285,7 +369,7 @@ GemvFn Engine::decode_gemv(const TileLayout& L, const float* x, int tid, const v
   grow(s.xa, act_bytes(wt, at, L.cols));
   prepare_act(wt, at, s.xa.data(), x, L.cols);
   *xa = s.xa.data();
-  if (precise && at == AType::Q8 && xa2) {
+  if (precise && at == AType::Q8) {
     grow(s.r, (size_t)L.cols);
     grow(s.xa2, act_bytes(wt, at, L.cols));
     act_residual(wt, s.xa.data(), x, L.cols, s.r.data());
@@ -309,198 +393,189 @@ static void row_share(const TileLayout& L, int tid, int nth, int* r0, int* r1) {
   *r1 = unit_row(L, (int)((int64_t)U * (tid + 1) / nth));
 }
 
+// h[j] = act(g[j]) * u[j]: SwiGLU (act 0) or GeGLU with tanh GELU (act 1).
+static void act_mul(int act, const float* g, const float* u, float* h, int n) {
+  if (act == 0) ops().swiglu(h, g, u, n);
+  else ops().geglu(h, g, u, n);
+}
+
 // ---------------------------------------------------------------- ops
-void Engine::op_embed(const Op& op, int tid) {
-  const TensorRef& W = T_[op.w];
-  const int d = W.L.cols, nth = pool_->size();
-  float* dst = bufs_[op.dst].data();
-  for (int k = tid; k < n_; k += nth) {
+void Engine::run_op(const Embed& op, Workspace& ws, int tid) {
+  const Weight& E = W_[op.table];
+  const int d = E.L.cols, nth = ws.pool.size();
+  float* dst = ws.bufs[op.dst].data();
+  for (int k = tid; k < ws.n; k += nth) {
     float* row = dst + (size_t)k * d;
-    dequant_row(W.L, base_ + W.off, tokens_[k], row);
-    if (dims_.embed_scale != 1.f)
-      for (int i = 0; i < d; ++i) row[i] *= dims_.embed_scale;
+    dequant_row(E.L, E.data, ws.tokens[k], row);
+    if (op.scale != 1.f)
+      for (int i = 0; i < d; ++i) row[i] *= op.scale;
   }
 }
 
-void Engine::op_matvec(const Op& op, int tid) {
-  const TensorRef& W = T_[op.w];
+void Engine::run_op(const Matmul& op, Workspace& ws, int tid) {
+  const Weight& W = W_[op.weight];
   const TileLayout& L = W.L;
-  const int C = L.cols, R = L.rows, lds = plan_.buf_width[op.src], ldd = plan_.buf_width[op.dst];
-  const float* src = bufs_[op.src].data();
-  int n = n_;
-  if ((op.flags & F_LAST) && !all_logits_) {
-    src += (size_t)(n - 1) * lds;
-    n = 1;
+  const int C = L.cols, R = L.rows, nth = ws.pool.size();
+  const int lds = plan_.buffers[op.src].width, ldd = plan_.buffers[op.dst].width;
+  const float* src = ws.bufs[op.src].data();
+  int n = ws.n;
+  if (op.last_token && !ws.all_logits) {  // one row per sequence: its last
+    const int m = (int)ws.last_row.size();
+    if (m == 1) {
+      src += (size_t)ws.last_row[0] * lds;
+    } else {
+      for (int i = tid; i < m; i += nth)
+        std::memcpy(ws.gather.data() + (size_t)i * lds, src + (size_t)ws.last_row[i] * lds, sizeof(float) * C);
+      ws.pool.barrier();
+      src = ws.gather.data();
+    }
+    n = m;
   }
   const bool one = n == 1;
   const bool q8 = !one && fast_ && q8_supported(L.type);
-  const bool precise = fast_ && (op.flags & F_PRECISE);
-  Input in = prepare(src, lds, n, C, op.norm, q8, q8 && precise, tid);
+  const bool precise = fast_ && op.two_level;
+  Input in = prepare(ws, src, lds, n, C, op.norm, q8, q8 && precise, tid);
   const void* xa = nullptr;
   const void* xa2 = nullptr;
-  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa, precise, &xa2) : nullptr;
+  GemvFn gemv = one ? decode_gemv(ws, L, in.x, tid, &xa, precise, &xa2) : nullptr;
   int r0, r1;
-  if (gemv) stripe_share(L, tid, pool_->size(), &r0, &r1);
-  else row_share(L, tid, pool_->size(), &r0, &r1);
+  if (gemv) stripe_share(L, tid, nth, &r0, &r1);
+  else row_share(L, tid, nth, &r0, &r1);
   if (r0 >= r1) return;
-  float* dst = bufs_[op.dst].data() + op.aux1;  // this weight's columns of the output
-  const bool accum = op.flags & F_ACCUM;
-  Scratch& s = *priv_[tid];
+  float* dst = ws.bufs[op.dst].data() + op.dst_col;  // this weight's columns of the output
+  Scratch& s = *ws.priv[tid];
   float* y = dst + r0;
   int ldy = ldd;
-  if (accum) {
+  if (op.accumulate) {
     grow(s.y, (size_t)n * (r1 - r0));
     y = s.y.data();
     ldy = r1 - r0;
   }
-  const uint8_t* w = base_ + W.off;
   const TileShape ts{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)};
   if (gemv) {
-    gemv(y, xa, w, R, C, ts, r0, r1);
+    gemv(y, xa, W.data, R, C, ts, r0, r1);
     if (xa2) {
       grow(s.y2, (size_t)(r1 - r0));
-      gemv(s.y2.data(), xa2, w, R, C, ts, r0, r1);
+      gemv(s.y2.data(), xa2, W.data, R, C, ts, r0, r1);
       for (int r = 0; r < r1 - r0; ++r) y[r] += s.y2[r];
     }
   } else if (q8) {
-    if (in.two) gemm_q8x2(L, w, r0, r1, in.qa, in.qa2, y, ldy);
-    else gemm_q8(L, w, r0, r1, in.qa, y, ldy);
+    if (in.two) gemm_q8x2(L, W.data, r0, r1, in.qa, in.qa2, y, ldy);
+    else gemm_q8(L, W.data, r0, r1, in.qa, y, ldy);
   } else {
-    gemm_f32(L, w, r0, r1, in.x, in.ldx, n, y, ldy);
+    gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, y, ldy);
   }
   const float* b = op.bias >= 0 ? vec(op.bias) : nullptr;
-  const float cap = op.f1;
+  const float cap = op.softcap, scale = op.scale;
   for (int k = 0; k < n; ++k) {
     float* yk = y + (size_t)k * ldy;
     if (b)
       for (int r = r0; r < r1; ++r) yk[r - r0] += b[r];
+    if (scale != 1.f)
+      for (int r = r0; r < r1; ++r) yk[r - r0] *= scale;
     if (cap > 0)
       for (int r = r0; r < r1; ++r) yk[r - r0] = cap * std::tanh(yk[r - r0] / cap);
-    if (accum) {
+    if (op.accumulate) {
       float* dk = dst + (size_t)k * ldd;
       for (int r = r0; r < r1; ++r) dk[r] += yk[r - r0];
     }
   }
 }
 
-// gate_up rows come in pairs of chunks: [gate rows p*c .. +cp), [up rows p*c .. +cp), cp <= c.
-void Engine::op_glu(const Op& op, int tid) {
-  const TensorRef& W = T_[op.w];
+// gate_up rows come in pairs of pieces: [gate rows p*c .. +cp), [up rows p*c .. +cp), cp <= c.
+void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
+  const Weight& W = W_[op.weight];
   const TileLayout& L = W.L;
-  const int C = L.cols, F = L.rows / 2, c = op.aux0, lds = plan_.buf_width[op.src];
-  const int nth = pool_->size();
-  // One token with chunks of half a stripe: each chunk pair is one stripe, a GEMV row range.
-  const bool one = n_ == 1 && 2 * c == L.tr;
+  const int C = L.cols, F = L.rows / 2, c = op.chunk, lds = plan_.buffers[op.src].width, n = ws.n;
+  const int nth = ws.pool.size();
+  // One token with pieces of half a stripe: each piece pair is one stripe, a GEMV row range.
+  const bool one = n == 1 && 2 * c == L.tr;
   const bool q8 = !one && fast_ && q8_supported(L.type);
-  const bool precise = fast_ && (op.flags & F_PRECISE);
-  Input in = prepare(bufs_[op.src].data(), lds, n_, C, op.norm, q8, q8 && precise, tid);
+  const bool precise = fast_ && op.two_level;
+  Input in = prepare(ws, ws.bufs[op.src].data(), lds, n, C, op.norm, q8, q8 && precise, tid);
   const void* xa = nullptr;
   const void* xa2 = nullptr;
-  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa, precise, &xa2) : nullptr;
+  GemvFn gemv = one ? decode_gemv(ws, L, in.x, tid, &xa, precise, &xa2) : nullptr;
   const TileShape ts{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)};
   const int P = (F + c - 1) / c;
   const int p0 = (int)((int64_t)P * tid / nth), p1 = (int)((int64_t)P * (tid + 1) / nth);
-  Scratch& s = *priv_[tid];
-  grow(s.y, (size_t)n_ * 2 * c);
-  float* h = bufs_[op.dst].data();
-  const uint8_t* w = base_ + W.off;
+  Scratch& s = *ws.priv[tid];
+  grow(s.y, (size_t)n * 2 * std::min(c, F));
+  float* h = ws.bufs[op.dst].data();
   for (int p = p0; p < p1; ++p) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
-    if (gemv) gemv(s.y.data(), xa, w, L.rows, C, ts, r0, r1);
-    else if (q8 && in.two) gemm_q8x2(L, w, r0, r1, in.qa, in.qa2, s.y.data(), 2 * cp);
-    else if (q8) gemm_q8(L, w, r0, r1, in.qa, s.y.data(), 2 * cp);
-    else gemm_f32(L, w, r0, r1, in.x, in.ldx, n_, s.y.data(), 2 * cp);
-    if (xa2) {  // F_PRECISE on a kernel without a one-pass form: the residual's pass, added
+    if (gemv) gemv(s.y.data(), xa, W.data, L.rows, C, ts, r0, r1);
+    else if (q8 && in.two) gemm_q8x2(L, W.data, r0, r1, in.qa, in.qa2, s.y.data(), 2 * cp);
+    else if (q8) gemm_q8(L, W.data, r0, r1, in.qa, s.y.data(), 2 * cp);
+    else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, s.y.data(), 2 * cp);
+    if (xa2) {  // two levels on a kernel without a one-pass form: the residual's pass, added
       grow(s.y2, (size_t)2 * cp);
-      gemv(s.y2.data(), xa2, w, L.rows, C, ts, r0, r1);
+      gemv(s.y2.data(), xa2, W.data, L.rows, C, ts, r0, r1);
       for (int i = 0; i < 2 * cp; ++i) s.y[i] += s.y2[i];
     }
-    for (int k = 0; k < n_; ++k) {
+    for (int k = 0; k < n; ++k) {
       const float* g = s.y.data() + (size_t)k * 2 * cp;
-      const float* u = g + cp;
-      act_mul(g, u, h + (size_t)k * F + (size_t)p * c, cp);
+      act_mul(op.act, g, g + cp, h + (size_t)k * F + (size_t)p * c, cp);
     }
   }
 }
 
-// h[j] = act(g[j]) * u[j]: SwiGLU (act 0) or GeGLU with tanh GELU (act 1).
-void Engine::act_mul(const float* g, const float* u, float* h, int n) const {
-  if (dims_.act == 0) ops().swiglu(h, g, u, n);
-  else ops().geglu(h, g, u, n);
-}
-
-// Gate and up computed by two matvecs into one (n, 2F) buffer; threads split the columns.
-void Engine::op_act_mul(const Op& op, int tid) {
-  const int F = plan_.buf_width[op.dst], nth = pool_->size();
+// Gate and up computed by two matmuls into one (n, 2F) buffer; threads split the columns.
+void Engine::run_op(const ActMul& op, Workspace& ws, int tid) {
+  const int F = plan_.buffers[op.dst].width, nth = ws.pool.size();
   const int j0 = (int)((int64_t)F * tid / nth), j1 = (int)((int64_t)F * (tid + 1) / nth);
-  const float* src = bufs_[op.src].data();
-  float* dst = bufs_[op.dst].data();
-  for (int k = 0; k < n_; ++k) {
+  const float* src = ws.bufs[op.src].data();
+  float* dst = ws.bufs[op.dst].data();
+  for (int k = 0; k < ws.n; ++k) {
     const float* g = src + (size_t)k * 2 * F;
-    act_mul(g + j0, g + F + j0, dst + (size_t)k * F + j0, j1 - j0);
+    act_mul(op.act, g + j0, g + F + j0, dst + (size_t)k * F + j0, j1 - j0);
   }
 }
 
-void Engine::op_attn(const Op& op, int tid) {
-  const ModelDims& D = dims_;
-  const int hd = D.head_dim, half = hd / 2, nh = D.n_head, nkv = D.n_kv_head;
-  const int qdim = nh * hd, kvdim = nkv * hd, ld = qdim + 2 * kvdim, nth = pool_->size();
-  const int ti = (int)(std::find(rope_theta_.begin(), rope_theta_.end(), op.f0) - rope_theta_.begin());
-  const float* cs = rope_cos_[ti].data();
-  const float* sn = rope_sin_[ti].data();
-  float* qkv = bufs_[op.src].data();
-  float* K = st_->k[op.layer].get();
-  float* V = st_->v[op.layer].get();
-  const int pos0 = st_->pos;
-  const float* qn = op.w >= 0 ? vec(op.w) : nullptr;
-  const float* kn = op.bias >= 0 ? vec(op.bias) : nullptr;
+// Each row attends within its own sequence: its state's cache, positions up to its own.
+void Engine::run_op(const Attention& op, Workspace& ws, int tid) {
+  const int hd = op.head_dim, nh = op.n_head, nkv = op.n_kv_head, n = ws.n;
+  const int qdim = nh * hd, kvdim = nkv * hd, ld = qdim + 2 * kvdim, nth = ws.pool.size();
+  float* qkv = ws.bufs[op.src].data();
+  const float* qn = op.q_norm >= 0 ? vec(op.q_norm) : nullptr;
+  const float* kn = op.k_norm >= 0 ? vec(op.k_norm) : nullptr;
   float tmp[1024];
-  auto head_norm_rope = [&](float* x, const float* nw, int p) {
+  auto norm_rope = [&](float* x, const float* nw, int p) {
     if (nw) {
       rmsnorm(x, nw, hd, tmp);
       std::memcpy(x, tmp, sizeof(float) * hd);
     }
-    const float* c = cs + (size_t)p * half;
-    const float* s = sn + (size_t)p * half;
-    if (D.rope_style == 0) {
-      for (int i = 0; i < half; ++i) {
-        const float a = x[i], b = x[i + half];
-        x[i] = a * c[i] - b * s[i];
-        x[i + half] = b * c[i] + a * s[i];
-      }
-    } else {
-      for (int i = 0; i < half; ++i) {
-        const float a = x[2 * i], b = x[2 * i + 1];
-        x[2 * i] = a * c[i] - b * s[i];
-        x[2 * i + 1] = b * c[i] + a * s[i];
-      }
-    }
+    rope(x, hd, op.rope_theta, p);
   };
-  // Phase A: norms + rope of q and k heads, k and v into the cache.
-  const int items = n_ * (nh + nkv);
+  // Phase A: norms + rope of q and k heads, k and v into the row's cache.
+  const int items = n * (nh + nkv);
   for (int it = (int)((int64_t)items * tid / nth), e = (int)((int64_t)items * (tid + 1) / nth); it < e; ++it) {
-    const int k = it / (nh + nkv), h = it % (nh + nkv), p = pos0 + k;
+    const int k = it / (nh + nkv), h = it % (nh + nkv), p = ws.row_pos[k];
     float* row = qkv + (size_t)k * ld;
     if (h < nh) {
-      head_norm_rope(row + h * hd, qn, p);
+      norm_rope(row + h * hd, qn, p);
     } else {
       const int j = h - nh;
+      State& st = *ws.states[ws.row_seq[k]];
       float* kh = row + qdim + j * hd;
-      head_norm_rope(kh, kn, p);
-      std::memcpy(K + (size_t)p * kvdim + j * hd, kh, sizeof(float) * hd);
-      std::memcpy(V + (size_t)p * kvdim + j * hd, row + qdim + kvdim + j * hd, sizeof(float) * hd);
+      norm_rope(kh, kn, p);
+      std::memcpy(st.k_[op.kv].get() + (size_t)p * kvdim + j * hd, kh, sizeof(float) * hd);
+      std::memcpy(st.v_[op.kv].get() + (size_t)p * kvdim + j * hd, row + qdim + kvdim + j * hd, sizeof(float) * hd);
     }
   }
-  pool_->barrier();
-  // Phase B: softmax(q K^T * scale) V per (token, head); interleaved so causal work balances.
-  const float scale = D.attn_scale > 0 ? D.attn_scale : 1.f / std::sqrt((float)hd);
+  ws.pool.barrier();
+  // Phase B: softmax(q K^T * scale) V per (row, head); interleaved so causal work balances.
+  const float scale = op.scale > 0 ? op.scale : 1.f / std::sqrt((float)hd);
   const int group = nh / nkv;
-  Scratch& s = *priv_[tid];
-  grow(s.scores, (size_t)D.n_ctx);
-  float* out = bufs_[op.dst].data();
-  for (int it = tid; it < n_ * nh; it += nth) {
-    const int k = it / nh, h = it % nh, p = pos0 + k, j = h / group;
-    const int lo = op.aux0 > 0 ? std::max(0, p - op.aux0 + 1) : 0, len = p - lo + 1;
+  Scratch& s = *ws.priv[tid];
+  grow(s.scores, (size_t)n_ctx_);
+  float* out = ws.bufs[op.dst].data();
+  for (int it = tid; it < n * nh; it += nth) {
+    const int k = it / nh, h = it % nh, p = ws.row_pos[k], j = h / group;
+    const State& st = *ws.states[ws.row_seq[k]];
+    const float* K = st.k_[op.kv].get();
+    const float* V = st.v_[op.kv].get();
+    const int lo = op.window > 0 ? std::max(0, p - op.window + 1) : 0, len = p - lo + 1;
     const float* q = qkv + (size_t)k * ld + h * hd;
     float* sc = s.scores.data();
     dot_rows(q, K + (size_t)lo * kvdim + j * hd, kvdim, len, hd, sc);
@@ -512,18 +587,16 @@ void Engine::op_attn(const Op& op, int tid) {
   }
 }
 
-void Engine::op_norm_add(const Op& op, int tid) {
-  const int w = plan_.buf_width[op.src], nth = pool_->size();
-  const float* src = bufs_[op.src].data();
-  float* dst = bufs_[op.dst].data();
-  float tmp[16384];
-  std::vector<float> big;
-  float* t = tmp;
-  if (w > 16384) { big.resize(w); t = big.data(); }
-  for (int k = tid; k < n_; k += nth) {
-    rmsnorm(src + (size_t)k * w, vec(op.norm), w, t);
+void Engine::run_op(const NormAdd& op, Workspace& ws, int tid) {
+  const int w = plan_.buffers[op.src].width, nth = ws.pool.size();
+  const float* src = ws.bufs[op.src].data();
+  float* dst = ws.bufs[op.dst].data();
+  Scratch& s = *ws.priv[tid];
+  grow(s.xn, (size_t)w);
+  for (int k = tid; k < ws.n; k += nth) {
+    rmsnorm(src + (size_t)k * w, vec(op.norm), w, s.xn.data());
     float* d = dst + (size_t)k * w;
-    for (int i = 0; i < w; ++i) d[i] += t[i];
+    for (int i = 0; i < w; ++i) d[i] += s.xn[i];
   }
 }
 
@@ -544,65 +617,107 @@ class FlushDenormals {
 #endif
 };
 
-void Engine::run_ops(int tid) {
+void Engine::run(Workspace& ws, int tid) {
   using clk = std::chrono::steady_clock;
   FlushDenormals ftz;
+  const bool prof = profile_on_ && tid == 0;
   for (const Op& op : plan_.ops) {
     clk::time_point t0;
-    if (profile_on_ && tid == 0) t0 = clk::now();
-    switch (op.kind) {
-      case OP_BARRIER: pool_->barrier(); break;
-      case OP_EMBED: op_embed(op, tid); break;
-      case OP_MATVEC: op_matvec(op, tid); break;
-      case OP_GLU: op_glu(op, tid); break;
-      case OP_ATTN: op_attn(op, tid); break;
-      case OP_NORM_ADD: op_norm_add(op, tid); break;
-      case OP_ACT_MUL: op_act_mul(op, tid); break;
-    }
-    if (profile_on_ && tid == 0) prof_[op.kind] += std::chrono::duration<double>(clk::now() - t0).count();
+    if (prof) t0 = clk::now();
+    std::visit([&](const auto& o) {
+      using T = std::decay_t<decltype(o)>;
+      if constexpr (std::is_same_v<T, Barrier>) ws.pool.barrier();
+      else if constexpr (!std::is_same_v<T, std::monostate>) run_op(o, ws, tid);
+    }, op);
+    if (prof) ws.prof[op.index()] += std::chrono::duration<double>(clk::now() - t0).count();
   }
 }
 
-void Engine::forward(State& st, const int32_t* tokens, int n, bool all_logits, float* logits) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (n <= 0) fail("forward: no tokens");
-  if (st.n_ctx != dims_.n_ctx || (int)st.k.size() != dims_.n_layer) fail("forward: state belongs to another model");
-  if (st.pos < 0 || st.pos + n > dims_.n_ctx)
-    fail("context full: " + std::to_string(st.pos) + " tokens in the cache + " + std::to_string(n) + " new > n_ctx " +
-         std::to_string(dims_.n_ctx));
-  for (int i = 0; i < n; ++i)
-    if (tokens[i] < 0 || tokens[i] >= dims_.vocab)
-      fail("token id " + std::to_string(tokens[i]) + " outside the vocabulary of " + std::to_string(dims_.vocab));
-  // Scratch sized for n tokens.
-  for (size_t b = 0; b < bufs_.size(); ++b) grow(bufs_[b], (size_t)n * plan_.buf_width[b]);
-  int maxc = 0;
-  for (int w : plan_.buf_width) maxc = std::max(maxc, w);
-  for (Scratch* s : {shared_.get()}) {  // every thread writes its tokens' rows: sized here, once
-    grow(s->xn, (size_t)n * maxc);
-    grow(s->q, (size_t)n * maxc);
-    grow(s->qd, (size_t)n * maxc / 32 + 1);
-    grow(s->qs, (size_t)n * maxc / 32 + 1);
-    if (any_precise_) {
-      grow(s->r, (size_t)n * maxc);
-      grow(s->q2, (size_t)n * maxc);
-      grow(s->qd2, (size_t)n * maxc / 32 + 1);
-      grow(s->qs2, (size_t)n * maxc / 32 + 1);
+// Marks the states of one forward busy, and free again when it ends (also on an exception).
+class Claim {
+ public:
+  explicit Claim(const std::vector<Seq>& seqs) {
+    for (const Seq& s : seqs) {
+      if (s.state->busy_.exchange(true)) fail("forward: a state is already in a forward (or twice in this one)");
+      held_.push_back(s.state);
     }
   }
-  for (auto& s : priv_) {
-    grow(s->xn, (size_t)maxc);
-    grow(s->q, (size_t)maxc);
-    grow(s->qd, (size_t)maxc / 32 + 1);
-    grow(s->qs, (size_t)maxc / 32 + 1);
+  ~Claim() {
+    for (State* s : held_) s->busy_ = false;
   }
-  st_ = &st;
-  tokens_ = tokens;
-  n_ = n;
-  all_logits_ = all_logits;
-  pool_->run([this](int tid, int) { run_ops(tid); });
-  st.pos += n;
-  const float* lg = bufs_[plan_.logits_buf].data();
-  std::memcpy(logits, lg, sizeof(float) * (size_t)dims_.vocab * (all_logits ? n : 1));
+
+ private:
+  std::vector<State*> held_;
+};
+
+void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logits) {
+  if (seqs.empty()) fail("forward: no sequences");
+  int n = 0;
+  for (const Seq& s : seqs) {
+    if (!s.state || s.n <= 0) fail("forward: every sequence needs at least one token");
+    const State& st = *s.state;
+    if (st.n_ctx_ != n_ctx_ || st.kv_width_ != kv_width_) fail("forward: the state belongs to another model");
+    if (st.pos() + s.n > n_ctx_)
+      fail("context full: " + std::to_string(st.pos()) + " tokens in the cache + " + std::to_string(s.n) +
+           " new > n_ctx " + std::to_string(n_ctx_));
+    for (int i = 0; i < s.n; ++i)
+      if (s.tokens[i] < 0 || s.tokens[i] >= vocab_)
+        fail("token id " + std::to_string(s.tokens[i]) + " outside the vocabulary of " + std::to_string(vocab_));
+    n += s.n;
+  }
+  Claim claim(seqs);
+  std::unique_ptr<Workspace> wsp = take_workspace();
+  Workspace& ws = *wsp;
+  ws.n = n;
+  ws.all_logits = all_logits;
+  ws.tokens.clear();
+  ws.row_seq.clear();
+  ws.row_pos.clear();
+  ws.last_row.clear();
+  ws.states.clear();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const Seq& s = seqs[i];
+    for (int j = 0; j < s.n; ++j) {
+      ws.tokens.push_back(s.tokens[j]);
+      ws.row_seq.push_back((int)i);
+      ws.row_pos.push_back(s.state->pos() + j);
+    }
+    ws.last_row.push_back((int)ws.tokens.size() - 1);
+    ws.states.push_back(s.state);
+  }
+  // Buffers and shared scratch sized for n rows (every thread writes its rows of them).
+  ws.bufs.resize(plan_.buffers.size());
+  for (size_t b = 0; b < ws.bufs.size(); ++b) grow(ws.bufs[b], (size_t)n * plan_.buffers[b].width);
+  const size_t maxc = (size_t)max_width_;
+  grow(ws.gather, seqs.size() * maxc);
+  grow(ws.prof, prof_.size());
+  Scratch& sh = ws.shared;
+  grow(sh.xn, n * maxc);
+  grow(sh.q, n * maxc);
+  grow(sh.qd, n * maxc / 32 + 1);
+  grow(sh.qs, n * maxc / 32 + 1);
+  if (any_precise_) {
+    grow(sh.r, n * maxc);
+    grow(sh.q2, n * maxc);
+    grow(sh.qd2, n * maxc / 32 + 1);
+    grow(sh.qs2, n * maxc / 32 + 1);
+  }
+  for (auto& s : ws.priv) {
+    grow(s->xn, maxc);
+    grow(s->q, maxc);
+    grow(s->qd, maxc / 32 + 1);
+    grow(s->qs, maxc / 32 + 1);
+  }
+  try {
+    ws.pool.run([this, &ws](int tid, int) { run(ws, tid); });
+  } catch (...) {
+    give_workspace(std::move(wsp));
+    throw;
+  }
+  for (const Seq& s : seqs) s.state->tokens_.insert(s.state->tokens_.end(), s.tokens, s.tokens + s.n);
+  const float* lg = ws.bufs[plan_.logits].data();
+  std::memcpy(logits, lg, sizeof(float) * (size_t)vocab_ * (all_logits ? n : seqs.size()));
+  give_workspace(std::move(wsp));
 }
 
 }  // namespace cflow

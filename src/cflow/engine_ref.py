@@ -1,105 +1,42 @@
-"""The numpy reference engine: slow, readable, fp32, dequantized weights.
+"""The numpy reference engine: the same step plan as the native engine, interpreted in fp32.
 
-It implements the Engine interface (API.md) for the dense architectures llama, qwen2, qwen3
-and gemma3, and is the second opinion the native engine is checked against. One decoder
-layer (pre-norm residual block), with the per-architecture switches of ModelConfig:
+Slow and readable: each op kind of cflow.plan is a few lines of numpy below, on the weights
+dequantized once. It is the second opinion the native engine is checked against (Hugging Face
+transformers stays the independent one). It also runs GGUF files and HF directories in memory,
+without converting them (their tensors have no file offsets, so the native engine cannot).
 
-    h = x + post_attn_norm?( Wo @ attn( rope( qk_norm?( Wqkv @ rms(x) + b? ) ) ) )
-    x = h + post_ffn_norm?( Wd @ ( act(Wg @ rms(h)) * (Wu @ rms(h)) ) )
-
-Rope is "neox" (rotate halves) for every source: the GGUF converter undoes llama.cpp's Q/K
-row permutation. Sliding-window layers (gemma3) attend to keys with q_pos - k_pos < window and
-use rope_local_theta.
+Rows: a step's new tokens of every sequence, one after another; a buffer is (rows, width).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import numpy as np
 
-from cflow.config import ModelConfig
-from cflow.errors import CflowError, UnsupportedError
-
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-
-
-def open_weights(src):
-    """A path (.cflow, .gguf, HF directory) or an already open CflowFile / Checkpoint."""
-    if not isinstance(src, (str, os.PathLike)):
-        return src
-    from cflow.convert import load_source, source_kind
-
-    if source_kind(src) == "cflow":
-        from cflow.format import CflowFile
-
-        return CflowFile(src)
-    return load_source(src)
-
-
-@dataclass
-class Layer:
-    attn_norm: np.ndarray  # (d,)
-    wq: np.ndarray  # (q_dim, d)
-    wk: np.ndarray  # (kv_dim, d)
-    wv: np.ndarray  # (kv_dim, d)
-    bqkv: np.ndarray | None  # (q_dim + 2 kv_dim,)
-    q_norm: np.ndarray | None  # (head_dim,)
-    k_norm: np.ndarray | None
-    wo: np.ndarray  # (d, q_dim)
-    attn_post_norm: np.ndarray | None
-    ffn_norm: np.ndarray
-    wg: np.ndarray  # (d_ff, d)
-    wu: np.ndarray  # (d_ff, d)
-    wd: np.ndarray  # (d, d_ff)
-    ffn_post_norm: np.ndarray | None
-
-
-def _parts(src, name: str, part_names: tuple[str, ...]) -> list[np.ndarray]:
-    """The parts of a fused tensor, or the separate tensors when the file stores them unfused."""
-    if name in src.tensors:
-        p = src.unfuse(name)
-        return [p[n] for n in part_names]
-    return [src.dequantize(n) for n in part_names]
-
-
-def load_layers(src, cfg: ModelConfig) -> list[Layer]:
-    def opt(name):
-        return src.dequantize(name) if name in src.tensors else None
-
-    layers = []
-    for i in range(cfg.n_layer):
-        b = f"blk.{i}."
-        wq, wk, wv = _parts(src, b + "attn_qkv", (b + "attn_q", b + "attn_k", b + "attn_v"))
-        wg, wu = _parts(src, b + "ffn_gate_up", (b + "ffn_gate", b + "ffn_up"))
-        bias = opt(b + "attn_qkv.bias")
-        if bias is None and b + "attn_q.bias" in src.tensors:
-            bias = np.concatenate([src.dequantize(b + n + ".bias") for n in ("attn_q", "attn_k", "attn_v")])
-        layers.append(Layer(
-            src.dequantize(b + "attn_norm"), wq, wk, wv, bias, opt(b + "attn_q_norm"), opt(b + "attn_k_norm"),
-            src.dequantize(b + "attn_output"), opt(b + "attn_post_norm"), src.dequantize(b + "ffn_norm"),
-            wg, wu, src.dequantize(b + "ffn_down"), opt(b + "ffn_post_norm"),
-        ))
-    return layers
+from cflow import plan as P
+from cflow.engine import EngineBase
+from cflow.errors import CflowError
 
 
 class RefState:
-    """KV cache of one sequence: k, v (n_layer, n_ctx, n_kv_head, head_dim); pos tokens filled."""
+    """One sequence: its tokens and, per KV slot, k and v (n_ctx, n_kv_head, head_dim) fp32."""
 
-    def __init__(self, cfg: ModelConfig, n_ctx: int):
-        shape = (cfg.n_layer, n_ctx, cfg.n_kv_head, cfg.head_dim)
-        self.k = np.zeros(shape, np.float32)  # pages are committed only as they fill
-        self.v = np.zeros(shape, np.float32)
-        self.pos = 0
+    def __init__(self, slots: list[tuple[int, int]], n_ctx: int):
+        self.n_ctx = n_ctx
+        self.k = [np.zeros((n_ctx, h, d), np.float32) for h, d in slots]  # pages are committed as they fill
+        self.v = [np.zeros((n_ctx, h, d), np.float32) for h, d in slots]
+        self.tokens: list[int] = []
+
+    @property
+    def pos(self) -> int:
+        return len(self.tokens)
 
     def reset(self) -> None:
-        self.pos = 0
+        self.tokens = []
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.pos:
-            raise CflowError(f"cannot truncate a state of {self.pos} tokens to {n}")
-        self.pos = n
+            raise CflowError(f"truncate({n}): the state holds {self.pos} tokens")
+        del self.tokens[n:]
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, offset: float) -> np.ndarray:
@@ -108,12 +45,12 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, offset: float) -> np.ndar
 
 
 def rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
-    """neox rope: x (T, H, hd) at positions pos (T,); rotates the halves (x1, x2)."""
+    """neox RoPE: x (T, H, hd) at positions pos (T,); rotates the halves (x1, x2)."""
     hd = x.shape[-1]
-    inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)  # (hd/2,)
-    ang = pos[:, None].astype(np.float64) * inv[None, :]  # (T, hd/2)
+    inv = (theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)).astype(np.float32)  # (hd/2,), fp32 as HF
+    ang = (pos[:, None].astype(np.float32) * inv[None, :]).astype(np.float64)  # (T, hd/2)
     cos, sin = np.cos(ang).astype(np.float32)[:, None, :], np.sin(ang).astype(np.float32)[:, None, :]
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
@@ -125,91 +62,106 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-class RefEngine:
-    """Engine interface over numpy; `fast` is accepted and ignored (always the fp32 path)."""
+ACT_FNS = {P.ACTS["silu"]: silu, P.ACTS["gelu_tanh"]: gelu_tanh}
 
-    def __init__(self, path_or_cflowfile, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True):
-        src = open_weights(path_or_cflowfile)
-        cfg = src.config
-        if cfg.arch not in ARCHS or cfg.n_expert:
-            raise UnsupportedError(f"the reference engine runs dense {', '.join(ARCHS)}; this model is {cfg.arch}"
-                                   + (f" with {cfg.n_expert} experts" if cfg.n_expert else ""))
-        self.config = cfg
-        self.n_ctx = int(n_ctx or min(cfg.max_seq_len, 8192))
-        if self.n_ctx <= 0:
-            raise CflowError(f"n_ctx must be positive, got {self.n_ctx}")
-        self.fast = False
-        self.tok_embd = src.dequantize("tok_embd")  # (vocab, d)
-        self.output = self.tok_embd if cfg.tie_embeddings else src.dequantize("output")
-        self.output_norm = src.dequantize("output_norm")
-        self.layers = load_layers(src, cfg)
-        self.bytes_per_token = sum(int(_nbytes(src, n)) for n in src.tensors if n != "tok_embd" or cfg.tie_embeddings)
-        self.src = src
+
+class RefEngine(EngineBase):
+    """The plan interpreter; `fast` and `precise` are accepted and ignored (always fp32)."""
+
+    def __init__(self, weights, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True,
+                 precise=True):
+        super().__init__(weights, threads=threads, n_ctx=n_ctx, fast=False, precise=())
+        self.slots = P.kv_slots(self.plan)
+        self.ops, self.tensors, self.buffers = self.plan.ops, self.plan.tensors, self.plan.buffers  # copies, once
+        self._w: dict[int, np.ndarray] = {}
+
+    def weight(self, i: int) -> np.ndarray:
+        """Tensor i of the plan, dequantized (rows in the file's order); vectors flattened.
+        From the bytes the plan points at when the weights are a mapped file; from the
+        checkpoint's arrays otherwise."""
+        if i not in self._w:
+            t = self.tensors[i]
+            buf = getattr(self.file, "buffer", None)
+            if t.offset >= 0 and buf is not None:
+                from cflow.format import quant
+                from cflow.format.tiles import block_type, unpack_tiles
+
+                bt, pack = block_type(t.type), ("blocks", "planes")[t.pack]
+                rows = unpack_tiles(buf[t.offset:t.offset + t.nbytes], bt, t.rows, t.cols, (t.tile_rows, t.tile_cols),
+                                    t.interleave, pack)
+                w = quant.decode(rows, bt, t.cols)
+            else:
+                w = self.file.dequantize(t.name)
+            w = np.asarray(w, np.float32)
+            self._w[i] = w.reshape(-1) if t.rows == 1 else w.reshape(t.rows, t.cols)
+        return self._w[i]
 
     def new_state(self) -> RefState:
-        return RefState(self.config, self.n_ctx)
+        return RefState(self.slots, self.n_ctx)
 
-    def forward(self, state: RefState, token_ids: list[int], *, all_logits: bool = False) -> np.ndarray:
-        c = self.config
-        ids = np.asarray(token_ids, dtype=np.int64)
-        T = len(ids)
-        if T == 0:
-            raise CflowError("forward needs at least one token")
-        if state.pos + T > self.n_ctx:
-            raise CflowError(f"context full: {state.pos} tokens in the cache + {T} new > n_ctx={self.n_ctx}")
-        if ids.min() < 0 or ids.max() >= c.vocab_size:
-            raise CflowError(f"token id out of range 0..{c.vocab_size - 1}")
-        p0 = state.pos
+    def norm(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x if i < 0 else rms_norm(x, self.weight(i), self.plan.norm_eps, self.plan.norm_offset)
+
+    def _forward(self, states, ids, all_logits):
+        tokens = np.concatenate(ids)
+        first = np.concatenate([[0], np.cumsum([a.size for a in ids])[:-1]])
+        last = first + np.array([a.size for a in ids]) - 1
+        bufs = {i: np.zeros((tokens.size, b.width), np.float32) for i, b in enumerate(self.buffers)}
+        for op in self.ops:
+            if isinstance(op, P.Embed):
+                bufs[op.dst] = self.weight(op.table)[tokens] * np.float32(op.scale)
+            elif isinstance(op, P.Matmul):
+                x = bufs[op.src]
+                if op.last_token and not all_logits:
+                    x = x[last]
+                    if bufs[op.dst].shape[0] != x.shape[0]:
+                        bufs[op.dst] = np.zeros((x.shape[0], bufs[op.dst].shape[1]), np.float32)
+                w = self.weight(op.weight)
+                y = self.norm(x, op.norm) @ w.T
+                if op.bias >= 0:
+                    y = y + self.weight(op.bias)
+                y = y * np.float32(op.scale)
+                if op.softcap > 0:
+                    y = np.tanh(y / op.softcap) * op.softcap
+                cols = slice(op.dst_col, op.dst_col + w.shape[0])
+                bufs[op.dst][:, cols] = bufs[op.dst][:, cols] + y if op.accumulate else y
+            elif isinstance(op, P.GateUp):
+                w, c = self.weight(op.weight), op.chunk
+                F = w.shape[0] // 2
+                # the file's rows: piece p holds gate rows [p c, p c + cp) then the same up rows
+                gate = np.concatenate([np.arange(2 * s, 2 * s + min(c, F - s)) for s in range(0, F, c)])
+                up = np.concatenate([np.arange(2 * s + min(c, F - s), 2 * s + 2 * min(c, F - s)) for s in range(0, F, c)])
+                x = self.norm(bufs[op.src], op.norm)
+                bufs[op.dst] = ACT_FNS[op.act](x @ w[gate].T) * (x @ w[up].T)
+            elif isinstance(op, P.ActMul):
+                g, u = np.split(bufs[op.src], 2, axis=-1)
+                bufs[op.dst] = ACT_FNS[op.act](g) * u
+            elif isinstance(op, P.Attention):
+                bufs[op.dst] = np.concatenate([self.attention(op, bufs[op.src][first[s]:last[s] + 1], st)
+                                               for s, st in enumerate(states)])
+            elif isinstance(op, P.NormAdd):
+                bufs[op.dst] = bufs[op.dst] + self.norm(bufs[op.src], op.norm)
+        for st, a in zip(states, ids):
+            st.tokens.extend(int(t) for t in a)
+        return bufs[self.plan.logits].astype(np.float32, copy=False)
+
+    def attention(self, op, qkv: np.ndarray, st: RefState) -> np.ndarray:
+        """One sequence's rows (T, q + 2 kv) -> (T, q): causal (and windowed) softmax attention."""
+        T, hd, nh, nkv = qkv.shape[0], op.head_dim, op.n_head, op.n_kv_head
+        p0 = st.pos
         pos = np.arange(p0, p0 + T)
-        x = self.tok_embd[ids] * np.float32(c.embed_scale)  # (T, d)
-        hd, nh, nkv = c.head_dim, c.n_head, c.n_kv_head
-        scale = np.float32(c.attn_scale or hd**-0.5)
-        act = gelu_tanh if c.act == "gelu_tanh" else silu
-        for li, L in enumerate(self.layers):
-            sliding = c.layer_type(li) == "sliding"
-            h = rms_norm(x, L.attn_norm, c.norm_eps, c.norm_offset)
-            q, k, v = h @ L.wq.T, h @ L.wk.T, h @ L.wv.T  # (T, q_dim), (T, kv_dim) x2
-            if L.bqkv is not None:
-                q, k, v = q + L.bqkv[: c.q_dim], k + L.bqkv[c.q_dim : c.q_dim + c.kv_dim], v + L.bqkv[c.q_dim + c.kv_dim :]
-            q, k, v = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
-            if L.q_norm is not None:
-                q = rms_norm(q, L.q_norm, c.norm_eps, c.norm_offset)
-                k = rms_norm(k, L.k_norm, c.norm_eps, c.norm_offset)
-            theta = c.rope_local_theta if sliding and c.rope_local_theta else c.rope_theta
-            q, k = rope(q, pos, theta), rope(k, pos, theta)
-            state.k[li, p0 : p0 + T] = k
-            state.v[li, p0 : p0 + T] = v
-            K, V = state.k[li, : p0 + T], state.v[li, : p0 + T]  # (S, nkv, hd)
-            qg = q.reshape(T, nkv, nh // nkv, hd)  # query heads grouped by their KV head
-            s = np.einsum("tgqd,sgd->gqts", qg, K) * scale  # (nkv, group, T, S)
-            kpos = np.arange(p0 + T)
-            mask = kpos[None, :] > pos[:, None]  # (T, S) future keys
-            if sliding and c.sliding_window:
-                mask |= pos[:, None] - kpos[None, :] >= c.sliding_window
-            s = np.where(mask, -np.inf, s)
-            s = np.exp(s - s.max(axis=-1, keepdims=True))
-            s /= s.sum(axis=-1, keepdims=True)
-            o = np.einsum("gqts,sgd->tgqd", s, V).reshape(T, c.q_dim)
-            o = o @ L.wo.T
-            if L.attn_post_norm is not None:
-                o = rms_norm(o, L.attn_post_norm, c.norm_eps, c.norm_offset)
-            x = x + o
-            h = rms_norm(x, L.ffn_norm, c.norm_eps, c.norm_offset)
-            f = (act(h @ L.wg.T) * (h @ L.wu.T)) @ L.wd.T
-            if L.ffn_post_norm is not None:
-                f = rms_norm(f, L.ffn_post_norm, c.norm_eps, c.norm_offset)
-            x = x + f
-        state.pos = p0 + T
-        if not all_logits:
-            x = x[-1:]
-        logits = rms_norm(x, self.output_norm, c.norm_eps, c.norm_offset) @ self.output.T
-        if c.final_logit_softcap:
-            logits = np.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
-        logits = logits.astype(np.float32, copy=False)
-        return logits if all_logits else logits[0]
-
-
-def _nbytes(src, name: str) -> int:
-    t = src.tensors[name]
-    n = getattr(t, "nbytes", None)
-    return int(n) if n is not None else int(np.asarray(t.data).nbytes)
+        q, k, v = np.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+        q, k, v = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
+        q, k = self.norm(q, op.q_norm), self.norm(k, op.k_norm)
+        q, k = rope(q, pos, op.rope_theta), rope(k, pos, op.rope_theta)
+        st.k[op.kv][p0:p0 + T], st.v[op.kv][p0:p0 + T] = k, v
+        K, V = st.k[op.kv][:p0 + T], st.v[op.kv][:p0 + T]  # (S, nkv, hd)
+        qg = q.reshape(T, nkv, nh // nkv, hd)  # query heads grouped by their KV head
+        s = np.einsum("tgqd,sgd->gqts", qg, K) * np.float32(op.scale or hd**-0.5)  # (nkv, group, T, S)
+        kpos = np.arange(p0 + T)
+        mask = kpos[None, :] > pos[:, None]  # (T, S) future keys
+        if op.window:
+            mask |= pos[:, None] - kpos[None, :] >= op.window
+        s = np.exp(np.where(mask, -np.inf, s) - np.where(mask, -np.inf, s).max(axis=-1, keepdims=True))
+        s /= s.sum(axis=-1, keepdims=True)
+        return np.einsum("gqts,sgd->tgqd", s, V).reshape(T, nh * hd)

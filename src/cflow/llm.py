@@ -10,7 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
-from cflow.errors import CflowError, CflowFormatError, UnsupportedError
+from cflow.errors import CflowError, CflowFormatError
 from cflow.generate import Chunk, check_budget, generate_step
 from cflow.tokenizer import Tokenizer
 
@@ -80,30 +80,23 @@ def load_model(model: str, *, cache=None, quiet: bool = False):
     return CflowFile(path)
 
 
-def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None, precise: bool = True):
-    """The engine for an opened model: "auto" (the default; also CFLOW_ENGINE) is the native engine
-    when this build has it, else the numpy reference engine; "native" and "ref" force one.
-    fast / precise: the native engine's activations (cflow.engine.ACTIVATIONS); the reference
-    engine always runs fp32 activations."""
-    choice = engine or os.environ.get("CFLOW_ENGINE", "auto")
-    if choice not in ("auto", "native", "ref"):
-        raise CflowError(f"engine must be auto, native or ref, got {choice!r}")
-    if choice != "ref":
-        try:
-            from cflow.engine import Engine
-        except (ImportError, CflowError) as e:  # not built, or no native core
-            if choice == "native":
-                raise CflowError(f"the native engine is not available in this build: {e}") from None
-        else:
-            try:
-                return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise)
-            except UnsupportedError:
-                if choice == "native":
-                    raise
-                # auto: a model the native engine cannot run yet goes to the reference engine
-    from cflow.engine_ref import RefEngine
+ENGINES = ("native", "ref")
 
-    return RefEngine(src, threads=threads, n_ctx=n_ctx, fast=fast)
+
+def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None, precise: bool = True):
+    """The engine for an opened model: "native" (the default; also CFLOW_ENGINE) or "ref", the numpy
+    interpreter of the same plan. fast / precise: the native engine's activations
+    (cflow.engine.ACTIVATIONS); the reference engine always runs fp32 activations."""
+    choice = engine or os.environ.get("CFLOW_ENGINE") or "native"
+    if choice not in ENGINES:
+        raise CflowError(f"engine must be one of {', '.join(ENGINES)}, got {choice!r}")
+    if choice == "ref":
+        from cflow.engine_ref import RefEngine
+
+        return RefEngine(src, threads=threads, n_ctx=n_ctx)
+    from cflow.engine import Engine
+
+    return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise)
 
 
 class LLM:
@@ -164,8 +157,8 @@ class LLM:
         finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
         plus max_tokens does not fit the context. Close the generator to cancel.
 
-        state: reuse an Engine state across calls (prompt-cache: the common prefix with the
-        tokens it holds is kept).
+        state: reuse an engine state across calls (prompt cache: the common prefix of the prompt
+        and the tokens the state holds is kept, the rest recomputed).
         """
         ids = self.encode_prompt(prompt)
         check_budget(len(ids), max_tokens, self.n_ctx)
@@ -178,20 +171,14 @@ class LLM:
         if state is None:
             state = self.engine.new_state()
         else:
-            held = getattr(state, "_cflow_tokens", [])[: state.pos]
+            held = state.tokens
             while cached < min(len(held), len(ids)) and held[cached] == ids[cached]:
                 cached += 1
         return self._run(state, ids, max_tokens, stop, cached, ignore_eos, sampling)
 
     def _run(self, state, ids, max_tokens, stop, cached, ignore_eos, sampling) -> Iterator[Chunk]:
-        out = list(ids)
-        try:
-            for chunk in generate_step(self.engine, state, self.tokenizer, ids, max_tokens=max_tokens, stop=stop,
-                                       cached=cached, ignore_eos=ignore_eos, **sampling):
-                out.extend(chunk.token_ids)
-                yield chunk
-        finally:
-            state._cflow_tokens = out[: state.pos]
+        yield from generate_step(self.engine, state, self.tokenizer, ids, max_tokens=max_tokens, stop=stop,
+                                 cached=cached, ignore_eos=ignore_eos, **sampling)
 
     def stream(self, prompt, **sampling) -> Iterator[str]:
         """Text pieces only."""

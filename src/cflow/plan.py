@@ -22,7 +22,7 @@ from __future__ import annotations
 from cflow._native import core
 from cflow.errors import CflowError, CflowFormatError
 
-Barrier, Embed, Matmul, Glu, ActMul, Attention, NormAdd = (core.Barrier, core.Embed, core.Matmul, core.Glu,
+Barrier, Embed, Matmul, GateUp, ActMul, Attention, NormAdd = (core.Barrier, core.Embed, core.Matmul, core.GateUp,
                                                            core.ActMul, core.Attention, core.NormAdd)
 OP_KINDS = core.OP_KINDS
 Plan, TensorRef, BufferSpec = core.Plan, core.TensorRef, core.BufferSpec
@@ -30,7 +30,7 @@ Plan, TensorRef, BufferSpec = core.Plan, core.TensorRef, core.BufferSpec
 # Weight roles whose int8 activations may be two-level (Engine's `precise`; the op's two_level).
 ROLES = ("qkv", "attn_output", "gate_up", "down", "head")
 TENSOR_FIELDS = ("table", "weight", "bias", "norm", "q_norm", "k_norm")
-ACTS = {"silu": 0, "gelu_tanh": 1}  # Glu / ActMul `act`
+ACTS = {"silu": 0, "gelu_tanh": 1}  # GateUp / ActMul `act`
 PACK_CODES = {"blocks": 0, "planes": 1}
 
 
@@ -128,7 +128,7 @@ def bytes_per_token(plan: Plan) -> int:
     row of each embedding table."""
     total = 0
     for op in plan.ops:
-        if isinstance(op, (Matmul, Glu)):
+        if isinstance(op, (Matmul, GateUp)):
             total += plan.tensors[op.weight].nbytes
         elif isinstance(op, Embed):
             t = plan.tensors[op.table]

@@ -53,7 +53,7 @@ namespace cflow {
   X(bool, accumulate, false, "dst += y instead of dst = y")                                      \
   X(bool, last_token, false, "only the last token of each sequence (the logits head)")           \
   X(bool, two_level, false, "int8 path: two-level activations (about 14 bits)")
-#define CFLOW_OP_GLU(X)                                                                          \
+#define CFLOW_OP_GATE_UP(X)                                                                          \
   X(int32_t, weight, -1, "gate and up (2F, C), interleaved by `chunk`-row pieces")               \
   X(int32_t, src, -1, "buffer of width C")                                                       \
   X(int32_t, dst, -1, "buffer of width F: act(gate x) * (up x)")                                 \
@@ -87,7 +87,7 @@ namespace cflow {
   K(Barrier, CFLOW_OP_BARRIER)       \
   K(Embed, CFLOW_OP_EMBED)           \
   K(Matmul, CFLOW_OP_MATMUL)         \
-  K(Glu, CFLOW_OP_GLU)               \
+  K(GateUp, CFLOW_OP_GATE_UP)               \
   K(ActMul, CFLOW_OP_ACT_MUL)        \
   K(Attention, CFLOW_OP_ATTENTION)   \
   K(NormAdd, CFLOW_OP_NORM_ADD)

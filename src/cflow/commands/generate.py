@@ -4,6 +4,9 @@ HELP = "generate text from a prompt (streams to stdout; speed summary on stderr)
 
 
 def add_sampling_arguments(p):
+    from cflow.engine import DEFAULT_MAX_CTX
+    from cflow.llm import ENGINES
+
     p.add_argument("-m", "--model", default="smollm2-135m", help="model name, .cflow/.gguf path, HF directory or hf://...")
     p.add_argument("-n", "--max-tokens", type=int, default=256)
     p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0: greedy")
@@ -15,8 +18,10 @@ def add_sampling_arguments(p):
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("-t", "--threads", type=int, default=None)
-    p.add_argument("--n-ctx", type=int, default=None, help="context length (default: the model's, at most 8192)")
-    p.add_argument("--engine", choices=("auto", "native", "ref"), default=None, help="decode engine: auto (default: native when built), native, ref (numpy reference)")
+    p.add_argument("--n-ctx", type=int, default=None,
+                   help=f"context length (default: the model's, at most {DEFAULT_MAX_CTX})")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="engine: native (default), ref (the numpy interpreter of the same plan, fp32)")
     add_activation_arguments(p)
 
 

@@ -5,6 +5,7 @@ HELP = "serve a model over an OpenAI-compatible HTTP API, with a chat page at /"
 
 def add_arguments(p):
     from cflow.commands.generate import add_activation_arguments
+    from cflow.engine import DEFAULT_MAX_CTX
 
     p.add_argument("-m", "--model", default=None,
                    help="model name known to `cflow pull`, .cflow / .gguf path or HF directory (default: the built-in default model)")
@@ -12,7 +13,7 @@ def add_arguments(p):
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     add_activation_arguments(p)
-    p.add_argument("--n-ctx", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--n-ctx", type=int, default=None, help=f"context length (default: the model's, at most {DEFAULT_MAX_CTX})")
     p.add_argument("--max-concurrency", type=int, default=1,
                    help="generations that run at once; later requests queue in arrival order (default %(default)s)")
     p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait; more get 503 (default %(default)s)")

@@ -14,7 +14,7 @@ tmp (d, only with post norms), logits (vocab).
 from __future__ import annotations
 
 from cflow.errors import CflowFormatError, UnsupportedError
-from cflow.plan import ACTS, ActMul, Attention, Embed, Glu, Matmul, NormAdd, Plan, PlanBuilder
+from cflow.plan import ACTS, ActMul, Attention, Embed, GateUp, Matmul, NormAdd, Plan, PlanBuilder
 
 
 def build_decoder(b: PlanBuilder, cfg) -> Plan:
@@ -69,7 +69,7 @@ def build_decoder(b: PlanBuilder, cfg) -> Plan:
             chunk = gu.stripe_rows if striped else cfg.d_ff  # stacked [gate; up]: one piece
             if striped and not chunk:
                 raise CflowFormatError(f"{p}ffn_gate_up: stripe fusion without stripe rows")
-            b.op(Glu, weight=p + "ffn_gate_up", norm=p + "ffn_norm", src=X, dst=H, chunk=chunk, act=act, role="gate_up")
+            b.op(GateUp, weight=p + "ffn_gate_up", norm=p + "ffn_norm", src=X, dst=H, chunk=chunk, act=act, role="gate_up")
         else:  # gate and up apart: two matmuls into (gate | up), then act(gate) * up
             if GU is None:
                 GU = b.buffer("gate_up", 2 * cfg.d_ff)

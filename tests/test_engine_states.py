@@ -1,0 +1,132 @@
+"""Sequence states apart from the engine: several states in one step, several threads on one
+Engine, the token history a state keeps; and the typed plan's checks (cflow.plan)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from cflow import plan as P
+from cflow.engine import Engine
+from cflow.engine_ref import RefEngine
+from cflow.errors import CflowError, CflowFormatError
+from engine_util import tiny_hf, to_cflow
+
+pytest.importorskip("transformers")
+
+IDS = [int(i) for i in np.random.default_rng(2).integers(0, 256, size=48)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_q4():
+    return to_cflow(tiny_hf("qwen3"), wtype="q4_1", embtype="q8_0", tile=(32, 64), interleave=4, stripe_rows=16)
+
+
+@pytest.mark.parametrize("engine", [Engine, RefEngine])
+def test_states_advanced_together_match_one_by_one(qwen3_q4, engine):
+    # three sequences at different positions, one prefilling and two decoding, in one step
+    eng = engine(qwen3_q4, threads=2, fast=False)
+    alone, together = [eng.new_state() for _ in range(3)], [eng.new_state() for _ in range(3)]
+    for a, b, n in zip(alone, together, (0, 5, 17)):
+        if n:
+            eng.forward(a, IDS[:n])
+            eng.forward(b, IDS[:n])
+    new = [IDS[20:29], [IDS[40]], [IDS[41]]]
+    want = [eng.forward(s, t, all_logits=True) for s, t in zip(alone, new)]
+    got = eng.forward(together, new, all_logits=True)
+    last = eng.forward([eng.new_state(), eng.new_state()], [IDS[:3], IDS[3:4]])  # last token of each
+    assert [g.shape for g in got] == [(9, 256), (1, 256), (1, 256)] and [x.shape for x in last] == [(256,), (256,)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(last[1], eng.forward(eng.new_state(), IDS[3:4]), rtol=1e-5, atol=1e-5)
+    assert [s.tokens for s in together] == [IDS[20:29], IDS[:5] + [IDS[40]], IDS[:17] + [IDS[41]]]
+    assert [s.pos for s in together] == [9, 6, 18]
+
+
+def test_two_threads_on_one_engine_give_the_sequential_tokens(qwen3_q4):
+    eng = Engine(qwen3_q4, threads=2)  # the default path: two-level int8
+
+    def greedy(prompt, n=24):
+        st, out = eng.new_state(), []
+        logits = eng.forward(st, prompt)
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = eng.forward(st, [out[-1]])
+        assert st.tokens == list(prompt) + out
+        return out
+
+    prompts = [IDS[:11], IDS[11:30]]
+    sequential = [greedy(p) for p in prompts]
+    results, errors = [None, None], []
+    start = threading.Barrier(2)
+
+    def worker(i):
+        try:
+            start.wait()
+            for _ in range(3):  # long enough for the two to overlap many times
+                results[i] = greedy(prompts[i])
+                assert results[i] == sequential[i]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert results == sequential
+
+
+def test_state_history_truncate_and_misuse(qwen3_q4):
+    eng = Engine(qwen3_q4, threads=2, n_ctx=32)
+    st = eng.new_state()
+    eng.forward(st, IDS[:10])
+    st.truncate(4)
+    assert st.tokens == IDS[:4] and st.pos == 4
+    with pytest.raises(CflowError, match="truncate"):
+        st.truncate(5)
+    with pytest.raises(CflowError, match="twice"):
+        eng.forward([st, st], [[1], [2]])
+    with pytest.raises(CflowError, match="2 states but 1 token lists"):
+        eng.forward([st, eng.new_state()], [[1]])
+    other = Engine(to_cflow(tiny_hf("llama")), threads=1)
+    with pytest.raises(CflowError, match="another model"):
+        eng.forward(other.new_state(), [1])
+    assert st.tokens == IDS[:4]  # nothing lost by the refused calls
+
+
+def test_the_plan_is_typed_and_checked(qwen3_q4):
+    eng = Engine(qwen3_q4, threads=1)
+    kinds = {type(op).__name__ for op in eng.plan.ops}
+    assert kinds == {"Barrier", "Embed", "Matmul", "GateUp", "Attention"}
+    mm = next(op for op in eng.plan.ops if isinstance(op, P.Matmul))
+    assert "weight" in P.Matmul._fields and mm.weight >= 0 and "Matmul(weight=" in repr(mm)
+    with pytest.raises(TypeError, match="unknown field 'wieght'"):
+        P.Matmul(wieght=1)
+    from cflow._native import core
+
+    def run(plan):
+        return core.EngineCore(qwen3_q4.buffer, qwen3_q4.buffer, plan, 64, 1, True)
+
+    bad = eng.plan
+    ops = list(bad.ops)
+    att = next(i for i, op in enumerate(ops) if isinstance(op, P.Attention))
+    ops[att].head_dim = 7  # odd head size
+    bad.ops = ops
+    with pytest.raises(RuntimeError, match=f"plan op #{att}: head_dim must be even"):
+        run(bad)
+    ops[att].head_dim = 16
+    ops[att + 2].dst_col = 1  # the output projection no longer fits its buffer
+    bad.ops = ops
+    with pytest.raises(RuntimeError, match=f"plan op #{att + 2}: weight rows"):
+        run(bad)
+    ts = list(bad.tensors)
+    ts[0].offset = qwen3_q4.buffer.size  # past the end of the mapping
+    bad.tensors = ts
+    with pytest.raises(RuntimeError, match="outside the mapped file"):
+        run(bad)
+    with pytest.raises(CflowFormatError, match="no tensor 'blk.0.attn_norm'"):
+        del_norm = dict(qwen3_q4.tensors)
+        del del_norm["blk.0.attn_norm"]
+        Engine(type(qwen3_q4)(config=qwen3_q4.config, buffer=qwen3_q4.buffer, tensors=del_norm))
