@@ -18,7 +18,7 @@ namespace {
 
 // "Kind(a=1, b=2)" from the class's _fields.
 std::string describe(nb::handle self) {
-  std::string out = nb::cast<std::string>(nb::type_name(self.type())) + "(";
+  std::string out = nb::cast<std::string>(self.type().attr("__name__")) + "(";
   bool first = true;
   for (nb::handle f : nb::tuple(self.attr("_fields"))) {
     if (!first) out += ", ";

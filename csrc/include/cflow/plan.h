@@ -41,26 +41,26 @@ namespace cflow {
   X(int32_t, table, -1, "embedding tensor (vocab, width of dst)")                                \
   X(int32_t, dst, -1, "buffer: the rows of the step's tokens")                                   \
   X(float, scale, 1.f, "multiplies every row (gemma: sqrt(d_model))")
-#define CFLOW_OP_MATMUL(X)                                                                       \
+// The fields of both ops that multiply a weight by their (normalised) input rows.
+#define CFLOW_PRODUCT_FIELDS(X)                                                                  \
   X(int32_t, weight, -1, "tensor W (R, C)")                                                      \
   X(int32_t, src, -1, "buffer of width C")                                                       \
+  X(int32_t, norm, -1, "RMSNorm weight (C,) applied to src first, or -1")                        \
+  X(bool, two_level, false, "int8 path: two-level activations (about 14 bits)")
+#define CFLOW_OP_MATMUL(X)                                                                       \
+  CFLOW_PRODUCT_FIELDS(X)                                                                        \
   X(int32_t, dst, -1, "buffer; this op writes its columns [dst_col, dst_col + R)")               \
   X(int32_t, dst_col, 0, "first output column in dst")                                           \
-  X(int32_t, norm, -1, "RMSNorm weight (C,) applied to src first, or -1")                        \
   X(int32_t, bias, -1, "bias (R,) added, or -1")                                                 \
   X(float, scale, 1.f, "multiplies the product (after the bias)")                                \
   X(float, softcap, 0.f, "> 0: y = softcap * tanh(y / softcap)")                                 \
   X(bool, accumulate, false, "dst += y instead of dst = y")                                      \
-  X(bool, last_token, false, "only the last token of each sequence (the logits head)")           \
-  X(bool, two_level, false, "int8 path: two-level activations (about 14 bits)")
-#define CFLOW_OP_GATE_UP(X)                                                                          \
-  X(int32_t, weight, -1, "gate and up (2F, C), interleaved by `chunk`-row pieces")               \
-  X(int32_t, src, -1, "buffer of width C")                                                       \
-  X(int32_t, dst, -1, "buffer of width F: act(gate x) * (up x)")                                 \
-  X(int32_t, chunk, 0, "rows of gate, then of up, per piece")                                    \
-  X(int32_t, norm, -1, "RMSNorm weight (C,) applied to src first, or -1")                        \
-  X(int32_t, act, 0, "0: silu (SwiGLU), 1: tanh-GELU (GeGLU)")                                   \
-  X(bool, two_level, false, "int8 path: two-level activations")
+  X(bool, last_token, false, "only the last token of each sequence (the logits head)")
+#define CFLOW_OP_GATE_UP(X)                                                                      \
+  CFLOW_PRODUCT_FIELDS(X)                                                                        \
+  X(int32_t, dst, -1, "buffer of width F = R / 2: act(gate x) * (up x)")                         \
+  X(int32_t, chunk, 0, "W's rows come in pieces: `chunk` gate rows, then the same up rows")     \
+  X(int32_t, act, 0, "0: silu (SwiGLU), 1: tanh-GELU (GeGLU)")
 #define CFLOW_OP_ACT_MUL(X)                                                                      \
   X(int32_t, src, -1, "buffer of width 2F: (gate | up)")                                         \
   X(int32_t, dst, -1, "buffer of width F: act(gate) * up")                                       \
