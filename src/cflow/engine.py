@@ -30,7 +30,6 @@ F_ACCUM, F_LAST, F_PRECISE = 1, 2, 4
 # Weight roles whose int8 activations may be two-level (F_PRECISE; see Engine's `precise`).
 ROLES = ("qkv", "attn_output", "gate_up", "down", "head")
 MAX_BATCH = 512  # tokens per native call when prefilling (bounds the scratch)
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def default_threads() -> int:
@@ -86,8 +85,10 @@ def build_plan(f, cfg: ModelConfig, precise=()) -> Plan:
     f: an object with .tensors {name: entry with type (BlockType), rows, cols, tile, interleave,
     offset, nbytes, stripe_rows}: a CflowFile. precise: the ROLES whose ops get F_PRECISE.
     """
-    if cfg.arch not in SUPPORTED_ARCHS:
-        raise UnsupportedError(f"the native engine runs {', '.join(SUPPORTED_ARCHS)}; not arch {cfg.arch!r} yet")
+    from cflow import models
+
+    if cfg.arch not in (runs := models.supported("native")):
+        raise UnsupportedError(f"the native engine runs {', '.join(runs)}; not arch {cfg.arch!r} yet")
     if cfg.n_expert:
         raise UnsupportedError("mixture-of-experts layers are not in the native engine yet")
     if unknown := set(precise) - set(ROLES):

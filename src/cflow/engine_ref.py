@@ -22,8 +22,6 @@ import numpy as np
 from cflow.config import ModelConfig
 from cflow.errors import CflowError, UnsupportedError
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-
 
 def open_weights(src):
     """A path (.cflow, .gguf, HF directory) or an already open CflowFile / Checkpoint."""
@@ -131,8 +129,10 @@ class RefEngine:
     def __init__(self, path_or_cflowfile, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True):
         src = open_weights(path_or_cflowfile)
         cfg = src.config
-        if cfg.arch not in ARCHS or cfg.n_expert:
-            raise UnsupportedError(f"the reference engine runs dense {', '.join(ARCHS)}; this model is {cfg.arch}"
+        from cflow import models
+
+        if cfg.arch not in (runs := models.supported("ref")) or cfg.n_expert:
+            raise UnsupportedError(f"the reference engine runs dense {', '.join(runs)}; this model is {cfg.arch}"
                                    + (f" with {cfg.n_expert} experts" if cfg.n_expert else ""))
         self.config = cfg
         self.n_ctx = int(n_ctx or min(cfg.max_seq_len, 8192))
