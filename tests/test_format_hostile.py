@@ -240,3 +240,14 @@ def test_version_1_files_still_open():
         t["interleave"] = 1
     h = open_bytes(assemble(edited(v1), version=1))
     assert h["version"] == 1
+
+
+def test_configs_of_the_previous_version():
+    """Dense headers written while every config carried the pipeline-native fields (at their
+    defaults) still load; what cannot be read says to re-convert."""
+    from cflow.config import MOVED_TO_FAMILY
+
+    h = open_bytes(assemble(edited(lambda h: h["config"].update(MOVED_TO_FAMILY))))
+    assert h["config"]["delta_d"] == 0
+    for change in (dict(delta_d=1), dict(arch="mamba"), dict(rotary_dim=8)):
+        expect_error(assemble(edited(lambda h: h["config"].update(change))), r"header.config: .*cflow convert")

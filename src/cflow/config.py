@@ -3,9 +3,11 @@
 The same object configures the torch model (training, reference decode), the exporter, the
 `.cflow` header (stored as `to_dict()`), the engine's step plan and the bandwidth analysis.
 
-Existing architectures (llama, qwen2, qwen3, gemma3) and the pipeline-native family ("pnt")
-share it. Fields a given architecture does not use keep their defaults. Adding a field: give it
-a default so that older files still load, and document it here.
+Every architecture of the registry (cflow.models) uses it; a family with fields of its own
+subclasses it (the pipeline-native family: cflow.models.pipeline_native.PNTConfig), and both
+`ModelConfig(arch=...)` and `from_dict` return that class for its `arch`. Fields a given
+architecture does not use keep their defaults. Adding a field: give it a default so that older
+files still load, and document it here.
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ from typing import Any
 
 from cflow.errors import CflowError
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "pnt")
 ROPE_STYLES = ("neox", "interleaved")  # neox: rotate halves (HF llama); interleaved: pairs (2i, 2i+1)
 ACTIVATIONS = ("silu", "gelu_tanh")  # gated FFN: silu -> SwiGLU, gelu_tanh -> GeGLU
-COMBINE_STYLES = ("parallel_sqrt2", "delayed_sum", "async_experts")
-ROUTING_ANCHORS = ("pre_dense", "post_dense")
-RESIDUALS = ("single", "decoupled")  # decoupled: experts keep their own residual stream (arch1)
+# Fields every config carried before they moved to the pipeline-native family's PNTConfig, with
+# the values files of dense models hold: such headers still load (the fields are dropped).
+MOVED_TO_FAMILY = {"delta_d": 0, "delta_e": 0, "routing_anchor": "post_dense", "combine": "delayed_sum", "n_iter": 1,
+                   "variant": "", "residual": "single"}
+RECONVERT = "re-convert the model with this version of cflow (cflow convert SRC -o OUT.cflow)"
+
+
+def config_error(cond: bool, msg: str) -> None:
+    if not cond:
+        raise CflowError(f"invalid model config: {msg}")
 
 
 @dataclass
@@ -54,14 +62,17 @@ class ModelConfig:
     n_expert: int = 0
     top_k: int = 0
     d_expert: int = 0  # expert gated-FFN hidden size
-    # --- pipeline-native family (arch == "pnt"); see docs/ARCHITECTURES.md
-    delta_d: int = 0  # dense FFN of layer l reads the residual of layer l - delta_d
-    delta_e: int = 0  # experts routed at layer l are added at layer l + delta_e
-    routing_anchor: str = "post_dense"
-    combine: str = "delayed_sum"
-    n_iter: int = 1  # weight sharing: the n_layer unique layers are applied n_iter times
-    variant: str = ""  # named preset this config came from (arch1, arch2_4_combined, ...)
-    residual: str = "single"  # "decoupled": attention+dense and experts write separate streams
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "ModelConfig":
+        """ModelConfig(arch=..., ...) builds the config class of that arch's family (cflow.models):
+        ModelConfig(arch="pnt", delta_d=1, ...) is a PNTConfig."""
+        if cls is ModelConfig:
+            from cflow import models
+
+            arch = kwargs.get("arch", args[0] if args else "llama")
+            if isinstance(arch, str) and arch in models.architectures():
+                cls = models.get(arch).config_class
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.n_head:
@@ -77,48 +88,56 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_head * self.head_dim
 
-    @property
-    def n_layer_eff(self) -> int:
-        """Layer applications per token: n_layer unique layers applied n_iter times."""
-        return self.n_layer * self.n_iter
-
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
 
     # ----------------------------------------------------------------- checks and I/O
     def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise CflowError(f"invalid model config: {msg}")
+        from cflow import models
 
-        need(self.arch in ARCHS, f"arch {self.arch!r} is not one of {', '.join(ARCHS)}")
-        for name in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "max_seq_len", "n_iter"):
+        need = config_error
+        names = models.names()
+        need(self.arch in names, f"arch {self.arch!r} is not one of {', '.join(names)}")
+        cls = models.get(self.arch).config_class
+        need(isinstance(self, cls), f"arch {self.arch!r} takes a {cls.__name__}, not a {type(self).__name__}")
+        for name in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "max_seq_len"):
             v = getattr(self, name)
             need(isinstance(v, int) and 0 < v <= 1 << 24, f"{name}={v!r} must be a positive integer below 2^24")
         need(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
         need(self.rope_style in ROPE_STYLES, f"rope_style {self.rope_style!r} not in {ROPE_STYLES}")
         need(self.act in ACTIVATIONS, f"act {self.act!r} not in {ACTIVATIONS}")
-        need(self.combine in COMBINE_STYLES, f"combine {self.combine!r} not in {COMBINE_STYLES}")
-        need(self.routing_anchor in ROUTING_ANCHORS, f"routing_anchor {self.routing_anchor!r} not in {ROUTING_ANCHORS}")
         need(not self.layer_types or len(self.layer_types) == self.n_layer, "layer_types must have one entry per layer")
         need(all(t in ("global", "sliding") for t in self.layer_types), "layer_types entries are 'global' or 'sliding'")
         need(self.n_expert == 0 or 0 < self.top_k <= self.n_expert, f"top_k={self.top_k} must be in 1..n_expert={self.n_expert}")
         need(self.n_expert == 0 or self.d_expert > 0, "d_expert must be > 0 when n_expert > 0")
-        need(self.residual in RESIDUALS, f"residual {self.residual!r} not in {RESIDUALS}")
-        need(0 <= self.delta_d < self.n_layer and 0 <= self.delta_e < self.n_layer, "delays must be in 0..n_layer-1")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """The config stored by to_dict, as the class of its arch's family (PNTConfig for "pnt").
+        Headers of dense models written before the family fields moved still load."""
+        from cflow import models
+        from cflow.errors import UnsupportedError
+
         if not isinstance(d, dict):
             raise CflowError("model config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
+        arch = d.get("arch", "llama")
+        try:
+            target = models.get(arch)
+        except (UnsupportedError, TypeError):
+            raise CflowError(f"model config: unknown arch {arch!r} (this cflow knows {', '.join(models.names())}); "
+                             f"{RECONVERT}") from None
+        target = target.config_class
+        if not issubclass(target, cls):
+            raise CflowError(f"model config: arch {arch!r} takes a {target.__name__}, not a {cls.__name__}")
+        known = {f.name for f in dataclasses.fields(target)}
+        d = {k: v for k, v in d.items() if k in known or k not in MOVED_TO_FAMILY or v != MOVED_TO_FAMILY[k]}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise CflowError(f"model config has unknown fields: {', '.join(unknown)}")
+            raise CflowError(f"model config has fields arch {arch!r} does not know: {', '.join(unknown)}; {RECONVERT}")
         try:
-            return cls(**d)
+            return target(**d)
         except TypeError as e:
             raise CflowError(f"invalid model config: {e}") from e

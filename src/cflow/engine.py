@@ -81,9 +81,9 @@ def open_weights(src):
 
 def build_plan(weights, cfg: ModelConfig, precise=()) -> P.Plan:
     """The step plan of a model: its architecture module describes its forward pass."""
-    from cflow.models.decoder import build_decoder
+    from cflow import models
 
-    return build_decoder(P.PlanBuilder(weights, precise), cfg)
+    return models.get(cfg.arch).build(P.PlanBuilder(weights, precise), cfg)
 
 
 class EngineBase:

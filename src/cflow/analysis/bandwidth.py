@@ -1,4 +1,4 @@
-"""Per-token weight bandwidth of a pipeline-native model: pure arithmetic on ModelConfig.
+"""Per-token weight bandwidth of a pipeline-native model: pure arithmetic on PNTConfig.
 
 The per-token dependency graph (docs/ARCHITECTURES.md, "Bandwidth model"):
 - nodes: the weight streams one token reads in each applied layer j: A[j] (attention: fused QKV
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cflow.config import ModelConfig
+from cflow.models.pipeline_native import PNTConfig
 from cflow.errors import CflowError
 
 MIB = 1 << 20
@@ -41,7 +41,7 @@ class LayerBytes:
     router: float  # not on the counted path (see module doc)
 
 
-def layer_bytes(cfg: ModelConfig, quant: str = "q4") -> LayerBytes:
+def layer_bytes(cfg: PNTConfig, quant: str = "q4") -> LayerBytes:
     if quant not in BYTES_PER_PARAM:
         raise CflowError(f"unknown quant {quant!r}; choose one of: {', '.join(BYTES_PER_PARAM)}")
     b = BYTES_PER_PARAM[quant]
@@ -52,7 +52,7 @@ def layer_bytes(cfg: ModelConfig, quant: str = "q4") -> LayerBytes:
     return LayerBytes(attn * b, dense * b, experts * b, d * cfg.n_expert * b)
 
 
-def critical_paths(cfg: ModelConfig, lb: LayerBytes) -> dict[str, float]:
+def critical_paths(cfg: PNTConfig, lb: LayerBytes) -> dict[str, float]:
     """Bytes per token: total, and critical path under both schedules (see module doc)."""
     L = cfg.n_layer_eff
     post = cfg.routing_anchor == "post_dense"
@@ -85,7 +85,7 @@ def critical_paths(cfg: ModelConfig, lb: LayerBytes) -> dict[str, float]:
     return {"total": total, "sequential": seq, "vertical_pipeline": L * max(chains), "longest_path": max(th[L], tm[L])}
 
 
-def analyze(cfg: ModelConfig, quant: str = "q4") -> dict:
+def analyze(cfg: PNTConfig, quant: str = "q4") -> dict:
     """The `cflow analyze --json` record (MB = MiB) for one config."""
     cp = critical_paths(cfg, layer_bytes(cfg, quant))
     return {
@@ -98,12 +98,12 @@ def analyze(cfg: ModelConfig, quant: str = "q4") -> dict:
     }
 
 
-def unique_mb(cfg: ModelConfig, quant: str = "q4") -> float:
+def unique_mb(cfg: PNTConfig, quant: str = "q4") -> float:
     """Bytes of the distinct layer weights a token reads (differs from total with weight sharing)."""
     lb = layer_bytes(cfg, quant)
     return cfg.n_layer * (lb.attn + lb.dense + lb.experts) / MIB
 
 
-def head_mb(cfg: ModelConfig, quant: str = "q4") -> float:
+def head_mb(cfg: PNTConfig, quant: str = "q4") -> float:
     """Output head (not counted in the per-layer figures)."""
     return cfg.vocab_size * cfg.d_model * BYTES_PER_PARAM[quant] / MIB

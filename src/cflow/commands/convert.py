@@ -4,6 +4,11 @@ HELP = "convert a GGUF file or Hugging Face directory (or a known model name) to
 
 
 def add_arguments(p):
+    from cflow import models
+
+    p.epilog = "architectures: " + "; ".join(
+        f"{a.name} (model_type {', '.join(a.hf_model_types) or '-'}; GGUF {', '.join(a.gguf_archs) or '-'})"
+        for a in models.architectures().values() if a.hf_model_types or a.gguf_archs)
     p.add_argument("src", help="a .gguf file, an HF directory (config.json + *.safetensors), a known name or hf://...")
     p.add_argument("-o", "--output", required=True, help="output .cflow path (written atomically)")
     p.add_argument("--quant", default="keep", choices=("keep", "q4_0", "q4_1", "q8_0", "f16", "f32"),

@@ -6,8 +6,9 @@
 A Checkpoint is the model in cflow's terms, in memory (arrays may be views of a mapped file):
 its ModelConfig, tensors under our names (see names.py) with the Q/K/V and gate/up matrices
 fused, the tokenizer (a Hugging Face tokenizers JSON string), the chat template and the special
-token ids. It reads like a CflowFile (config, tokenizer_json, chat_template, tensors,
-dequantize), so the reference engine runs either.
+token ids. What differs by architecture (config keys, tensor names, tensor transforms, the
+tensors expected) comes from its module in cflow.models. It reads like a CflowFile (config,
+tokenizer_json, chat_template, tensors, dequantize), so the reference engine runs either.
 
 Fused tensors: blk.{l}.attn_qkv stacks [Wq; Wk; Wv] by rows (biases likewise), and
 blk.{l}.ffn_gate_up stacks [W_gate; W_up]; `parts` records the row counts. Blocks are never
@@ -197,29 +198,10 @@ def requantize(ckpt: Checkpoint, quant: str) -> Checkpoint:
 
 def check_tensors(ckpt: Checkpoint) -> None:
     """Every tensor the architecture needs is present with the shape the config implies."""
+    from cflow import models
+
     c = ckpt.config
-    need = {"tok_embd": (c.vocab_size, c.d_model), "output_norm": (c.d_model,)}
-    if not c.tie_embeddings:
-        need["output"] = (c.vocab_size, c.d_model)
-    for layer in range(c.n_layer):
-        b = f"blk.{layer}."
-        need[b + "attn_norm"] = (c.d_model,)
-        need[b + "attn_output"] = (c.d_model, c.q_dim)
-        need[b + "ffn_norm"] = (c.d_model,)
-        need[b + "ffn_down"] = (c.d_model, c.d_ff)
-        if b + "attn_qkv" in ckpt.tensors:
-            need[b + "attn_qkv"] = (c.q_dim + 2 * c.kv_dim, c.d_model)
-        else:
-            need.update({b + "attn_q": (c.q_dim, c.d_model), b + "attn_k": (c.kv_dim, c.d_model), b + "attn_v": (c.kv_dim, c.d_model)})
-        if b + "ffn_gate_up" in ckpt.tensors:
-            need[b + "ffn_gate_up"] = (2 * c.d_ff, c.d_model)
-        else:
-            need.update({b + "ffn_gate": (c.d_ff, c.d_model), b + "ffn_up": (c.d_ff, c.d_model)})
-        if c.qk_norm:
-            need.update({b + "attn_q_norm": (c.head_dim,), b + "attn_k_norm": (c.head_dim,)})
-        if c.post_norms:
-            need.update({b + "attn_post_norm": (c.d_model,), b + "ffn_post_norm": (c.d_model,)})
-    for name, shape in need.items():
+    for name, shape in models.get(c.arch).expected_tensors(c, ckpt.tensors).items():
         t = ckpt.tensors.get(name)
         if t is None:
             raise CflowFormatError(f"checkpoint has no tensor {name} (needed by arch {c.arch})")

@@ -1,28 +1,21 @@
 """GGUF -> Checkpoint (gguf-py's GGUFReader; tensor blocks are kept bit-identical).
 
-Rope: llama.cpp's converter permutes the rows of llama's Q and K weights so that its
-interleaved rope (pairs 2i, 2i+1) equals HF's rotate-half rope. We undo that row permutation
-here, so every architecture uses one rope style, "neox" (rotate halves), as Hugging Face does.
-Permuting whole rows moves blocks without re-encoding them: `keep` stays bit-identical per row.
-qwen2, qwen3 and gemma3 GGUF files are not permuted (llama.cpp runs them with neox rope).
-
-Gemma: llama.cpp stores gemma's RMSNorm weights with the +1 already added, so norm_offset = 0
-for GGUF sources (1.0 for HF sources).
+general.architecture picks the architecture (cflow.models.for_gguf); it reads the metadata and
+names and adapts the tensors (llama's Q/K rows are un-permuted there, so every architecture
+runs one rope style, "neox"; moving whole rows keeps `keep` bit-identical per row).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-import numpy as np
-
-from cflow.config import ModelConfig
+from cflow import models
 from cflow.convert import Checkpoint, Tensor, check_tensors, fuse_layers
-from cflow.convert.names import GGUF_NAMES, rename
+from cflow.convert.names import rename
 from cflow.errors import CflowFormatError, UnsupportedError
 from cflow.format.tiles import BLOCK_TYPES, BLOCK_TYPES_BY_CODE
-
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+from cflow.models.base import unpermute_rope_rows as _unpermute  # noqa: F401 - the name tests use
 
 
 def _reader(path):
@@ -47,49 +40,6 @@ def _meta(r) -> dict:
     return out
 
 
-def config_kwargs(m: dict) -> dict:
-    """ModelConfig fields from GGUF metadata."""
-    arch = m.get("general.architecture")
-    if arch not in ARCHS:
-        raise UnsupportedError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHS)}")
-
-    def g(key, default=None):
-        v = m.get(f"{arch}.{key}", default)
-        if v is None:
-            raise CflowFormatError(f"GGUF metadata lacks {arch}.{key}")
-        return v
-
-    d, n_head = int(g("embedding_length")), int(g("attention.head_count"))
-    n_kv = g("attention.head_count_kv", n_head)
-    if isinstance(n_kv, list):
-        raise UnsupportedError("per-layer KV head counts are not supported")
-    head_dim = int(g("attention.key_length", d // n_head))
-    vocab = m.get(f"{arch}.vocab_size")
-    kw = dict(
-        arch=arch, d_model=d, n_layer=int(g("block_count")), n_head=n_head, n_kv_head=int(n_kv), head_dim=head_dim,
-        d_ff=int(g("feed_forward_length")), max_seq_len=int(g("context_length", 2048)),
-        norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=float(g("rope.freq_base", 10000.0)),
-        vocab_size=int(vocab) if vocab else 0,
-    )
-    scaling = m.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none") and float(m.get(f"{arch}.rope.scaling.factor", 1.0)) != 1.0:
-        raise UnsupportedError(f"rope scaling {scaling!r} is not supported yet")
-    if arch == "qwen2":
-        kw.update(qkv_bias=True)
-    if arch == "qwen3":
-        kw.update(qk_norm=True)
-    if arch == "gemma3":
-        window = int(g("attention.sliding_window", 512))
-        pattern = int(m.get("gemma3.attention.sliding_window_pattern", 6))
-        kw.update(
-            act="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=float(np.sqrt(d)),
-            attn_scale=head_dim**-0.5, sliding_window=window, rope_local_theta=10000.0,
-            layer_types=["sliding" if (i + 1) % pattern else "global" for i in range(kw["n_layer"])],
-            final_logit_softcap=float(m.get("gemma3.final_logit_softcapping", 0.0) or 0.0),
-        )
-    return kw
-
-
 def _tensor_type(t) -> str:
     code = int(t.tensor_type)
     bt = BLOCK_TYPES_BY_CODE.get(code)
@@ -99,13 +49,6 @@ def _tensor_type(t) -> str:
             f"supported: {', '.join(n.upper() for n in BLOCK_TYPES)}"
         )
     return bt.name
-
-
-def _unpermute(data: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's rope permutation of Q/K rows: (n_head, hd/2, 2) -> (n_head, 2, hd/2)."""
-    rows = data.shape[0]
-    hd = rows // n_head
-    return data.reshape(n_head, hd // 2, 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
 
 
 # pre-tokenizer split regexes of byte-level BPE vocabularies, by tokenizer.ggml.pre
@@ -179,35 +122,40 @@ def gguf_tokenizer(path, r=None, m=None) -> tuple[str, dict]:
     return tk.to_str(), special
 
 
+def _vocab_size(r) -> int:
+    """Rows of the token embedding, else the tokenizer's vocabulary size."""
+    for t in r.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.data.shape[0])
+    return len(r.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in r.fields else 0
+
+
 def load_gguf(path) -> Checkpoint:
     path = os.fspath(path)
     r = _reader(path)
     m = _meta(r)
-    kw = config_kwargs(m)
+    arch = models.for_gguf(m.get("general.architecture"))
+    types = {t.name: _tensor_type(t) for t in r.tensors}
+    key = f"{m['general.architecture']}.vocab_size"
+    if not m.get(key):
+        m[key] = _vocab_size(r)
+    cfg = arch.config_from_gguf(m)
     tensors: dict[str, Tensor] = {}
     for t in r.tensors:
         try:
-            ours = rename(t.name, GGUF_NAMES)
+            ours = rename(t.name, arch.gguf_names)
         except KeyError:
-            raise UnsupportedError(f"{path}: unexpected tensor {t.name} for arch {kw['arch']}") from None
+            raise UnsupportedError(f"{path}: unexpected tensor {t.name} for arch {arch.name}") from None
         if ours is None:  # e.g. rope_freqs
             continue
-        typ = _tensor_type(t)
-        data = t.data
-        shape = (int(t.shape[0]),) if len(t.shape) == 1 else (int(data.shape[0]), int(t.shape[0]))
         if len(t.shape) > 2:
             raise UnsupportedError(f"tensor {t.name} has {len(t.shape)} dimensions; only matrices and vectors are supported")
-        if kw["arch"] == "llama" and ours.endswith(("attn_q", "attn_k")):
-            data = _unpermute(np.asarray(data), kw["n_head"] if ours.endswith("attn_q") else kw["n_kv_head"])
-        tensors[ours] = Tensor(typ, shape, data)
+        shape = (int(t.shape[0]),) if len(t.shape) == 1 else (int(t.data.shape[0]), int(t.shape[0]))
+        tensors.update(arch.adapt(ours, Tensor(types[t.name], shape, t.data), cfg, "gguf"))
     tok_json, special = gguf_tokenizer(path, r, m)
-    if not kw["vocab_size"]:
-        kw["vocab_size"] = tensors["tok_embd"].shape[0] if "tok_embd" in tensors else len(r.fields["tokenizer.ggml.tokens"].data)
-    kw["tie_embeddings"] = "output" not in tensors
-    cfg = ModelConfig(**kw)
+    cfg = dataclasses.replace(cfg, tie_embeddings="output" not in tensors)
     tmpl = m.get("tokenizer.chat_template")
     ckpt = Checkpoint(cfg, fuse_layers(cfg, tensors), tok_json, tmpl, special,
                       {"source": os.path.basename(path), "source_format": "gguf", "name": m.get("general.name", "")})
     check_tensors(ckpt)
     return ckpt
-

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
+from cflow.config import ModelConfig
 from cflow.format.reader import CflowFile
 
 
@@ -13,11 +15,12 @@ def _mb(n: int) -> str:
 
 def summary_lines(f: CflowFile) -> list[str]:
     c = f.config
+    base = {fl.name for fl in dataclasses.fields(ModelConfig)}
+    family = "".join(f" {fl.name}={getattr(c, fl.name)}" for fl in dataclasses.fields(c) if fl.name not in base)
     lines = [
         f"file      {f.path}  ({f.size} bytes, .cflow version {f.preamble.version})",
         f"config    arch={c.arch} n_layer={c.n_layer} d_model={c.d_model} n_head={c.n_head}/{c.n_kv_head} "
-        f"d_ff={c.d_ff} vocab={c.vocab_size} n_expert={c.n_expert} delta_d={c.delta_d} delta_e={c.delta_e} "
-        f"combine={c.combine}",
+        f"d_ff={c.d_ff} vocab={c.vocab_size} n_expert={c.n_expert}{family}",
         f"tokenizer {'yes (%d bytes)' % len(f.tokenizer_json) if f.tokenizer_json else 'none'}; "
         f"chat template {'yes' if f.chat_template else 'none'}",
     ]

@@ -1,6 +1,6 @@
 """Export a PNT training checkpoint to `.cflow` (tensor names: docs/ARCHITECTURES.md, "Export").
 
-The header carries the ModelConfig (delta_d, delta_e, routing_anchor, combine, residual,
+The header carries the PNTConfig (delta_d, delta_e, routing_anchor, combine, residual,
 n_iter ...) and the tokenizer; experts sit behind the expert offset table, one contiguous
 range per (layer, expert), so the engine reads only the top-k chosen.
 """

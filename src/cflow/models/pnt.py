@@ -1,7 +1,8 @@
 """Pipeline-native transformer (PNT) in PyTorch: the reference model for training and decode.
 
 Every layer runs attention, a dense GeGLU FFN and a sparse top-k MoE block side by side.
-The dependency graph is set by ModelConfig (docs/ARCHITECTURES.md has the equations):
+The dependency graph is set by PNTConfig (models/pipeline_native.py; docs/ARCHITECTURES.md
+has the equations):
 - delta_d: the dense FFN of layer l reads the residual stream h[l - delta_d] (ring buffer);
 - delta_e: the experts routed at layer l are added to the stream at layer l + delta_e (queue);
 - routing_anchor: experts read h[l] ("pre_dense") or h[l] + dense output ("post_dense");
@@ -13,7 +14,7 @@ The dependency graph is set by ModelConfig (docs/ARCHITECTURES.md has the equati
 
 One code path serves full-sequence training (no cache) and token-by-token decode (KV cache):
 the ring buffer and the pending-expert queue live only inside one call, because every delay
-is between layers of the same token. Config, weights and state are apart: ModelConfig, the
+is between layers of the same token. Config, weights and state are apart: PNTConfig, the
 nn.Module parameters, and DecodeState (KV cache, position).
 """
 
@@ -27,8 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cflow.config import ModelConfig
 from cflow.errors import CflowError
+from cflow.models.pipeline_native import PNTConfig
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
         return (y * (self.offset + self.weight.float())).to(x.dtype)
 
 
-def rope_cache(cfg: ModelConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cache(cfg: PNTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (T, head_dim) for integer positions pos (T,), neox layout."""
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
@@ -66,7 +67,7 @@ def geglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tor
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: PNTConfig):
         super().__init__()
         self.cfg = cfg
         self.wqkv = nn.Linear(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, bias=False)  # fused [Wq; Wk; Wv]
@@ -97,7 +98,7 @@ class Attention(nn.Module):
 class MoE(nn.Module):
     """Top-k router with softmax gating (renormalised over the chosen k) and GeGLU experts."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: PNTConfig):
         super().__init__()
         self.cfg = cfg
         E, d, h = cfg.n_expert, cfg.d_model, cfg.d_expert
@@ -128,7 +129,7 @@ class MoE(nn.Module):
 class Layer(nn.Module):
     """Weights of one unique layer; the wiring between layers lives in PNT.forward."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: PNTConfig):
         super().__init__()
         d, eps, off = cfg.d_model, cfg.norm_eps, cfg.norm_offset
         self.attn_norm, self.attn = RMSNorm(d, eps, off), Attention(cfg)
@@ -152,9 +153,9 @@ class DecodeState:
     pos: int = 0
 
 
-def check_pnt_config(cfg: ModelConfig) -> None:
-    if cfg.arch != "pnt":
-        raise CflowError(f"PNT model needs arch='pnt', got {cfg.arch!r}")
+def check_pnt_config(cfg: PNTConfig) -> None:
+    if not isinstance(cfg, PNTConfig):
+        raise CflowError(f"PNT model needs a PNTConfig (arch='pnt'), got arch {cfg.arch!r}")
     if cfg.n_expert <= 0 or cfg.d_ff <= 0:
         raise CflowError("PNT layers need a dense FFN (d_ff > 0) and experts (n_expert > 0)")
     if cfg.act != "gelu_tanh":
@@ -166,7 +167,7 @@ def check_pnt_config(cfg: ModelConfig) -> None:
 class PNT(nn.Module):
     """The pipeline-native transformer. forward(idx) -> (logits, load-balancing loss)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: PNTConfig):
         super().__init__()
         check_pnt_config(cfg)
         self.cfg = cfg

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cflow.config import ModelConfig
 from cflow.errors import CflowError
+from cflow.models.pipeline_native import PNTConfig
 
 # The paper's geometry as inferred in PAPER.md: d=512, 6 layers, vocab 50,257 untied, MHA
 # attention (4 d^2), dense GeGLU hidden 2048, 8 GeGLU experts of hidden 512, top-2.
@@ -34,8 +34,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def preset(name: str, **overrides: Any) -> ModelConfig:
-    """ModelConfig of preset `name` at the paper's geometry, with `overrides` (geometry or any
+def preset(name: str, **overrides: Any) -> PNTConfig:
+    """PNTConfig of preset `name` at the paper's geometry, with `overrides` (geometry or any
     field) applied on top. For arch5, n_layer is the applied depth: n_layer/3 unique layers
     run 3 times."""
     if name not in PRESETS:
@@ -49,4 +49,4 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
         if kw["n_layer"] % n_iter:
             raise CflowError(f"arch5 needs n_layer divisible by n_iter={n_iter}, got {kw['n_layer']}")
         kw["n_layer"] //= n_iter
-    return ModelConfig(**kw)
+    return PNTConfig(**kw)

@@ -1,0 +1,251 @@
+"""What cflow knows about one architecture family, and the readers the family modules share.
+
+A family module under cflow/models/ defines `ARCH`, an Architecture that states only what
+differs from the llama-style decoder described here: its attributes, given to the constructor
+
+    ARCH = Architecture(name="qwen3", summary="Qwen 3 (dense): QK-norm", hf_model_types=("qwen3",),
+                        gguf_archs=("qwen3",), fixed=dict(qk_norm=True))
+
+or, when a method differs too, set in a subclass (llama.py, gemma3.py).
+
+The registry (cflow.models) finds it by that name: convert, both engines, the CLI's help and
+the docs table read the registry, so adding a dense architecture is that one file.
+
+What an Architecture answers:
+- config_from_hf(config.json) / config_from_gguf(metadata) -> its ModelConfig (config_class);
+  hf_fields / gguf_fields are the overridable parts, hf_common / gguf_common the shared readers;
+- hf_names / gguf_names: checkpoint tensor name -> cflow's name ("{l}" stands for the layer);
+- adapt(name, tensor, cfg, source): a tensor as loaded -> {cflow name: tensor} (llama's GGUF Q/K
+  row un-permutation, a fused checkpoint tensor marked with its parts ...);
+- expected_tensors(cfg, present) -> {name: shape}: what a converted checkpoint must hold;
+- build(b, cfg) -> Plan: the forward pass as ops (cflow.plan), by default the dense decoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cflow.config import ModelConfig
+from cflow.errors import CflowFormatError, UnsupportedError
+
+# Hugging Face names of the llama-style decoder (LlamaForCausalLM, Qwen2/3ForCausalLM, ...)
+HF_NAMES = {
+    "model.embed_tokens.weight": "tok_embd",
+    "model.norm.weight": "output_norm",
+    "lm_head.weight": "output",
+    "model.layers.{l}.input_layernorm.weight": "blk.{l}.attn_norm",
+    "model.layers.{l}.self_attn.q_proj.weight": "blk.{l}.attn_q",
+    "model.layers.{l}.self_attn.k_proj.weight": "blk.{l}.attn_k",
+    "model.layers.{l}.self_attn.v_proj.weight": "blk.{l}.attn_v",
+    "model.layers.{l}.self_attn.q_proj.bias": "blk.{l}.attn_q.bias",
+    "model.layers.{l}.self_attn.k_proj.bias": "blk.{l}.attn_k.bias",
+    "model.layers.{l}.self_attn.v_proj.bias": "blk.{l}.attn_v.bias",
+    "model.layers.{l}.self_attn.q_norm.weight": "blk.{l}.attn_q_norm",
+    "model.layers.{l}.self_attn.k_norm.weight": "blk.{l}.attn_k_norm",
+    "model.layers.{l}.self_attn.o_proj.weight": "blk.{l}.attn_output",
+    "model.layers.{l}.post_attention_layernorm.weight": "blk.{l}.ffn_norm",  # the pre-FFN norm
+    "model.layers.{l}.mlp.gate_proj.weight": "blk.{l}.ffn_gate",
+    "model.layers.{l}.mlp.up_proj.weight": "blk.{l}.ffn_up",
+    "model.layers.{l}.mlp.down_proj.weight": "blk.{l}.ffn_down",
+}
+
+# GGUF names (llama.cpp's) of the same decoder
+GGUF_NAMES = {
+    "token_embd.weight": "tok_embd",
+    "output_norm.weight": "output_norm",
+    "output.weight": "output",
+    "blk.{l}.attn_norm.weight": "blk.{l}.attn_norm",
+    "blk.{l}.attn_q.weight": "blk.{l}.attn_q",
+    "blk.{l}.attn_k.weight": "blk.{l}.attn_k",
+    "blk.{l}.attn_v.weight": "blk.{l}.attn_v",
+    "blk.{l}.attn_q.bias": "blk.{l}.attn_q.bias",
+    "blk.{l}.attn_k.bias": "blk.{l}.attn_k.bias",
+    "blk.{l}.attn_v.bias": "blk.{l}.attn_v.bias",
+    "blk.{l}.attn_q_norm.weight": "blk.{l}.attn_q_norm",
+    "blk.{l}.attn_k_norm.weight": "blk.{l}.attn_k_norm",
+    "blk.{l}.attn_output.weight": "blk.{l}.attn_output",
+    "blk.{l}.post_attention_norm.weight": "blk.{l}.attn_post_norm",
+    "blk.{l}.ffn_norm.weight": "blk.{l}.ffn_norm",
+    "blk.{l}.ffn_gate.weight": "blk.{l}.ffn_gate",
+    "blk.{l}.ffn_up.weight": "blk.{l}.ffn_up",
+    "blk.{l}.ffn_down.weight": "blk.{l}.ffn_down",
+    "blk.{l}.post_ffw_norm.weight": "blk.{l}.ffn_post_norm",
+}
+
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_REQUIRED = object()
+
+
+# ---------------------------------------------------------------------------- shared readers
+
+
+def hf_rope_theta(c: dict, kind: str = "full_attention", default: float = 10000.0) -> float:
+    """The rope base of config.json (rope_parameters, per layer kind where given, or rope_theta);
+    UnsupportedError for any rope type but the default."""
+    rp = c.get("rope_parameters") or {}
+    if kind in rp and isinstance(rp[kind], dict):
+        rp = rp[kind]
+    scaling = c.get("rope_scaling") or {}
+    rtype = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rtype != "default":
+        raise UnsupportedError(f"rope type {rtype!r} is not supported yet (only the default rope)")
+    if float(rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise UnsupportedError("partial rotary embeddings are not supported (rope over the whole head only)")
+    return float(rp.get("rope_theta", c.get("rope_theta", default)))
+
+
+def hf_common(c: dict) -> dict[str, Any]:
+    """ModelConfig fields every llama-style config.json states the same way."""
+    d, nh = int(c["hidden_size"]), int(c["num_attention_heads"])
+    act = c.get("hidden_activation") or c.get("hidden_act", "silu")
+    if act not in HF_ACTIVATIONS:
+        raise UnsupportedError(f"activation {act!r} is not supported; supported: {', '.join(HF_ACTIVATIONS)}")
+    return dict(
+        vocab_size=int(c["vocab_size"]), d_model=d, n_layer=int(c["num_hidden_layers"]), n_head=nh,
+        n_kv_head=int(c.get("num_key_value_heads") or nh), head_dim=int(c.get("head_dim") or d // nh),
+        d_ff=int(c["intermediate_size"]), max_seq_len=int(c.get("max_position_embeddings", 2048)),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=bool(c.get("attention_bias", False)), act=HF_ACTIVATIONS[act],
+    )
+
+
+def gguf_value(m: dict, key: str, default: Any = _REQUIRED) -> Any:
+    """Metadata `{general.architecture}.{key}`; CflowFormatError when absent without a default."""
+    arch = m.get("general.architecture")
+    v = m.get(f"{arch}.{key}")
+    if v is None:
+        if default is _REQUIRED:
+            raise CflowFormatError(f"GGUF metadata lacks {arch}.{key}")
+        return default
+    return v
+
+
+def gguf_common(m: dict) -> dict[str, Any]:
+    """ModelConfig fields from the GGUF metadata keys every llama-style architecture has."""
+    d, n_head = int(gguf_value(m, "embedding_length")), int(gguf_value(m, "attention.head_count"))
+    n_kv = gguf_value(m, "attention.head_count_kv", n_head)
+    if isinstance(n_kv, list):
+        raise UnsupportedError("per-layer KV head counts are not supported")
+    scaling = gguf_value(m, "rope.scaling.type", None)
+    if scaling not in (None, "none") and float(gguf_value(m, "rope.scaling.factor", 1.0)) != 1.0:
+        raise UnsupportedError(f"rope scaling {scaling!r} is not supported yet")
+    head_dim = int(gguf_value(m, "attention.key_length", d // n_head))
+    if int(gguf_value(m, "rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedError("partial rotary embeddings are not supported (rope over the whole head only)")
+    return dict(
+        d_model=d, n_layer=int(gguf_value(m, "block_count")), n_head=n_head, n_kv_head=int(n_kv), head_dim=head_dim,
+        d_ff=int(gguf_value(m, "feed_forward_length")), max_seq_len=int(gguf_value(m, "context_length", 2048)),
+        norm_eps=float(gguf_value(m, "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(gguf_value(m, "rope.freq_base", 10000.0)), vocab_size=int(gguf_value(m, "vocab_size", 0)),
+    )
+
+
+def unpermute_rope_rows(data, n_head: int):
+    """Undo llama.cpp's rope permutation of Q/K rows: (n_head, hd/2, 2) -> (n_head, 2, hd/2).
+    Whole rows move, so quantized rows keep their blocks bit-identical."""
+    rows = data.shape[0]
+    hd = rows // n_head
+    return data.reshape(n_head, hd // 2, 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+
+
+def with_parts(t, parts: list[tuple[str, int]]):
+    """A checkpoint tensor that stacks several of ours by rows, marked with its parts [(name, rows)]."""
+    if sum(r for _, r in parts) != t.shape[0]:
+        raise CflowFormatError(f"fused tensor of {t.shape[0]} rows does not split into {parts}")
+    return dataclasses.replace(t, parts=list(parts))
+
+
+def dense_tensors(cfg: ModelConfig, present) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the llama-style decoder; Q/K/V and gate/up fused or apart as `present` has them."""
+    c = cfg
+    need = {"tok_embd": (c.vocab_size, c.d_model), "output_norm": (c.d_model,)}
+    if not c.tie_embeddings:
+        need["output"] = (c.vocab_size, c.d_model)
+    for layer in range(c.n_layer):
+        b = f"blk.{layer}."
+        need[b + "attn_norm"] = (c.d_model,)
+        need[b + "attn_output"] = (c.d_model, c.q_dim)
+        need[b + "ffn_norm"] = (c.d_model,)
+        need[b + "ffn_down"] = (c.d_model, c.d_ff)
+        qkv = {"attn_qkv": c.q_dim + 2 * c.kv_dim} if b + "attn_qkv" in present else \
+            {"attn_q": c.q_dim, "attn_k": c.kv_dim, "attn_v": c.kv_dim}
+        for part, rows in qkv.items():
+            need[b + part] = (rows, c.d_model)
+            if c.qkv_bias:
+                need[b + part + ".bias"] = (rows,)
+        if b + "ffn_gate_up" in present:
+            need[b + "ffn_gate_up"] = (2 * c.d_ff, c.d_model)
+        else:
+            need.update({b + "ffn_gate": (c.d_ff, c.d_model), b + "ffn_up": (c.d_ff, c.d_model)})
+        if c.qk_norm:
+            need.update({b + "attn_q_norm": (c.head_dim,), b + "attn_k_norm": (c.head_dim,)})
+        if c.post_norms:
+            need.update({b + "attn_post_norm": (c.d_model,), b + "ffn_post_norm": (c.d_model,)})
+    return need
+
+
+# ---------------------------------------------------------------------------- the description
+
+
+class Architecture:
+    """One architecture family. Subclasses set the class attributes and override what differs."""
+
+    name: str = ""  # ModelConfig.arch
+    summary: str = ""  # models and traits, for the docs table and `cflow convert --help`
+    hf_model_types: tuple[str, ...] = ()  # config.json model_type values it reads
+    gguf_archs: tuple[str, ...] = ()  # GGUF general.architecture values it reads
+    hf_names: dict[str, str] = HF_NAMES
+    gguf_names: dict[str, str] = GGUF_NAMES
+    fixed: dict[str, Any] = {}  # ModelConfig fields the family always sets (from every source)
+    add_bos: bool = False  # an HF tokenizer_config without add_bos_token: prepend BOS?
+    engines: tuple[str, ...] = ("native", "ref")  # the engines that run it
+    config_class: type[ModelConfig] = ModelConfig
+
+    def __init__(self, **attrs: Any):
+        """Class attributes may be given here instead (a family that only sets attributes)."""
+        for k, v in attrs.items():
+            if not hasattr(type(self), k):
+                raise TypeError(f"Architecture has no attribute {k!r}")
+            setattr(self, k, v)
+
+    def __repr__(self) -> str:
+        return f"<Architecture {self.name}>"
+
+    # ---------------------------------------------------------------- configuration
+    def config(self, **fields: Any) -> ModelConfig:
+        return self.config_class(**dict(fields, arch=self.name, **self.fixed))
+
+    def hf_fields(self, c: dict) -> dict[str, Any]:
+        kw = hf_common(c)
+        kw["rope_theta"] = hf_rope_theta(c)
+        if c.get("sliding_window") and c.get("use_sliding_window"):
+            raise UnsupportedError(f"sliding-window attention is not supported for {self.name}")
+        return kw
+
+    def gguf_fields(self, m: dict) -> dict[str, Any]:
+        return gguf_common(m)
+
+    def config_from_hf(self, c: dict) -> ModelConfig:
+        """The ModelConfig of a Hugging Face config.json."""
+        return self.config(**self.hf_fields(c))
+
+    def config_from_gguf(self, m: dict) -> ModelConfig:
+        """The ModelConfig of a GGUF file's metadata (vocab_size filled in by the loader when absent)."""
+        return self.config(**self.gguf_fields(m))
+
+    # ---------------------------------------------------------------- tensors
+    def adapt(self, name: str, t, cfg: ModelConfig, source: str) -> dict:
+        """One renamed checkpoint tensor -> {our name: Tensor}. source: "hf" or "gguf"."""
+        return {name: t}
+
+    def expected_tensors(self, cfg: ModelConfig, present) -> dict[str, tuple[int, ...]]:
+        return dense_tensors(cfg, present)
+
+    # ---------------------------------------------------------------- the forward pass
+    def build(self, b, cfg: ModelConfig):
+        """The step plan of one forward (cflow.plan.PlanBuilder b)."""
+        from cflow.models.decoder import build_decoder
+
+        return build_decoder(b, cfg)
+
