@@ -206,30 +206,13 @@ void quantize_acts_ref(const float* x, int ldx, int n, int cols, QActs& out) {
   }
 }
 
-void dot_rows_ref(const float* q, const float* K, size_t ldk, int n, int hd, float* out) {
-  for (int j = 0; j < n; ++j) {
-    const float* k = K + (size_t)j * ldk;
-    float s = 0;
-    for (int i = 0; i < hd; ++i) s += q[i] * k[i];
-    out[j] = s;
-  }
-}
-
-void mix_rows_ref(const float* p, const float* V, size_t ldv, int n, int hd, float* out) {
-  for (int j = 0; j < n; ++j) {
-    const float* v = V + (size_t)j * ldv;
-    for (int i = 0; i < hd; ++i) out[i] += p[j] * v[i];
-  }
-}
-
 // ---------------------------------------------------------------- dispatch
 static bool no_q8x2(const TileLayout&, const uint8_t*, int, int, const QActs&, const QActs&, float*, int) {
   return false;
 }
 
 const GemmTable& gemm_table(Isa isa) {
-  static const GemmTable ref{Isa::Scalar, gemm_f32_ref, gemm_q8_ref, no_q8x2, quantize_acts_ref, dot_rows_ref,
-                             mix_rows_ref};
+  static const GemmTable ref{Isa::Scalar, gemm_f32_ref, gemm_q8_ref, no_q8x2, quantize_acts_ref};
 #if defined(CFLOW_X86)
   if (isa == Isa::Avx512) return gemm_table_avx512();
   if (isa == Isa::Avx2) return gemm_table_avx2();
@@ -264,13 +247,5 @@ void gemm_q8x2(const TileLayout& L, const uint8_t* w, int r0, int r1, const QAct
 }
 
 void quantize_acts(const float* x, int ldx, int n, int cols, QActs& out) { best().quantize(x, ldx, n, cols, out); }
-
-void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* out) {
-  best().dot_rows(q, K, ldk, n, hd, out);
-}
-
-void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* out) {
-  best().mix_rows(p, V, ldv, n, hd, out);
-}
 
 }  // namespace cflow

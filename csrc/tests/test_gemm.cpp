@@ -146,24 +146,3 @@ TEST(gemm_matches_reference) {
     }
   }
 }
-
-TEST(attention_loops_match_reference) {
-  std::mt19937 rng(3);
-  std::uniform_real_distribution<float> u(-1, 1);
-  for (const int hd : {64, 80, 36}) {  // whole vectors and masked tails
-    const int n = 37, ld = 192;
-    std::vector<float> q(hd), K((size_t)n * ld), p(n), a(n), b(n), oa(hd), ob(hd, 0.f);
-    for (auto& v : q) v = u(rng);
-    for (auto& v : K) v = u(rng);
-    for (auto& v : p) v = u(rng);
-    dot_rows_ref(q.data(), K.data(), ld, n, hd, b.data());
-    mix_rows_ref(p.data(), K.data(), ld, n, hd, ob.data());
-    for (const GemmTable* T : gemm_tables()) {
-      T->dot_rows(q.data(), K.data(), ld, n, hd, a.data());
-      CHECK(max_rel(a, b) < 1e-5f);
-      std::fill(oa.begin(), oa.end(), 0.f);
-      T->mix_rows(p.data(), K.data(), ld, n, hd, oa.data());
-      CHECK(max_rel(oa, ob) < 1e-5f);
-    }
-  }
-}

@@ -70,13 +70,6 @@ void gemm_q8x2(const TileLayout& L, const uint8_t* w, int r0, int r1, const QAct
 // Row r of W dequantized to fp32: out (C,).
 void dequant_row(const TileLayout& L, const uint8_t* w, int r, float* out);
 
-// Attention inner loops. dot_rows: out (n,) = K (n rows, stride ldk) @ q (hd,).
-// mix_rows: out (hd,) += p (n,) @ V (n rows, stride ldv).
-void dot_rows_ref(const float* q, const float* K, size_t ldk, int n, int hd, float* out);
-void mix_rows_ref(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
-void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* out);
-void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
-
 
 // The GEMM kernels of one ISA. The dispatched functions above use gemm_table(best_isa()).
 struct GemmTable {
@@ -89,8 +82,6 @@ struct GemmTable {
   bool (*q8x2)(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x1, const QActs& x2, float* y,
                int ldy);
   void (*quantize)(const float* x, int ldx, int n, int cols, QActs& out);
-  void (*dot_rows)(const float* q, const float* K, size_t ldk, int n, int hd, float* out);
-  void (*mix_rows)(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
 };
 // The table of one ISA; `isa` must be supported by this CPU (isa_supported).
 const GemmTable& gemm_table(Isa isa);

@@ -193,34 +193,7 @@ void gemm_f32_rows(const TileLayout& L, const uint8_t* w, int r0, int r1, const 
   });
 }
 
-// Attention inner loops (gemm.h): out (n,) = K @ q; out (hd,) += p @ V. Any hd (masked tail).
-void dot_rows_v(const float* q, const float* K, size_t ldk, int n, int hd, float* out) {
-  constexpr int W = V::W;
-  const int hw = hd / W * W;
-  for (int j = 0; j < n; ++j) {
-    const float* k = K + (size_t)j * ldk;
-    typename V::reg a = V::zero();
-    for (int i = 0; i < hw; i += W) a = V::fmadd(V::load(q + i), V::load(k + i), a);
-    if (hw < hd) a = V::fmadd(V::load_n(q + hw, hd - hw), V::load_n(k + hw, hd - hw), a);
-    out[j] = V::hsum(a);
-  }
-}
-
-void mix_rows_v(const float* p, const float* Vm, size_t ldv, int n, int hd, float* out) {
-  constexpr int W = V::W;
-  for (int i = 0; i < hd; i += W) {
-    const int m = hd - i < W ? hd - i : W;
-    typename V::reg a = m == W ? V::load(out + i) : V::load_n(out + i, m);
-    for (int j = 0; j < n; ++j) {
-      const float* v = Vm + (size_t)j * ldv + i;
-      a = V::fmadd(V::set1(p[j]), m == W ? V::load(v) : V::load_n(v, m), a);
-    }
-    if (m == W) V::store(out + i, a);
-    else V::store_n(out + i, a, m);
-  }
-}
-
 // The ISA's table (gemm.h).
 GemmTable make_gemm_table(Isa isa) {
-  return GemmTable{isa, gemm_f32_rows, gemm_q8_simd, gemm_q8x2_simd, quantize_acts_v, dot_rows_v, mix_rows_v};
+  return GemmTable{isa, gemm_f32_rows, gemm_q8_simd, gemm_q8x2_simd, quantize_acts_v};
 }
