@@ -19,24 +19,16 @@ namespace cflow {
 
 struct Engine::Scratch {
   std::vector<float> xn;             // (n, C) normalised input
-  std::vector<int8_t> q;             // (n, C) int8 input
-  std::vector<float> qd, qs;         // (n, C/32)
+  std::vector<uint8_t> qa;           // (n, levels) rows of int8 input (QActs; F_PRECISE: two levels)
   std::vector<float> y;              // (n, rows of a share) GEMM output before an epilogue
   std::vector<float> scores;         // (n_ctx,) attention scores
   std::vector<uint8_t> xa;           // one token's activation prepared for a GEMV kernel
-  // F_PRECISE: the residual x - d q (n, C), its int8 blocks, the second pass's output
-  std::vector<float> r;
-  std::vector<int8_t> q2;
-  std::vector<float> qd2, qs2, y2;
-  std::vector<uint8_t> xa2;
 };
 
 struct Engine::Input {
   const float* x = nullptr;
   int ldx = 0;
-  QActs qa;
-  QActs qa2;          // F_PRECISE: the residual's int8 blocks
-  bool two = false;   // qa2 is set
+  QActs qa;  // F_PRECISE: two levels
 };
 
 State::State(int n_layer, int n_ctx_, int kv_dim_) : n_ctx(n_ctx_), kv_dim(kv_dim_), k(n_layer), v(n_layer) {
@@ -221,43 +213,15 @@ Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int no
     in.ldx = ldx;
   }
   if (q8) {
-    in.qa.d = s.qd.data();
-    in.qa.s = s.qs.data();
-    in.qa.q = s.q.data();
-    QActs part = in.qa;
-    part.d += (size_t)k0 * (cols / 32);
-    part.s += (size_t)k0 * (cols / 32);
-    part.q += (size_t)k0 * cols;
-    if (k1 > k0) quantize_acts(x + (size_t)k0 * ldx, ldx, k1 - k0, cols, part);
-    if (precise) {  // second level: the residual of each token's blocks, quantized again
-      if (one) {  // a private scratch; the shared one is sized by forward()
-        grow(s.r, (size_t)cols);
-        grow(s.q2, (size_t)cols);
-        grow(s.qd2, (size_t)cols / 32 + 1);
-        grow(s.qs2, (size_t)cols / 32 + 1);
-      }
-      in.qa2 = in.qa;
-      in.qa2.n = n;
-      in.qa2.cols = cols;
-      in.qa2.d = s.qd2.data();
-      in.qa2.s = s.qs2.data();
-      in.qa2.q = s.q2.data();
-      in.two = true;
-      QActs part2 = in.qa2;
-      part2.d += (size_t)k0 * (cols / 32);
-      part2.s += (size_t)k0 * (cols / 32);
-      part2.q += (size_t)k0 * cols;
-      for (int k = k0; k < k1; ++k) {
-        const float* xk = x + (size_t)k * ldx;
-        float* rk = s.r.data() + (size_t)k * cols;
-        const float* dk = in.qa.d + (size_t)k * (cols / 32);
-        const int8_t* qk = in.qa.q + (size_t)k * cols;
-        for (int c = 0; c < cols; ++c) rk[c] = xk[c] - dk[c / 32] * qk[c];
-      }
-      if (k1 > k0) quantize_acts(s.r.data() + (size_t)k0 * cols, cols, k1 - k0, cols, part2);
-    }
     in.qa.n = n;
     in.qa.cols = cols;
+    in.qa.levels = precise ? 2 : 1;
+    if (one) grow(s.qa, in.qa.bytes());  // a private scratch; the shared one is sized by forward()
+    in.qa.data = s.qa.data();
+    QActs part = in.qa;
+    part.n = k1 - k0;
+    part.data = (uint8_t*)in.qa.row(k0);
+    if (k1 > k0) quantize_acts(x + (size_t)k0 * ldx, ldx, k1 - k0, cols, part);
   }
   if (!one) pool_->barrier();
   return in;
@@ -268,30 +232,14 @@ Engine::Input Engine::prepare(const float* src, int lds, int n, int cols, int no
 // on the fast path for quantized types, fp32 otherwise.
 GemvFn Engine::decode_gemv(const TileLayout& L, const float* x, int tid, const void** xa, bool precise,
                            const void** xa2) {
-  const WType wt = static_cast<WType>(L.type);
-  const AType at = fast_ && has_q8_path(wt) ? AType::Q8 : AType::F32;
-  GemvFn fn = gemv_fn(wt, at, isa_, nullptr, static_cast<Pack>(L.pack));
-  if (xa2) *xa2 = nullptr;
+  const AType at = !fast_ || !has_int8_path(L.bt(), false) ? AType::F32 : precise ? AType::Q8x2 : AType::Q8;
+  GemvFn fn = gemv_fn(L.bt(), L.packing(), at, isa_);
+  if (xa2) *xa2 = nullptr;  // both levels are in *xa (AType::Q8x2)
   if (!fn) return nullptr;
   Scratch& s = *priv_[tid];
-  if (precise && at == AType::Q8) {  // both levels in one pass where a kernel takes them
-    if (GemvFn two = gemv_fn(wt, AType::Q8x2, isa_, nullptr, static_cast<Pack>(L.pack))) {
-      grow(s.xa, act_bytes(wt, AType::Q8x2, L.cols));
-      prepare_act(wt, AType::Q8x2, s.xa.data(), x, L.cols);
-      *xa = s.xa.data();
-      return two;
-    }
-  }
-  grow(s.xa, act_bytes(wt, at, L.cols));
-  prepare_act(wt, at, s.xa.data(), x, L.cols);
+  grow(s.xa, act_bytes(L.bt(), at, L.cols));
+  prepare_act(L.bt(), at, s.xa.data(), x, L.cols);
   *xa = s.xa.data();
-  if (precise && at == AType::Q8 && xa2) {
-    grow(s.r, (size_t)L.cols);
-    grow(s.xa2, act_bytes(wt, at, L.cols));
-    act_residual(wt, s.xa.data(), x, L.cols, s.r.data());
-    prepare_act(wt, at, s.xa2.data(), s.r.data(), L.cols);
-    *xa2 = s.xa2.data();
-  }
   return fn;
 }
 
@@ -325,7 +273,7 @@ void Engine::op_embed(const Op& op, int tid) {
 void Engine::op_matvec(const Op& op, int tid) {
   const TensorRef& W = T_[op.w];
   const TileLayout& L = W.L;
-  const int C = L.cols, R = L.rows, lds = plan_.buf_width[op.src], ldd = plan_.buf_width[op.dst];
+  const int C = L.cols, lds = plan_.buf_width[op.src], ldd = plan_.buf_width[op.dst];
   const float* src = bufs_[op.src].data();
   int n = n_;
   if ((op.flags & F_LAST) && !all_logits_) {
@@ -333,12 +281,11 @@ void Engine::op_matvec(const Op& op, int tid) {
     n = 1;
   }
   const bool one = n == 1;
-  const bool q8 = !one && fast_ && q8_supported(L.type);
+  const bool q8 = !one && fast_ && has_int8_path(L.bt(), true);
   const bool precise = fast_ && (op.flags & F_PRECISE);
   Input in = prepare(src, lds, n, C, op.norm, q8, q8 && precise, tid);
   const void* xa = nullptr;
-  const void* xa2 = nullptr;
-  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa, precise, &xa2) : nullptr;
+  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa, precise) : nullptr;
   int r0, r1;
   if (gemv) stripe_share(L, tid, pool_->size(), &r0, &r1);
   else row_share(L, tid, pool_->size(), &r0, &r1);
@@ -354,17 +301,10 @@ void Engine::op_matvec(const Op& op, int tid) {
     ldy = r1 - r0;
   }
   const uint8_t* w = base_ + W.off;
-  const TileShape ts{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)};
   if (gemv) {
-    gemv(y, xa, w, R, C, ts, r0, r1);
-    if (xa2) {
-      grow(s.y2, (size_t)(r1 - r0));
-      gemv(s.y2.data(), xa2, w, R, C, ts, r0, r1);
-      for (int r = 0; r < r1 - r0; ++r) y[r] += s.y2[r];
-    }
+    gemv(y, xa, w, L, r0, r1);
   } else if (q8) {
-    if (in.two) gemm_q8x2(L, w, r0, r1, in.qa, in.qa2, y, ldy);
-    else gemm_q8(L, w, r0, r1, in.qa, y, ldy);
+    gemm_q8(L, w, r0, r1, in.qa, y, ldy);
   } else {
     gemm_f32(L, w, r0, r1, in.x, in.ldx, n, y, ldy);
   }
@@ -391,13 +331,11 @@ void Engine::op_glu(const Op& op, int tid) {
   const int nth = pool_->size();
   // One token with chunks of half a stripe: each chunk pair is one stripe, a GEMV row range.
   const bool one = n_ == 1 && 2 * c == L.tr;
-  const bool q8 = !one && fast_ && q8_supported(L.type);
+  const bool q8 = !one && fast_ && has_int8_path(L.bt(), true);
   const bool precise = fast_ && (op.flags & F_PRECISE);
   Input in = prepare(bufs_[op.src].data(), lds, n_, C, op.norm, q8, q8 && precise, tid);
   const void* xa = nullptr;
-  const void* xa2 = nullptr;
-  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa, precise, &xa2) : nullptr;
-  const TileShape ts{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)};
+  GemvFn gemv = one ? decode_gemv(L, in.x, tid, &xa, precise) : nullptr;
   const int P = (F + c - 1) / c;
   const int p0 = (int)((int64_t)P * tid / nth), p1 = (int)((int64_t)P * (tid + 1) / nth);
   Scratch& s = *priv_[tid];
@@ -406,15 +344,9 @@ void Engine::op_glu(const Op& op, int tid) {
   const uint8_t* w = base_ + W.off;
   for (int p = p0; p < p1; ++p) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
-    if (gemv) gemv(s.y.data(), xa, w, L.rows, C, ts, r0, r1);
-    else if (q8 && in.two) gemm_q8x2(L, w, r0, r1, in.qa, in.qa2, s.y.data(), 2 * cp);
+    if (gemv) gemv(s.y.data(), xa, w, L, r0, r1);
     else if (q8) gemm_q8(L, w, r0, r1, in.qa, s.y.data(), 2 * cp);
     else gemm_f32(L, w, r0, r1, in.x, in.ldx, n_, s.y.data(), 2 * cp);
-    if (xa2) {  // F_PRECISE on a kernel without a one-pass form: the residual's pass, added
-      grow(s.y2, (size_t)2 * cp);
-      gemv(s.y2.data(), xa2, w, L.rows, C, ts, r0, r1);
-      for (int i = 0; i < 2 * cp; ++i) s.y[i] += s.y2[i];
-    }
     for (int k = 0; k < n_; ++k) {
       const float* g = s.y.data() + (size_t)k * 2 * cp;
       const float* u = g + cp;
@@ -579,22 +511,9 @@ void Engine::forward(State& st, const int32_t* tokens, int n, bool all_logits, f
   for (int w : plan_.buf_width) maxc = std::max(maxc, w);
   for (Scratch* s : {shared_.get()}) {  // every thread writes its tokens' rows: sized here, once
     grow(s->xn, (size_t)n * maxc);
-    grow(s->q, (size_t)n * maxc);
-    grow(s->qd, (size_t)n * maxc / 32 + 1);
-    grow(s->qs, (size_t)n * maxc / 32 + 1);
-    if (any_precise_) {
-      grow(s->r, (size_t)n * maxc);
-      grow(s->q2, (size_t)n * maxc);
-      grow(s->qd2, (size_t)n * maxc / 32 + 1);
-      grow(s->qs2, (size_t)n * maxc / 32 + 1);
-    }
+    grow(s->qa, (size_t)n * (any_precise_ ? 2 : 1) * q8a_row_bytes(maxc));
   }
-  for (auto& s : priv_) {
-    grow(s->xn, (size_t)maxc);
-    grow(s->q, (size_t)maxc);
-    grow(s->qd, (size_t)maxc / 32 + 1);
-    grow(s->qs, (size_t)maxc / 32 + 1);
-  }
+  for (auto& s : priv_) grow(s->xn, (size_t)maxc);
   st_ = &st;
   tokens_ = tokens;
   n_ = n;
