@@ -155,7 +155,7 @@ PLANES = ["q4_0", "q4_1", "q8_0"]
 
 @pytest.mark.parametrize("name", PLANES)
 def test_two_level_activations(name):
-    """q8x2 (planes only): every ISA matches the scalar definition (two one-level passes), and
+    """q8x2: every ISA matches the scalar definition (two one-level passes), and
     the error against fp32 activations falls far below the one-level bound."""
     rng = np.random.default_rng(11)
     for g, rows, cols in ((16, 301, 608), (8, 133, 96)):
@@ -174,9 +174,17 @@ def test_two_level_activations(name):
         e2 = np.abs(yr - exact)
         assert np.all(e2 <= bound / 100 + 1e-5 * scale)  # the residual's own step is d/127
         assert e2.max() < e1.max() / 20
-    tiles, _, x = setup(name, 16, 64, (128, 256), 1)  # whole blocks: no two-level kernel
-    with pytest.raises(CflowError, match="q8x2"):
-        K.gemv(name, tiles, x, 16, 64, act="q8x2")
+    # whole blocks: two one-level passes, the same sum as the planes kernels' definition
+    tiles_b, W, x = setup(name, 133, 96, (128, 256), 8, seed=8)
+    yb = K.gemv(name, tiles_b, x, 133, 96, (128, 256), 8, act="q8x2", isa="scalar")
+    tiles_p, _, _ = setup(name, 133, 96, (128, 256), 8, seed=8, pack="planes")
+    np.testing.assert_array_equal(yb, K.gemv(name, tiles_p, x, 133, 96, (128, 256), 8, act="q8x2", isa="scalar",
+                                             pack="planes"))
+    scale = np.abs(W) @ np.abs(x.astype(np.float64))
+    for isa in ISAS:
+        assert K.gemv_isa(name, "q8x2", isa) == isa
+        y = K.gemv(name, tiles_b, x, 133, 96, (128, 256), 8, act="q8x2", isa=isa)
+        assert np.all(np.abs(y - yb) <= 1e-5 * scale + 1e-30), isa
 
 
 def test_planes_chunk_layout_by_hand():

@@ -32,17 +32,15 @@ int main(int argc, char** argv) {
     else if (k == "--repeats") repeats = std::atoi(v.c_str());
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
-  WType wt;
-  if (!wtype_from_name(type.c_str(), &wt) || !q8_supported((int)wt)) {
+  BlockType bt;
+  if (!block_from_name(type.c_str(), &bt) || !has_int8_path(bt, true)) {
     std::fprintf(stderr, "--type: one of q4_0, q4_1, q5_0, q8_0\n");
     return 2;
   }
-  TileLayout L;
-  L.type = (int)wt; L.rows = rows; L.cols = cols;
-  L.pack = pack == "planes" ? (int)Pack::Planes : 0;
-  L.g = L.pack ? kPlanesMaxG : 1;
   const char* err = nullptr;
-  if (repeats < 1 || tokens < 1 || !make_layout(L, &err)) {
+  const Pack p = pack == "planes" ? Pack::Planes : Pack::Blocks;
+  const TileLayout L = tile_layout(bt, rows, cols, 128, 256, p == Pack::Planes ? kPlanesMaxG : 1, p, &err);
+  if (repeats < 1 || tokens < 1 || err) {
     std::fprintf(stderr, "bad shape: %s\n", err ? err : "tokens and repeats must be positive");
     return 2;
   }
@@ -52,27 +50,27 @@ int main(int argc, char** argv) {
   // fp16 0.01 in every word that can be a scale (whole blocks: the header; planes: the chunk's
   // 16 (or 32) header words lead each chunk), so no value is a NaN or a denormal
   const uint16_t h = 0x211f;
-  const size_t hdr = L.pack ? (size_t)kPlanesMaxG * planes_header(wt) : (wt == WType::Q4_1 ? 4 : 2);
-  const size_t unit = L.pack ? (size_t)kPlanesMaxG * L.bb : (size_t)L.bb;
+  const size_t hdr = L.planes() ? (size_t)kPlanesMaxG * planes_header(bt) : (bt == BlockType::Q4_1 ? 4 : 2);
+  const size_t unit = L.planes() ? (size_t)kPlanesMaxG * L.bb : (size_t)L.bb;
   for (size_t o = 0; o + unit <= w.size(); o += unit)
     for (size_t j = 0; j < hdr; j += 2) std::memcpy(&w[o + j], &h, 2);
   std::vector<float> x((size_t)tokens * cols), y((size_t)tokens * rows);
   std::uniform_real_distribution<float> u(-1, 1);
   for (auto& v : x) v = u(rng);
-  std::vector<int8_t> q(x.size());
-  std::vector<float> d(x.size() / 32), s(d.size());
-  QActs qa{tokens, cols, d.data(), s.data(), q.data()};
-  quantize_acts_ref(x.data(), cols, tokens, cols, qa);
+  QActs qa{tokens, cols, 1, nullptr};
+  std::vector<uint8_t> b(qa.bytes());
+  qa.data = b.data();
+  quantize_acts(x.data(), cols, tokens, cols, qa);
   std::printf("%s %s, %d x %d, %d tokens, 1 thread, best / median of %d\n", type.c_str(), pack.c_str(), rows, cols,
               tokens, repeats);
   const double macs = (double)tokens * rows * cols;
   for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
     if (!isa_supported(isa)) continue;
-    const GemmTable& T = gemm_table(isa);
+    const GemmQ8Fn q8 = kernel_table(isa).gemm_q8[block_index(bt)][L.pack];
     std::vector<double> sec;
     for (int r = 0; r < repeats; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
-      T.q8(L, w.data(), 0, rows, qa, y.data(), rows);
+      q8(L, w.data(), 0, rows, qa, y.data(), rows);
       sec.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     std::sort(sec.begin(), sec.end());

@@ -27,10 +27,10 @@ using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::
 using VecF = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using OutF = nb::ndarray<nb::numpy, float, nb::ndim<1>>;
 
-WType parse_wtype(const std::string& s) {
-  WType wt;
-  if (!wtype_from_name(s.c_str(), &wt)) throw nb::value_error(("unsupported weight type: " + s).c_str());
-  return wt;
+BlockType parse_type(const std::string& s) {
+  BlockType bt;
+  if (!block_from_name(s.c_str(), &bt)) throw nb::value_error(("unsupported weight type: " + s).c_str());
+  return bt;
 }
 
 AType parse_act(const std::string& s) {
@@ -56,25 +56,26 @@ OutF new_out(size_t n) {
   return OutF(p, {n}, owner);
 }
 
-// Checks shapes and returns the validated tile shape; x must have cols values.
 Pack parse_pack(const std::string& s) {
   Pack p;
   if (!pack_from_name(s.c_str(), &p)) throw nb::value_error(("pack must be 'blocks' or 'planes', got " + s).c_str());
   return p;
 }
 
-TileShape check(WType wt, AType at, const Bytes& tiles, const VecF& x, int rows, int cols,
-                std::tuple<int, int> tile, int interleave, const std::string& pack) {
-  TileShape ts{std::get<0>(tile), std::get<1>(tile), interleave, parse_pack(pack)};
-  if (const char* err = check_tiling(wt, rows, cols, ts)) throw nb::value_error(err);
-  if (at != AType::F32 && !has_q8_path(wt)) throw nb::value_error("this weight type has no int8 activation path");
-  if (!gemv_fn(wt, at, Isa::Scalar, nullptr, ts.pack))
-    throw nb::value_error("no kernel for this weight type, activation and pack (q8x2: planes-packed q4_0, q4_1, q8_0)");
-  if (tiles.shape(0) != tiled_nbytes(wt, rows, cols))
-    throw nb::value_error(("tiles: expected " + std::to_string(tiled_nbytes(wt, rows, cols)) + " bytes, got " +
+// Checks shapes and returns the validated layout; x must have cols values.
+TileLayout check(BlockType bt, AType at, const Bytes& tiles, const VecF& x, int rows, int cols,
+                 std::tuple<int, int> tile, int interleave, const std::string& pack) {
+  const char* err = nullptr;
+  const TileLayout L =
+      tile_layout(bt, rows, cols, std::get<0>(tile), std::get<1>(tile), interleave, parse_pack(pack), &err);
+  if (err) throw nb::value_error(err);
+  if (at != AType::F32 && !has_int8_path(bt, false)) throw nb::value_error("this weight type has no int8 activation path");
+  if (!gemv_fn(bt, L.packing(), at, Isa::Scalar)) throw nb::value_error("no kernel for this weight type, activation and pack");
+  if (tiles.shape(0) != layout_nbytes(L))
+    throw nb::value_error(("tiles: expected " + std::to_string(layout_nbytes(L)) + " bytes, got " +
                            std::to_string(tiles.shape(0))).c_str());
   if (x.shape(0) != (size_t)cols) throw nb::value_error("x: expected cols values");
-  return ts;
+  return L;
 }
 
 // A pool of exactly n threads (the global one, resized when needed).
@@ -92,17 +93,17 @@ void bind_kernels(nb::module_& m) {
       "gemv",
       [](const std::string& wtype, Bytes tiles, VecF x, int rows, int cols, std::tuple<int, int> tile,
          int interleave, const std::string& act, std::optional<std::string> isa, int threads, const std::string& pack) {
-        const WType wt = parse_wtype(wtype);
+        const BlockType bt = parse_type(wtype);
         const AType at = parse_act(act);
-        const TileShape ts = check(wt, at, tiles, x, rows, cols, tile, interleave, pack);
+        const TileLayout L = check(bt, at, tiles, x, rows, cols, tile, interleave, pack);
         const Isa i = parse_isa(isa);
         ThreadPool* pool = pool_of(threads);
         OutF y = new_out(rows);
         {
           nb::gil_scoped_release nogil;
-          std::vector<uint8_t> xa(act_bytes(wt, at, cols));
-          prepare_act(wt, at, xa.data(), x.data(), cols);
-          cflow::gemv(wt, at, i, y.data(), xa.data(), tiles.data(), rows, cols, ts, pool);
+          std::vector<uint8_t> xa(act_bytes(bt, at, cols));
+          prepare_act(bt, at, xa.data(), x.data(), cols);
+          cflow::gemv(at, i, y.data(), xa.data(), tiles.data(), L, pool);
         }
         return y;
       },
@@ -116,10 +117,10 @@ void bind_kernels(nb::module_& m) {
       [](const std::string& wtype, Bytes tiles, VecF x, int ff, int cols, std::tuple<int, int> tile,
          int interleave, const std::string& glu, const std::string& act, std::optional<std::string> isa,
          int threads, const std::string& pack) {
-        const WType wt = parse_wtype(wtype);
+        const BlockType bt = parse_type(wtype);
         const AType at = parse_act(act);
-        const TileShape ts = check(wt, at, tiles, x, 2 * ff, cols, tile, interleave, pack);
-        if (ts.tr % 2) throw nb::value_error("gemv_glu: tile rows must be even");
+        const TileLayout L = check(bt, at, tiles, x, 2 * ff, cols, tile, interleave, pack);
+        if (L.tr % 2) throw nb::value_error("gemv_glu: tile rows must be even");
         Glu g;
         if (glu == "silu") g = Glu::Silu;
         else if (glu == "gelu_tanh") g = Glu::GeluTanh;
@@ -129,9 +130,9 @@ void bind_kernels(nb::module_& m) {
         OutF h = new_out(ff);
         {
           nb::gil_scoped_release nogil;
-          std::vector<uint8_t> xa(act_bytes(wt, at, cols));
-          prepare_act(wt, at, xa.data(), x.data(), cols);
-          cflow::gemv_glu(wt, at, i, g, h.data(), xa.data(), tiles.data(), ff, cols, ts, pool);
+          std::vector<uint8_t> xa(act_bytes(bt, at, cols));
+          prepare_act(bt, at, xa.data(), x.data(), cols);
+          cflow::gemv_glu(at, i, g, h.data(), xa.data(), tiles.data(), L, pool);
         }
         return h;
       },
@@ -145,20 +146,20 @@ void bind_kernels(nb::module_& m) {
       [](const std::string& wtype, Bytes tiles, VecF x, int rows, int cols, std::tuple<int, int> tile,
          int interleave, const std::string& act, std::optional<std::string> isa, int threads, int repeats,
          int warmup, const std::string& pack) {
-        const WType wt = parse_wtype(wtype);
+        const BlockType bt = parse_type(wtype);
         const AType at = parse_act(act);
-        const TileShape ts = check(wt, at, tiles, x, rows, cols, tile, interleave, pack);
+        const TileLayout L = check(bt, at, tiles, x, rows, cols, tile, interleave, pack);
         const Isa i = parse_isa(isa);
         ThreadPool* pool = pool_of(threads);
         std::vector<double> secs;
         {
           nb::gil_scoped_release nogil;
-          std::vector<uint8_t> xa(act_bytes(wt, at, cols));
+          std::vector<uint8_t> xa(act_bytes(bt, at, cols));
           std::vector<float> y(rows);
           for (int r = 0; r < warmup + repeats; ++r) {  // the first `warmup` passes are not timed
             const auto t0 = std::chrono::steady_clock::now();
-            prepare_act(wt, at, xa.data(), x.data(), cols);
-            cflow::gemv(wt, at, i, y.data(), xa.data(), tiles.data(), rows, cols, ts, pool);
+            prepare_act(bt, at, xa.data(), x.data(), cols);
+            cflow::gemv(at, i, y.data(), xa.data(), tiles.data(), L, pool);
             const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
             if (r >= warmup) secs.push_back(s);
           }
@@ -175,7 +176,7 @@ void bind_kernels(nb::module_& m) {
       "gemv_isa",
       [](const std::string& wtype, const std::string& act, std::optional<std::string> isa, const std::string& pack) {
         Isa used = Isa::Scalar;
-        if (!gemv_fn(parse_wtype(wtype), parse_act(act), parse_isa(isa), &used, parse_pack(pack)))
+        if (!gemv_fn(parse_type(wtype), parse_pack(pack), parse_act(act), parse_isa(isa), &used))
           throw nb::value_error("no kernel for this weight/activation pair");
         return std::string(isa_name(used));
       },

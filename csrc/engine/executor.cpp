@@ -21,16 +21,10 @@ namespace cflow {
 // What one thread, or the threads together, use inside an op.
 struct Scratch {
   std::vector<float> xn;             // (n, C) normalised input
-  std::vector<int8_t> q;             // (n, C) int8 input
-  std::vector<float> qd, qs;         // (n, C/32)
+  std::vector<uint8_t> qa;           // (n, levels) rows of int8 input (QActs; two levels: two_level ops)
   std::vector<float> y;              // (n, rows of a share) GEMM output before an epilogue
   std::vector<float> scores;         // (n_ctx,) attention scores
   std::vector<uint8_t> xa;           // one token's activation prepared for a GEMV kernel
-  // two-level activations: the residual x - d q (n, C), its int8 blocks, the second pass's output
-  std::vector<float> r;
-  std::vector<int8_t> q2;
-  std::vector<float> qd2, qs2, y2;
-  std::vector<uint8_t> xa2;
 };
 
 // One forward's pool, buffers and scratch, and the rows of its step.
@@ -55,9 +49,7 @@ struct Engine::Workspace {
 struct Engine::Input {
   const float* x = nullptr;
   int ldx = 0;
-  QActs qa;
-  QActs qa2;          // two-level: the residual's int8 blocks
-  bool two = false;   // qa2 is set
+  QActs qa;  // two_level: two levels
 };
 
 static void fail(const std::string& msg) { throw std::runtime_error(msg); }
@@ -306,76 +298,32 @@ Engine::Input Engine::prepare(Workspace& ws, const float* src, int lds, int n, i
     in.ldx = ldx;
   }
   if (q8) {
-    auto blocks = [&](QActs a, float* d, float* sum, int8_t* q) {
-      a.n = n;
-      a.cols = cols;
-      a.d = d;
-      a.s = sum;
-      a.q = q;
-      return a;
-    };
-    auto rows_of = [&](QActs a) {  // this thread's rows
-      a.d += (size_t)k0 * (cols / 32);
-      a.s += (size_t)k0 * (cols / 32);
-      a.q += (size_t)k0 * cols;
-      return a;
-    };
-    in.qa = blocks(in.qa, s.qd.data(), s.qs.data(), s.q.data());
-    QActs part = rows_of(in.qa);
+    in.qa.n = n;
+    in.qa.cols = cols;
+    in.qa.levels = precise ? 2 : 1;
+    if (one) grow(s.qa, in.qa.bytes());  // a private scratch; the shared one is sized by forward()
+    in.qa.data = s.qa.data();
+    QActs part = in.qa;  // this thread's rows
+    part.n = k1 - k0;
+    part.data = (uint8_t*)in.qa.row(k0);
     if (k1 > k0) quantize_acts(x + (size_t)k0 * ldx, ldx, k1 - k0, cols, part);
-    if (precise) {  // second level: the residual of each row's blocks, quantized again
-      if (one) {  // a private scratch; the shared one is sized by forward()
-        grow(s.r, (size_t)cols);
-        grow(s.q2, (size_t)cols);
-        grow(s.qd2, (size_t)cols / 32 + 1);
-        grow(s.qs2, (size_t)cols / 32 + 1);
-      }
-      in.qa2 = blocks(in.qa, s.qd2.data(), s.qs2.data(), s.q2.data());
-      in.two = true;
-      for (int k = k0; k < k1; ++k) {
-        const float* xk = x + (size_t)k * ldx;
-        float* rk = s.r.data() + (size_t)k * cols;
-        const float* dk = in.qa.d + (size_t)k * (cols / 32);
-        const int8_t* qk = in.qa.q + (size_t)k * cols;
-        for (int c = 0; c < cols; ++c) rk[c] = xk[c] - dk[c / 32] * qk[c];
-      }
-      QActs part2 = rows_of(in.qa2);
-      if (k1 > k0) quantize_acts(s.r.data() + (size_t)k0 * cols, cols, k1 - k0, cols, part2);
-    }
   }
   if (!one) ws.pool.barrier();
   return in;
 }
 
 // Decode reads each weight once for one token: the tile GEMV kernels (kernels.h), which split
-// work by whole stripes, are the bandwidth-bound path. int8 activations (block_q8a / block_q8_K)
-// on the fast path for quantized types, fp32 otherwise.
+// work by whole stripes, are the bandwidth-bound path. int8 activations (one or two levels,
+// AType::Q8 / Q8x2) on the fast path for quantized types, fp32 otherwise.
 GemvFn Engine::decode_gemv(Workspace& ws, const TileLayout& L, const float* x, int tid, const void** xa,
-                           bool precise, const void** xa2) {
-  const WType wt = static_cast<WType>(L.type);
-  const AType at = fast_ && has_q8_path(wt) ? AType::Q8 : AType::F32;
-  GemvFn fn = gemv_fn(wt, at, isa_, nullptr, static_cast<Pack>(L.pack));
-  *xa2 = nullptr;
+                           bool precise) {
+  const AType at = !fast_ || !has_int8_path(L.bt(), false) ? AType::F32 : precise ? AType::Q8x2 : AType::Q8;
+  GemvFn fn = gemv_fn(L.bt(), L.packing(), at, isa_);
   if (!fn) return nullptr;
   Scratch& s = *ws.priv[tid];
-  if (precise && at == AType::Q8) {  // both levels in one pass where a kernel takes them
-    if (GemvFn two = gemv_fn(wt, AType::Q8x2, isa_, nullptr, static_cast<Pack>(L.pack))) {
-      grow(s.xa, act_bytes(wt, AType::Q8x2, L.cols));
-      prepare_act(wt, AType::Q8x2, s.xa.data(), x, L.cols);
-      *xa = s.xa.data();
-      return two;
-    }
-  }
-  grow(s.xa, act_bytes(wt, at, L.cols));
-  prepare_act(wt, at, s.xa.data(), x, L.cols);
+  grow(s.xa, act_bytes(L.bt(), at, L.cols));
+  prepare_act(L.bt(), at, s.xa.data(), x, L.cols);
   *xa = s.xa.data();
-  if (precise && at == AType::Q8) {
-    grow(s.r, (size_t)L.cols);
-    grow(s.xa2, act_bytes(wt, at, L.cols));
-    act_residual(wt, s.xa.data(), x, L.cols, s.r.data());
-    prepare_act(wt, at, s.xa2.data(), s.r.data(), L.cols);
-    *xa2 = s.xa2.data();
-  }
   return fn;
 }
 
@@ -415,7 +363,7 @@ void Engine::run_op(const Embed& op, Workspace& ws, int tid) {
 void Engine::run_op(const Matmul& op, Workspace& ws, int tid) {
   const Weight& W = W_[op.weight];
   const TileLayout& L = W.L;
-  const int C = L.cols, R = L.rows, nth = ws.pool.size();
+  const int C = L.cols, nth = ws.pool.size();
   const int lds = plan_.buffers[op.src].width, ldd = plan_.buffers[op.dst].width;
   const float* src = ws.bufs[op.src].data();
   int n = ws.n;
@@ -432,12 +380,11 @@ void Engine::run_op(const Matmul& op, Workspace& ws, int tid) {
     n = m;
   }
   const bool one = n == 1;
-  const bool q8 = !one && fast_ && q8_supported(L.type);
+  const bool q8 = !one && fast_ && has_int8_path(L.bt(), true);
   const bool precise = fast_ && op.two_level;
   Input in = prepare(ws, src, lds, n, C, op.norm, q8, q8 && precise, tid);
   const void* xa = nullptr;
-  const void* xa2 = nullptr;
-  GemvFn gemv = one ? decode_gemv(ws, L, in.x, tid, &xa, precise, &xa2) : nullptr;
+  GemvFn gemv = one ? decode_gemv(ws, L, in.x, tid, &xa, precise) : nullptr;
   int r0, r1;
   if (gemv) stripe_share(L, tid, nth, &r0, &r1);
   else row_share(L, tid, nth, &r0, &r1);
@@ -451,17 +398,10 @@ void Engine::run_op(const Matmul& op, Workspace& ws, int tid) {
     y = s.y.data();
     ldy = r1 - r0;
   }
-  const TileShape ts{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)};
   if (gemv) {
-    gemv(y, xa, W.data, R, C, ts, r0, r1);
-    if (xa2) {
-      grow(s.y2, (size_t)(r1 - r0));
-      gemv(s.y2.data(), xa2, W.data, R, C, ts, r0, r1);
-      for (int r = 0; r < r1 - r0; ++r) y[r] += s.y2[r];
-    }
+    gemv(y, xa, W.data, L, r0, r1);
   } else if (q8) {
-    if (in.two) gemm_q8x2(L, W.data, r0, r1, in.qa, in.qa2, y, ldy);
-    else gemm_q8(L, W.data, r0, r1, in.qa, y, ldy);
+    gemm_q8(L, W.data, r0, r1, in.qa, y, ldy);
   } else {
     gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, y, ldy);
   }
@@ -490,13 +430,11 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
   const int nth = ws.pool.size();
   // One token with pieces of half a stripe: each piece pair is one stripe, a GEMV row range.
   const bool one = n == 1 && 2 * c == L.tr;
-  const bool q8 = !one && fast_ && q8_supported(L.type);
+  const bool q8 = !one && fast_ && has_int8_path(L.bt(), true);
   const bool precise = fast_ && op.two_level;
   Input in = prepare(ws, ws.bufs[op.src].data(), lds, n, C, op.norm, q8, q8 && precise, tid);
   const void* xa = nullptr;
-  const void* xa2 = nullptr;
-  GemvFn gemv = one ? decode_gemv(ws, L, in.x, tid, &xa, precise, &xa2) : nullptr;
-  const TileShape ts{L.tr, L.tc, L.g, static_cast<Pack>(L.pack)};
+  GemvFn gemv = one ? decode_gemv(ws, L, in.x, tid, &xa, precise) : nullptr;
   const int P = (F + c - 1) / c;
   const int p0 = (int)((int64_t)P * tid / nth), p1 = (int)((int64_t)P * (tid + 1) / nth);
   Scratch& s = *ws.priv[tid];
@@ -504,15 +442,9 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
   float* h = ws.bufs[op.dst].data();
   for (int p = p0; p < p1; ++p) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
-    if (gemv) gemv(s.y.data(), xa, W.data, L.rows, C, ts, r0, r1);
-    else if (q8 && in.two) gemm_q8x2(L, W.data, r0, r1, in.qa, in.qa2, s.y.data(), 2 * cp);
+    if (gemv) gemv(s.y.data(), xa, W.data, L, r0, r1);
     else if (q8) gemm_q8(L, W.data, r0, r1, in.qa, s.y.data(), 2 * cp);
     else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, s.y.data(), 2 * cp);
-    if (xa2) {  // two levels on a kernel without a one-pass form: the residual's pass, added
-      grow(s.y2, (size_t)2 * cp);
-      gemv(s.y2.data(), xa2, W.data, L.rows, C, ts, r0, r1);
-      for (int i = 0; i < 2 * cp; ++i) s.y[i] += s.y2[i];
-    }
     for (int k = 0; k < n; ++k) {
       const float* g = s.y.data() + (size_t)k * 2 * cp;
       act_mul(op.act, g, g + cp, h + (size_t)k * F + (size_t)p * c, cp);
@@ -691,23 +623,9 @@ void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logit
   const size_t maxc = (size_t)max_width_;
   grow(ws.gather, seqs.size() * maxc);
   grow(ws.prof, prof_.size());
-  Scratch& sh = ws.shared;
-  grow(sh.xn, n * maxc);
-  grow(sh.q, n * maxc);
-  grow(sh.qd, n * maxc / 32 + 1);
-  grow(sh.qs, n * maxc / 32 + 1);
-  if (any_precise_) {
-    grow(sh.r, n * maxc);
-    grow(sh.q2, n * maxc);
-    grow(sh.qd2, n * maxc / 32 + 1);
-    grow(sh.qs2, n * maxc / 32 + 1);
-  }
-  for (auto& s : ws.priv) {
-    grow(s->xn, maxc);
-    grow(s->q, maxc);
-    grow(s->qd, maxc / 32 + 1);
-    grow(s->qs, maxc / 32 + 1);
-  }
+  grow(ws.shared.xn, n * maxc);
+  grow(ws.shared.qa, n * (any_precise_ ? 2 : 1) * q8a_row_bytes(max_width_));
+  for (auto& s : ws.priv) grow(s->xn, maxc);
   try {
     ws.pool.run([this, &ws](int tid, int) { run(ws, tid); });
   } catch (...) {

@@ -1,82 +1,34 @@
-// Block-type metadata, activation quantization, kernel dispatch and the threaded drivers.
+// Block-type lookups, tile layouts, activation quantization, the kernel tables' dispatch and the
+// threaded GEMV drivers.
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "cflow/kernels.h"
+#include "cflow/ops.h"
 #include "cflow/planes.h"
 #include "cflow/threadpool.h"
 #include "isa_kernels.h"
 
 namespace cflow {
 
-namespace {
-struct TypeInfo {
-  WType wt;
-  const char* name;
-  int qk, bb;
-};
-constexpr TypeInfo kTypes[kNumWTypes] = {
-    {WType::F32, "f32", 1, 4},        {WType::F16, "f16", 1, 2},
-    {WType::Q4_0, "q4_0", 32, 18},    {WType::Q4_1, "q4_1", 32, 20},
-    {WType::Q5_0, "q5_0", 32, 22},    {WType::Q8_0, "q8_0", 32, 34},
-    {WType::Q4_K, "q4_k", 256, 144},  {WType::Q6_K, "q6_k", 256, 210},
-    {WType::BF16, "bf16", 1, 2},
-};
+// ---- block types and layouts ----
 
-const GemvTable kRefTable = {
-    {ref::gemv_f32_f32, nullptr},          {ref::gemv_f16_f32, nullptr},
-    {ref::gemv_q4_0_f32, ref::gemv_q4_0_q8}, {ref::gemv_q4_1_f32, ref::gemv_q4_1_q8},
-    {ref::gemv_q5_0_f32, ref::gemv_q5_0_q8}, {ref::gemv_q8_0_f32, ref::gemv_q8_0_q8},
-    {ref::gemv_q4_k_f32, ref::gemv_q4_k_q8}, {ref::gemv_q6_k_f32, ref::gemv_q6_k_q8},
-    {ref::gemv_bf16_f32, nullptr},
-};
-
-const GemvTable& ref_planes() {
-  static GemvTable t = {};
-  static const bool filled = [] {
-    auto set = [&](WType wt, GemvFn f32, GemvFn q8, GemvFn q8x2) {
-      t[wtype_index(wt)][0] = f32;
-      t[wtype_index(wt)][1] = q8;
-      t[wtype_index(wt)][2] = q8x2;
-    };
-    set(WType::Q4_0, ref::gemv_q4_0_f32_planes, ref::gemv_q4_0_q8_planes, ref::gemv_q4_0_q8x2_planes);
-    set(WType::Q4_1, ref::gemv_q4_1_f32_planes, ref::gemv_q4_1_q8_planes, ref::gemv_q4_1_q8x2_planes);
-    set(WType::Q8_0, ref::gemv_q8_0_f32_planes, ref::gemv_q8_0_q8_planes, ref::gemv_q8_0_q8x2_planes);
-    return true;
-  }();
-  (void)filled;
-  return t;
-}
-}  // namespace
-
-int wtype_index(WType wt) {
-  for (int i = 0; i < kNumWTypes; ++i)
-    if (kTypes[i].wt == wt) return i;
-  return -1;
+const char* block_name(BlockType bt) {
+  const BlockTraits* t = block_traits(bt);
+  return t ? t->name : "?";
 }
 
-int block_elems(WType wt) {
-  int i = wtype_index(wt);
-  return i < 0 ? 0 : kTypes[i].qk;
-}
-int block_bytes(WType wt) {
-  int i = wtype_index(wt);
-  return i < 0 ? 0 : kTypes[i].bb;
-}
-const char* wtype_name(WType wt) {
-  int i = wtype_index(wt);
-  return i < 0 ? "?" : kTypes[i].name;
-}
-bool wtype_from_name(const char* name, WType* out) {
-  for (const TypeInfo& t : kTypes)
+bool block_from_name(const char* name, BlockType* out) {
+  for (const BlockTraits& t : kBlockTypes)
     if (!std::strcmp(name, t.name)) {
-      *out = t.wt;
+      *out = t.type;
       return true;
     }
   return false;
 }
-bool has_q8_path(WType wt) { return block_elems(wt) > 1; }
+
+const char* pack_name(Pack pack) { return pack == Pack::Planes ? "planes" : "blocks"; }
 
 bool pack_from_name(const char* name, Pack* out) {
   for (Pack p : {Pack::Blocks, Pack::Planes})
@@ -86,177 +38,204 @@ bool pack_from_name(const char* name, Pack* out) {
     }
   return false;
 }
-const char* pack_name(Pack pack) { return pack == Pack::Planes ? "planes" : "blocks"; }
 
-size_t tiled_nbytes(WType wt, int rows, int cols) {
-  const int qk = block_elems(wt);
-  return qk ? (size_t)rows * (size_t)(cols / qk) * (size_t)block_bytes(wt) : 0;
+bool has_int8_path(BlockType bt, bool gemm) {
+  const BlockTraits* t = block_traits(bt);
+  return t && t->act != ActBlock::None && (!gemm || t->gemm_int8);
 }
 
-const char* check_tiling(WType wt, int rows, int cols, const TileShape& ts) {
-  const int qk = block_elems(wt);
-  if (!qk) return "unknown weight type";
-  if (rows <= 0 || cols <= 0) return "rows and cols must be positive";
-  if (cols % qk) return "cols is not a multiple of the block size";
-  if (ts.tr <= 0 || ts.tc <= 0 || ts.tc % qk) return "tile columns must be a positive multiple of the block size";
-  if (ts.g <= 0 || ts.tr % ts.g) return "interleave must divide the tile rows";
-  if (ts.pack == Pack::Planes) {
-    if (!planes_header(wt)) return "the planes pack exists only for q4_0, q4_1 and q8_0";
-    if (ts.g > kPlanesMaxG) return "the planes pack needs an interleave of at most 16";
-  } else if (ts.pack != Pack::Blocks) {
-    return "unknown pack";
-  }
-  return nullptr;
+bool make_layout(TileLayout& L, const char** err) {
+  const BlockTraits* t = block_traits(L.bt());
+  *err = nullptr;
+  if (!t) *err = "unsupported block type";
+  else if (L.rows <= 0 || L.cols <= 0) *err = "rows and cols must be positive";
+  else if (L.cols % t->elems) *err = "cols is not a multiple of the block size";
+  else if (L.tr <= 0 || L.tc <= 0 || L.tc % t->elems) *err = "tile columns must be a positive multiple of the block size";
+  else if (L.g <= 0 || L.tr % L.g) *err = "interleave must divide the tile rows";
+  else if (L.pack != (int)Pack::Blocks && L.pack != (int)Pack::Planes) *err = "unknown pack";
+  else if (L.planes() && !t->planes_header) *err = "the planes pack exists only for q4_0, q4_1 and q8_0";
+  else if (L.planes() && L.g > kPlanesMaxG) *err = "the planes pack needs an interleave of at most 16";
+  if (*err) return false;
+  L.qk = t->elems;
+  L.bb = t->bytes;
+  return true;
 }
 
-size_t act_bytes(WType wt, AType at, int cols) {
-  if (at == AType::F32) return (size_t)cols * sizeof(float);
-  if (at == AType::Q8x2) return 2 * act_bytes(wt, AType::Q8, cols);
-  if (block_elems(wt) == QK_K) return (size_t)(cols / QK_K) * sizeof(block_q8_K);
-  return (size_t)(cols / QK) * sizeof(block_q8a);
+TileLayout tile_layout(BlockType bt, int rows, int cols, int tr, int tc, int g, Pack pack, const char** err) {
+  TileLayout L;
+  L.type = (int)bt;
+  L.rows = rows;
+  L.cols = cols;
+  L.tr = tr;
+  L.tc = tc;
+  L.g = g;
+  L.pack = (int)pack;
+  make_layout(L, err);
+  return L;
 }
+
+size_t layout_nbytes(const TileLayout& L) { return (size_t)L.rows * (size_t)(L.cols / L.qk) * (size_t)L.bb; }
+
+// ---- activation quantization ----
+
+namespace ref {
+
+namespace {
+// One block of N activations -> q (round to nearest even); returns the scale d = max|x| / 127.
+template <int N>
+float quantize_block(const float* x, int8_t* q) {
+  float amax = 0.0f;
+  for (int j = 0; j < N; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+  const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+  for (int j = 0; j < N; ++j) q[j] = (int8_t)std::nearbyint(x[j] * id);
+  return d;
+}
+}  // namespace
 
 void quantize_q8a(block_q8a* xq, const float* x, int cols) {
+  q8a_sums* ls = q8a_sums_of(xq, cols);
   for (int b = 0; b < cols / QK; ++b, x += QK) {
     block_q8a& o = xq[b];
-    float amax = 0.0f;
-    for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(x[j]));
-    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    q8a_sums& l = ls[b];
+    o.d = quantize_block<QK>(x, o.qs);
     int sum = 0;
-    for (int j = 0; j < QK; ++j) {
-      o.qs[j] = (int8_t)std::nearbyint(x[j] * id);
-      sum += o.qs[j];
+    for (int k = 0; k < 8; ++k) {
+      l.lsum8[k] = o.qs[4 * k] + o.qs[4 * k + 1] + o.qs[4 * k + 2] + o.qs[4 * k + 3];
+      sum += l.lsum8[k];
     }
-    for (int k = 0; k < 8; ++k)
-      o.lsum8[k] = o.qs[4 * k] + o.qs[4 * k + 1] + o.qs[4 * k + 2] + o.qs[4 * k + 3];
-    for (int k = 0; k < 4; ++k) o.lsum4[k] = o.lsum8[k] + o.lsum8[k + 4];
-    o.d = d;
-    o.s = d * (float)sum;
+    for (int k = 0; k < 4; ++k) l.lsum4[k] = l.lsum8[k] + l.lsum8[k + 4];
+    o.s = o.d * (float)sum;
   }
 }
 
 void quantize_q8_K(block_q8_K* xq, const float* x, int cols) {
   for (int b = 0; b < cols / QK_K; ++b, x += QK_K) {
     block_q8_K& o = xq[b];
-    float amax = 0.0f;
-    for (int j = 0; j < QK_K; ++j) amax = std::fmax(amax, std::fabs(x[j]));
-    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-    for (int j = 0; j < QK_K; ++j) o.qs[j] = (int8_t)std::nearbyint(x[j] * id);
+    o.d = quantize_block<QK_K>(x, o.qs);
     for (int c = 0; c < 16; ++c) {
       int s = 0;
       for (int l = 0; l < 16; ++l) s += o.qs[16 * c + l];
       o.bsums[c] = (int16_t)s;
     }
-    o.d = d;
   }
 }
 
-void act_residual(WType wt, const void* xa, const float* x, int cols, float* r) {
-  if (block_elems(wt) == QK_K) {
-    const block_q8_K* b = (const block_q8_K*)xa;
-    for (int c = 0; c < cols; ++c) r[c] = x[c] - b[c / QK_K].d * b[c / QK_K].qs[c % QK_K];
-  } else {
-    const block_q8a* b = (const block_q8a*)xa;
-    for (int c = 0; c < cols; ++c) r[c] = x[c] - b[c / QK].d * b[c / QK].qs[c % QK];
-  }
+}  // namespace ref
+
+namespace {
+
+const KernelTable& best_table() {
+  static const KernelTable& t = kernel_table(best_isa());
+  return t;
 }
 
-void prepare_act(WType wt, AType at, void* xa, const float* x, int cols) {
-  if (at == AType::Q8x2) {  // level 1, then the int8 quantization of what it misses
-    prepare_act(wt, AType::Q8, xa, x, cols);
-    thread_local std::vector<float> r;
-    r.resize((size_t)cols);
-    act_residual(wt, xa, x, cols, r.data());
-    prepare_act(wt, AType::Q8, (uint8_t*)xa + act_bytes(wt, AType::Q8, cols), r.data(), cols);
-    return;
-  }
+size_t act_row_bytes(ActBlock ab, int cols) {
+  if (ab == ActBlock::Q8K) return (size_t)(cols / QK_K) * sizeof(block_q8_K);
+  return q8a_row_bytes(cols);
+}
+
+// r = x - (the values of the int8 row b): what one level misses.
+template <class B>
+void residual(const B* b, const float* x, int cols, float* r) {
+  constexpr int n = sizeof(b->qs);
+  for (int c = 0; c < cols; ++c) r[c] = x[c] - b[c / n].d * b[c / n].qs[c % n];
+}
+
+}  // namespace
+
+size_t act_bytes(BlockType bt, AType at, int cols) {
+  if (at == AType::F32) return (size_t)cols * sizeof(float);
+  return (at == AType::Q8x2 ? 2 : 1) * act_row_bytes(act_block(bt), cols);
+}
+
+void quantize_act(ActBlock ab, void* xa, const float* x, int cols, int levels) {
+  auto level = [&](void* out, const float* v) {
+    if (ab == ActBlock::Q8K) ref::quantize_q8_K((block_q8_K*)out, v, cols);
+    else best_table().quantize_q8a((block_q8a*)out, v, cols);
+  };
+  level(xa, x);
+  if (levels < 2) return;
+  thread_local std::vector<float> r;
+  r.resize((size_t)cols);
+  if (ab == ActBlock::Q8K) residual((const block_q8_K*)xa, x, cols, r.data());
+  else residual((const block_q8a*)xa, x, cols, r.data());
+  level((uint8_t*)xa + act_row_bytes(ab, cols), r.data());
+}
+
+void prepare_act(BlockType bt, AType at, void* xa, const float* x, int cols) {
   if (at == AType::F32) std::memcpy(xa, x, (size_t)cols * sizeof(float));
-  else if (block_elems(wt) == QK_K) quantize_q8_K((block_q8_K*)xa, x, cols);
-  else quantize_q8a((block_q8a*)xa, x, cols);
+  else quantize_act(act_block(bt), xa, x, cols, at == AType::Q8x2 ? 2 : 1);
 }
 
-GemvFn gemv_fn(WType wt, AType at, Isa isa, Isa* used, Pack pack) {
-  const bool planes = pack == Pack::Planes;
-  const GemvTable& ref = planes ? ref_planes() : kRefTable;
-  const int i = wtype_index(wt), a = (int)at;
-  if (i < 0 || a < 0 || a > 2 || !ref[i][a]) return nullptr;
+void quantize_acts(const float* x, int ldx, int n, int cols, QActs& out) {
+  for (int k = 0; k < n; ++k) quantize_act(ActBlock::Q8a, out.row(k), x + (size_t)k * ldx, cols, out.levels);
+}
+
+// ---- dispatch ----
+
+const KernelTable& kernel_table(Isa isa) {
 #if defined(CFLOW_X86)
-  const GemvTable& t512 = planes ? gemv_planes_avx512() : gemv_table_avx512();
-  if (isa == Isa::Avx512 && isa_supported(Isa::Avx512) && t512[i][a]) {
-    if (used) *used = Isa::Avx512;
-    return t512[i][a];
-  }
-  const GemvTable& t2 = planes ? gemv_planes_avx2() : gemv_table_avx2();
-  if (isa >= Isa::Avx2 && isa_supported(Isa::Avx2) && t2[i][a]) {
-    if (used) *used = Isa::Avx2;
-    return t2[i][a];
-  }
+  if (isa == Isa::Avx512) return kernel_table_avx512();
+  if (isa == Isa::Avx2) return kernel_table_avx2();
 #endif
-  if (used) *used = Isa::Scalar;
-  return ref[i][a];
+  return kernel_table_scalar();
 }
 
-void unpack_planes(WType wt, const uint8_t* src, uint8_t* dst, int nr, int cols, const TileShape& ts) {
-  const int qk = block_elems(wt), bb = block_bytes(wt), hdr = planes_header(wt);
-  const int nbr = cols / qk, bpt = ts.tc / qk;
+GemvFn gemv_fn(BlockType bt, Pack pack, AType at, Isa isa, Isa* used) {
+  const int i = block_index(bt), p = (int)pack, a = (int)at;
+  if (i < 0 || p < 0 || p > 1 || a < 0 || a > 2) return nullptr;
+  return lookup(isa, used, [&](const KernelTable& t) { return t.gemv[i][p][a]; });
+}
+
+void unpack_planes(const TileLayout& L, const uint8_t* src, uint8_t* dst, int nr) {
+  const int hdr = planes_header(L.bt()), nbr = L.cols / L.qk, bpt = L.tc / L.qk, bb = L.bb;
   size_t off = 0;  // chunks follow one another in payload order: tile, group, column block
   for (int cb0 = 0; cb0 < nbr; cb0 += bpt) {
-    const int nb = nbr - cb0 < bpt ? nbr - cb0 : bpt;
-    for (int g0 = 0; g0 < nr; g0 += ts.g) {
-      const int gg = nr - g0 < ts.g ? nr - g0 : ts.g;
+    const int nb = std::min(bpt, nbr - cb0);
+    for (int g0 = 0; g0 < nr; g0 += L.g) {
+      const int gg = std::min(L.g, nr - g0);
       for (int b = 0; b < nb; ++b, off += (size_t)gg * bb)
         for (int i = 0; i < gg; ++i) planes_get(src + off, gg, i, hdr, bb, dst + off + (size_t)i * bb);
     }
   }
 }
 
-void gemv(WType wt, AType at, Isa isa, float* y, const void* x, const uint8_t* w, int rows,
-          int cols, const TileShape& ts, ThreadPool* pool) {
-  GemvFn fn = gemv_fn(wt, at, isa, nullptr, ts.pack);
-  if (!fn) return;
-  const int n_stripes = (rows + ts.tr - 1) / ts.tr;
-  auto body = [&](int s0, int s1) {
-    const int r0 = s0 * ts.tr, r1 = s1 * ts.tr < rows ? s1 * ts.tr : rows;
-    fn(y + r0, x, w, rows, cols, ts, r0, r1);
-  };
-  if (!pool || pool->size() == 1) body(0, n_stripes);
-  else pool->parallel_for(n_stripes, 1, body);
-}
+// ---- threaded drivers ----
 
 namespace {
-inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
-inline float gelu_tanh(float g) {
-  const float c = 0.7978845608028654f;  // sqrt(2/pi)
-  return 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g)));
+// Runs body(s0, s1) over the stripes of L, split over the pool.
+template <class Body>
+void over_stripes(const TileLayout& L, ThreadPool* pool, Body&& body) {
+  const int n_stripes = (L.rows + L.tr - 1) / L.tr;
+  if (!pool || pool->size() == 1) body(0, n_stripes);
+  else pool->parallel_for(n_stripes, 1, body);
 }
 }  // namespace
 
-void gemv_glu(WType wt, AType at, Isa isa, Glu act, float* out, const void* x, const uint8_t* w,
-              int ff, int cols, const TileShape& ts, ThreadPool* pool) {
-  GemvFn fn = gemv_fn(wt, at, isa, nullptr, ts.pack);
+void gemv(AType at, Isa isa, float* y, const void* x, const uint8_t* w, const TileLayout& L, ThreadPool* pool) {
+  GemvFn fn = gemv_fn(L.bt(), L.packing(), at, isa);
   if (!fn) return;
-  const int rows = 2 * ff, h = ts.tr / 2;
-  const int n_stripes = (rows + ts.tr - 1) / ts.tr;
-  auto body = [&](int s0, int s1) {
-    float buf[1024];
-    std::vector<float> big;
-    float* gu = buf;
-    if (ts.tr > 1024) {
-      big.resize(ts.tr);
-      gu = big.data();
-    }
+  over_stripes(L, pool, [&](int s0, int s1) {
+    const int r0 = s0 * L.tr, r1 = std::min(s1 * L.tr, L.rows);
+    fn(y + r0, x, w, L, r0, r1);
+  });
+}
+
+void gemv_glu(AType at, Isa isa, Glu act, float* out, const void* x, const uint8_t* w, const TileLayout& L,
+              ThreadPool* pool) {
+  GemvFn fn = gemv_fn(L.bt(), L.packing(), at, isa);
+  if (!fn) return;
+  const int h = L.tr / 2;
+  over_stripes(L, pool, [&](int s0, int s1) {
+    std::vector<float> gu((size_t)L.tr);
     for (int s = s0; s < s1; ++s) {
-      const int r0 = s * ts.tr, nr = rows - r0 < ts.tr ? rows - r0 : ts.tr, half = nr / 2;
-      fn(gu, x, w, rows, cols, ts, r0, r0 + nr);  // gu: gate (half) then up (half)
+      const int r0 = s * L.tr, nr = std::min(L.rows - r0, L.tr), half = nr / 2;
+      fn(gu.data(), x, w, L, r0, r0 + nr);  // gu: gate (half) then up (half)
       float* o = out + (size_t)s * h;
-      if (act == Glu::Silu)
-        for (int i = 0; i < half; ++i) o[i] = silu(gu[i]) * gu[half + i];
-      else
-        for (int i = 0; i < half; ++i) o[i] = gelu_tanh(gu[i]) * gu[half + i];
+      if (act == Glu::Silu) swiglu(o, gu.data(), gu.data() + half, half);
+      else geglu(o, gu.data(), gu.data() + half, half);
     }
-  };
-  if (!pool || pool->size() == 1) body(0, n_stripes);
-  else pool->parallel_for(n_stripes, 1, body);
+  });
 }
 
 }  // namespace cflow

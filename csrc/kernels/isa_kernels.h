@@ -1,25 +1,79 @@
-// Internal: the per-ISA kernel tables (defined in x86/avx2 and x86/avx512, compiled with their
-// ISA flags, called only after cpu.h says the ISA is there).
+// Internal: the per-ISA kernel tables (kernels.h KernelTable) and the helpers that fill and
+// read them. The x86/avx2 and x86/avx512 tables are compiled with their ISA flags and called
+// only after cpu.h says the ISA is there.
 #pragma once
+#include <initializer_list>
+
 #include "cflow/gemm.h"
 #include "cflow/kernels.h"
+#include "cflow/planes.h"
 
 namespace cflow {
 
-// Index of a weight type in the kernel tables (0 .. kNumWTypes-1).
-constexpr int kNumWTypes = 9;
-int wtype_index(WType wt);
+const KernelTable& kernel_table_scalar();  // gemv_ref.cpp
+const KernelTable& kernel_table_avx2();    // x86/avx2/gemv_avx2.cpp
+const KernelTable& kernel_table_avx512();  // x86/avx512/gemv_avx512.cpp
+// The GEMM entries of an ISA's table (x86/<isa>/gemm_<isa>.cpp, from x86/gemm_simd.h).
+namespace avx2 { void fill_gemm(KernelTable& t); }
+namespace avx512 { void fill_gemm(KernelTable& t); }
 
-// table[wtype_index][(int)AType]; nullptr where the ISA has no kernel (scalar is used).
-using GemvTable = GemvFn[kNumWTypes][3];  // [type][AType]
-const GemvTable& gemv_table_avx2();
-const GemvTable& gemv_table_avx512();
-// The same for planes-packed weights (entries only for the types that have the pack).
-const GemvTable& gemv_planes_avx2();
-const GemvTable& gemv_planes_avx512();
+// get(table) of the best ISA at or below `isa` that this CPU runs and whose entry is set;
+// *used (optional) receives that ISA. nullptr when none has one.
+template <class Get>
+auto lookup(Isa isa, Isa* used, Get&& get) -> decltype(get(kernel_table_scalar())) {
+  for (int k = (int)isa; k >= 0; --k) {
+    const Isa i = static_cast<Isa>(k);
+    if (!isa_supported(i)) continue;
+    if (auto f = get(kernel_table(i))) {
+      if (used) *used = i;
+      return f;
+    }
+  }
+  return nullptr;
+}
 
-// The GEMM tables (cflow/gemm.h).
-const GemmTable& gemm_table_avx2();
-const GemmTable& gemm_table_avx512();
+// A table of `isa` made by the fill functions, in order (later ones may replace entries).
+inline KernelTable make_table(Isa isa, std::initializer_list<void (*)(KernelTable&)> fills) {
+  KernelTable t{};
+  t.isa = isa;
+  for (auto fill : fills) fill(t);
+  return t;
+}
+
+// The activation rows of tokens k0 .. k0+NT-1 of x: rows[t][l] = x.row(k0 + t, l), l < levels.
+template <int NT>
+inline void token_rows(const QActs& x, int k0, const block_q8a* (&rows)[NT][2]) {
+  for (int t = 0; t < NT; ++t)
+    for (int l = 0; l < 2; ++l) rows[t][l] = l < x.levels ? x.row(k0 + t, l) : nullptr;
+}
+
+// The activation side of an int8 GEMM kernel at column block cb of one token (rows: its
+// token_rows), summed over the levels (TWO: both): returns the sum of scaled(a) over its blocks
+// a (scaled: the ISA's d_x * the int32 dots with a) and sets sx to the sum of their s_x.
+template <bool TWO, class Scaled>
+inline auto over_levels(const block_q8a* const* rows, int cb, float& sx, Scaled&& scaled) {
+  const block_q8a& a = rows[0][cb];
+  auto f = scaled(a);
+  sx = a.s;
+  if constexpr (TWO) {
+    const block_q8a& a2 = rows[1][cb];
+    f = f + scaled(a2);
+    sx += a2.s;
+  }
+  return f;
+}
+
+// Table entries of block type bt: the fp32 GEMV F of whole blocks (and, for a type with a planes
+// pack, F after unpacking); the int8 GEMV Q of `pack` with its two-level form (two passes).
+template <GemvFn F>
+void set_gemv_f32(KernelTable& t, BlockType bt) {
+  t.gemv[block_index(bt)][(int)Pack::Blocks][(int)AType::F32] = F;
+  if (planes_header(bt)) t.gemv[block_index(bt)][(int)Pack::Planes][(int)AType::F32] = gemv_unpacked<F>;
+}
+template <GemvFn Q>
+void set_gemv_q8(KernelTable& t, BlockType bt, Pack pack = Pack::Blocks) {
+  t.gemv[block_index(bt)][(int)pack][(int)AType::Q8] = Q;
+  t.gemv[block_index(bt)][(int)pack][(int)AType::Q8x2] = gemv_two_levels<Q>;
+}
 
 }  // namespace cflow

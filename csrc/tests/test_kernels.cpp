@@ -16,13 +16,26 @@ using namespace cflow;
 
 namespace {
 
+// A tiling to test: tile rows and columns, interleave, pack.
+struct Tiling {
+  int tr = 128, tc = 256, g = 1;
+  Pack pack = Pack::Blocks;
+};
+
+TileLayout layout(BlockType wt, int rows, int cols, const Tiling& ts) {
+  const char* err = nullptr;
+  const TileLayout L = tile_layout(wt, rows, cols, ts.tr, ts.tc, ts.g, ts.pack, &err);
+  if (err) std::fprintf(stderr, "bad test layout: %s\n", err);
+  return L;
+}
+
 std::mt19937_64& rng() {
   static std::mt19937_64 r(1234);
   return r;
 }
 
 // Random row-major encoded matrix (rows, cols): random bytes with sane scales (|d| ~ 1e-2).
-std::vector<uint8_t> random_rows(WType wt, int rows, int cols) {
+std::vector<uint8_t> random_rows(BlockType wt, int rows, int cols) {
   const int bb = block_bytes(wt), qk = block_elems(wt);
   const size_t nblk = (size_t)rows * (cols / qk);
   std::vector<uint8_t> m(nblk * bb);
@@ -33,24 +46,24 @@ std::vector<uint8_t> random_rows(WType wt, int rows, int cols) {
     uint8_t* p = m.data() + i * bb;
     auto put16 = [](uint8_t* q, uint16_t v) { std::memcpy(q, &v, 2); };
     switch (wt) {
-      case WType::F32: {
+      case BlockType::F32: {
         float f = u(rng());
         std::memcpy(p, &f, 4);
         break;
       }
-      case WType::F16: put16(p, f32_to_fp16(u(rng()))); break;
-      case WType::BF16: put16(p, f32_to_bf16(u(rng()))); break;
-      case WType::Q4_0: case WType::Q5_0: case WType::Q8_0: put16(p, f32_to_fp16(0.01f * u(rng()))); break;
-      case WType::Q4_1: put16(p, f32_to_fp16(0.01f * u(rng()))); put16(p + 2, f32_to_fp16(0.05f * u(rng()))); break;
-      case WType::Q4_K: put16(p, f32_to_fp16(0.001f * u(rng()))); put16(p + 2, f32_to_fp16(0.001f * u(rng()))); break;
-      case WType::Q6_K: put16(p + 208, f32_to_fp16(0.001f * u(rng()))); break;
+      case BlockType::F16: put16(p, f32_to_fp16(u(rng()))); break;
+      case BlockType::BF16: put16(p, f32_to_bf16(u(rng()))); break;
+      case BlockType::Q4_0: case BlockType::Q5_0: case BlockType::Q8_0: put16(p, f32_to_fp16(0.01f * u(rng()))); break;
+      case BlockType::Q4_1: put16(p, f32_to_fp16(0.01f * u(rng()))); put16(p + 2, f32_to_fp16(0.05f * u(rng()))); break;
+      case BlockType::Q4_K: put16(p, f32_to_fp16(0.001f * u(rng()))); put16(p + 2, f32_to_fp16(0.001f * u(rng()))); break;
+      case BlockType::Q6_K: put16(p + 208, f32_to_fp16(0.001f * u(rng()))); break;
     }
   }
   return m;
 }
 
 // Tiled payload of a row-major matrix (the permutation of format/tiles.py).
-std::vector<uint8_t> pack(WType wt, const std::vector<uint8_t>& rm, int rows, int cols, const TileShape& ts) {
+std::vector<uint8_t> pack(BlockType wt, const std::vector<uint8_t>& rm, int rows, int cols, const Tiling& ts) {
   const int bb = block_bytes(wt), qk = block_elems(wt), nbr = cols / qk, bpt = ts.tc / qk;
   std::vector<uint8_t> out(rm.size());
   size_t o = 0;
@@ -80,7 +93,7 @@ std::vector<float> random_x(int n) {
 }
 
 // Plain reference in double: y = deq(W) x, and the scale sum_j |w_ij x_j| per row.
-void naive(WType wt, const std::vector<uint8_t>& rm, int rows, int cols, const std::vector<float>& x,
+void naive(BlockType wt, const std::vector<uint8_t>& rm, int rows, int cols, const std::vector<float>& x,
            std::vector<double>& y, std::vector<double>& scale) {
   const int nbr = cols / block_elems(wt);
   std::vector<float> wr(cols);
@@ -95,26 +108,27 @@ void naive(WType wt, const std::vector<uint8_t>& rm, int rows, int cols, const s
   }
 }
 
-const WType kAll[] = {WType::F32, WType::F16, WType::BF16, WType::Q4_0, WType::Q4_1,
-                      WType::Q5_0, WType::Q8_0, WType::Q4_K, WType::Q6_K};
+const BlockType kAll[] = {BlockType::F32, BlockType::F16, BlockType::BF16, BlockType::Q4_0, BlockType::Q4_1,
+                      BlockType::Q5_0, BlockType::Q8_0, BlockType::Q4_K, BlockType::Q6_K};
 
 }  // namespace
 
 TEST(scalar_reference_matches_naive_dot) {
-  for (WType wt : kAll) {
+  for (BlockType wt : kAll) {
     const int qk = block_elems(wt);
     const int rows = 131, cols = qk == 256 ? 768 : 288;  // ragged stripe and column tile
-    TileShape ts{128, 256, 4};
+    Tiling ts{128, 256, 4};
     auto rm = random_rows(wt, rows, cols);
     auto tiled = pack(wt, rm, rows, cols, ts);
     auto x = random_x(cols);
     std::vector<double> yn, sc;
     naive(wt, rm, rows, cols, x, yn, sc);
     std::vector<float> y(rows);
-    gemv_fn(wt, AType::F32, Isa::Scalar)(y.data(), x.data(), tiled.data(), rows, cols, ts, 0, rows);
+    gemv_fn(wt, Pack::Blocks, AType::F32, Isa::Scalar)(y.data(), x.data(), tiled.data(), layout(wt, rows, cols, ts), 0,
+                                                       rows);
     bool ok = true;
     for (int r = 0; r < rows; ++r) ok &= std::fabs(y[r] - yn[r]) <= 1e-5 * sc[r] + 1e-30;
-    if (!ok) std::fprintf(stderr, "type %s\n", wtype_name(wt));
+    if (!ok) std::fprintf(stderr, "type %s\n", block_name(wt));
     CHECK(ok);
   }
 }
@@ -122,7 +136,7 @@ TEST(scalar_reference_matches_naive_dot) {
 namespace {
 // Compares the kernel of `isa` for (wt, at) with the scalar kernel of the same pair:
 // |y - y_ref| <= 1e-5 * sum_j |w_ij x_j| per row (the fp32 rounding scale of a dot product).
-bool compare_isa(WType wt, AType at, Isa isa, int rows, int cols, const TileShape& ts) {
+bool compare_isa(BlockType wt, AType at, Isa isa, int rows, int cols, const Tiling& ts) {
   auto rm = random_rows(wt, rows, cols);
   auto tiled = pack(wt, rm, rows, cols, ts);
   auto x = random_x(cols);
@@ -131,18 +145,19 @@ bool compare_isa(WType wt, AType at, Isa isa, int rows, int cols, const TileShap
   std::vector<double> yn, sc;
   naive(wt, rm, rows, cols, x, yn, sc);
   std::vector<float> y(rows, NAN), yr(rows, NAN);
-  gemv_fn(wt, at, Isa::Scalar, nullptr, ts.pack)(yr.data(), xa.data(), tiled.data(), rows, cols, ts, 0, rows);
+  const TileLayout L = layout(wt, rows, cols, ts);
+  gemv_fn(wt, ts.pack, at, Isa::Scalar)(yr.data(), xa.data(), tiled.data(), L, 0, rows);
   // two halves on stripe boundaries, as two threads would run them
   const int mid = ((rows / ts.tr) / 2) * ts.tr;
   Isa used = Isa::Scalar;
-  GemvFn fn = gemv_fn(wt, at, isa, &used, ts.pack);
+  GemvFn fn = gemv_fn(wt, ts.pack, at, isa, &used);
   if (used != isa) {  // every pair has its own kernel on every ISA
-    std::fprintf(stderr, "%s %s: asked %s, runs %s\n", wtype_name(wt), at == AType::F32 ? "f32" : "q8",
+    std::fprintf(stderr, "%s %s: asked %s, runs %s\n", block_name(wt), at == AType::F32 ? "f32" : at == AType::Q8 ? "q8" : "q8x2",
                  isa_name(isa), isa_name(used));
     return false;
   }
-  fn(y.data(), xa.data(), tiled.data(), rows, cols, ts, 0, mid);
-  fn(y.data() + mid, xa.data(), tiled.data(), rows, cols, ts, mid, rows);
+  fn(y.data(), xa.data(), tiled.data(), L, 0, mid);
+  fn(y.data() + mid, xa.data(), tiled.data(), L, mid, rows);
   bool ok = true;
   double worst = 0.0;
   if (ts.pack == Pack::Planes && at == AType::F32)  // the planes scalar path is the whole-block one
@@ -154,8 +169,8 @@ bool compare_isa(WType wt, AType at, Isa isa, int rows, int cols, const TileShap
   if (!ok)
     std::fprintf(stderr, "worst |y - y_ref| / sum|w x| = %.3g; ", worst);
   if (!ok)
-    std::fprintf(stderr, "mismatch: %s %s %s rows=%d cols=%d tile=(%d,%d,g=%d)\n", wtype_name(wt),
-                 at == AType::F32 ? "f32" : "q8", isa_name(isa), rows, cols, ts.tr, ts.tc, ts.g);
+    std::fprintf(stderr, "mismatch: %s %s %s rows=%d cols=%d tile=(%d,%d,g=%d)\n", block_name(wt),
+                 at == AType::F32 ? "f32" : at == AType::Q8 ? "q8" : "q8x2", isa_name(isa), rows, cols, ts.tr, ts.tc, ts.g);
   if (!ok && ts.pack == Pack::Planes) std::fprintf(stderr, "  (planes pack)\n");
   return ok;
 }
@@ -165,22 +180,22 @@ TEST(simd_paths_match_scalar_on_ragged_shapes) {
   std::uniform_int_distribution<int> ri(1, 300);
   for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
     if (!isa_supported(isa)) continue;
-    for (WType wt : kAll) {
+    for (BlockType wt : kAll) {
       const int qk = block_elems(wt);
-      for (AType at : {AType::F32, AType::Q8}) {
-        if (at == AType::Q8 && !has_q8_path(wt)) continue;
+      for (AType at : {AType::F32, AType::Q8, AType::Q8x2}) {
+        if (at != AType::F32 && !has_int8_path(wt, false)) continue;
         for (int g : {1, 2, 4, 8, 16}) {
           const int rows = ri(rng());
           const int cols = qk == 1 ? ri(rng()) + 7 : qk * (1 + ri(rng()) % (qk == 256 ? 5 : 20));
           const int tc = qk == 256 ? 256 : (g % 2 ? 256 : 128);
-          CHECK(compare_isa(wt, at, isa, rows, cols, TileShape{128, tc, g}));
+          CHECK(compare_isa(wt, at, isa, rows, cols, Tiling{128, tc, g}));
         }
-        CHECK(compare_isa(wt, at, isa, 100, qk == 1 ? 300 : 8 * qk, TileShape{32, qk == 256 ? 512 : 64, 32}));
-        CHECK(compare_isa(wt, at, isa, 259, qk == 256 ? 1024 : 640, TileShape{128, qk == 256 ? 1024 : 640, 1}));
+        CHECK(compare_isa(wt, at, isa, 100, qk == 1 ? 300 : 8 * qk, Tiling{32, qk == 256 ? 512 : 64, 32}));
+        CHECK(compare_isa(wt, at, isa, 259, qk == 256 ? 1024 : 640, Tiling{128, qk == 256 ? 1024 : 640, 1}));
         if (!planes_header(wt)) continue;
         for (int g : {1, 4, 12, 16}) {  // the planes pack: full and ragged groups of up to 16 rows
           const int rows = ri(rng());
-          CHECK(compare_isa(wt, at, isa, rows, qk * (1 + ri(rng()) % 20), TileShape{96, 256, g, Pack::Planes}));
+          CHECK(compare_isa(wt, at, isa, rows, qk * (1 + ri(rng()) % 20), Tiling{96, 256, g, Pack::Planes}));
         }
       }
     }

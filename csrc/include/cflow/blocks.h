@@ -1,5 +1,5 @@
 // Block encodings of weights and activations, bit-identical to GGML's (ggml-common.h), plus
-// the int8 activation blocks of cflow's fast GEMV path. Every struct has its size asserted:
+// the int8 activation blocks of cflow's fast paths. Every struct has its size asserted:
 // the tiled payload of src/cflow/format/tiles.py is an array of these blocks.
 #pragma once
 #include <cstdint>
@@ -70,18 +70,30 @@ static_assert(sizeof(block_q6_K) == 210, "block_q6_K must be 210 bytes");
 // ---- int8 activation blocks (the fast path quantizes x once per op) ----
 
 // One block of 32 activations, x[i] ~= d * qs[i], d = max|x| / 127 (float, not fp16, so the
-// only activation error is the rounding of x/d). The sums let SIMD kernels use unsigned x
-// signed dot products (vpdpbusd) on offset weights: sum of the 32 q (s = d * sum), and the
-// sums of the 4-byte lanes as a 256-bit register sees them (lsum8[k] = q[4k..4k+3]) and as a
-// 128-bit lo/hi nibble pair sees them (lsum4[k] = lsum8[k] + lsum8[k+4]).
+// only activation error is the rounding of x/d); s = d * (sum of the 32 q) folds the weight
+// offsets of Q4_0 / Q4_1 / Q5_0.
 struct block_q8a {
+  int8_t qs[QK];
   float d;
   float s;  // d * sum(qs)
+};
+static_assert(sizeof(block_q8a) == 40, "block_q8a must be 40 bytes");
+
+// The lane sums of one block_q8a, which let the GEMV kernels use unsigned x signed dot products
+// (vpdpbusd) on offset weights: the sums of the 4-byte lanes as a 256-bit register sees them
+// (lsum8[k] = q[4k..4k+3]) and as a 128-bit lo/hi nibble pair sees them (lsum4[k] = lsum8[k] +
+// lsum8[k+4]). A row of n activation blocks is the n block_q8a, then their n q8a_sums: the GEMM,
+// which reads qs, d and s of many tokens, touches 40 bytes a block.
+struct q8a_sums {
   int32_t lsum4[4];
   int32_t lsum8[8];
-  int8_t qs[QK];
 };
-static_assert(sizeof(block_q8a) == 88, "block_q8a must be 88 bytes");
+static_assert(sizeof(q8a_sums) == 48, "q8a_sums must be 48 bytes");
+
+// Bytes of one row of cols activations (cols % 32 == 0), and the sums of a row.
+constexpr size_t q8a_row_bytes(int cols) { return (size_t)(cols / QK) * (sizeof(block_q8a) + sizeof(q8a_sums)); }
+inline q8a_sums* q8a_sums_of(block_q8a* row, int cols) { return (q8a_sums*)(row + cols / QK); }
+inline const q8a_sums* q8a_sums_of(const block_q8a* row, int cols) { return (const q8a_sums*)(row + cols / QK); }
 
 // One super-block of 256 activations for the K-quants (GGML's block_q8_K): x ~= d * qs,
 // bsums[j] = sum of qs[16j .. 16j+15].

@@ -92,10 +92,9 @@ class Engine {
   struct Input;
   Input prepare(Workspace& ws, const float* src, int lds, int n, int cols, int norm, bool q8, bool precise, int tid);
   // One token: the tile GEMV kernel for W (kernels.h) with x prepared for it in thread tid's
-  // scratch (*xa; with precise and no one-pass kernel, the residual's in *xa2), or nullptr when
-  // none applies (the GEMM path runs).
-  GemvFn decode_gemv(Workspace& ws, const TileLayout& L, const float* x, int tid, const void** xa, bool precise,
-                     const void** xa2);
+  // scratch (*xa: one or, with precise, two int8 levels), or nullptr when none applies (the
+  // GEMM path runs).
+  GemvFn decode_gemv(Workspace& ws, const TileLayout& L, const float* x, int tid, const void** xa, bool precise);
   void rmsnorm(const float* x, const float* w, int cols, float* out) const;
   const float* vec(int tensor) const { return vecs_[tensor].data(); }  // norms, biases
   void rope(float* x, int head_dim, float theta, int pos) const;

@@ -18,18 +18,6 @@
 
 namespace cflow {
 
-// Header bytes of a block type that has a planes pack (Q4_0 2, Q4_1 4, Q8_0 2); 0 for others.
-constexpr int planes_header(WType wt) {
-  switch (wt) {
-    case WType::Q4_0: return 2;
-    case WType::Q8_0: return 2;
-    case WType::Q4_1: return 4;
-    default: return 0;
-  }
-}
-
-constexpr int kPlanesMaxG = 16;  // the planes pack is defined for interleave groups of <= 16 rows
-
 // Block i of a chunk of g blocks (header hdr bytes, bb bytes per block) <-> whole block bytes.
 inline void planes_get(const uint8_t* chunk, int g, int i, int hdr, int bb, uint8_t* block) {
   for (int h = 0; h < hdr / 2; ++h) std::memcpy(block + 2 * h, chunk + 2 * (h * g + i), 2);
@@ -59,36 +47,46 @@ inline void planes_prefetch(const uint8_t* chunk, size_t n) {
   for (size_t o = 0; o < n; o += 64) __builtin_prefetch(chunk + kPrefetchAhead + o, 0, 3);
 }
 
-// The planes-packed GEMV made from a whole-block kernel F of the same type and activation:
-// stripe by stripe, unpack_planes into a per-thread buffer, then F on that one stripe. The
-// fp32-activation path and the scalar reference take this form.
-template <WType WT, GemvFn F>
-void gemv_unpacked(float* y, const void* x, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                   int row_begin, int row_end) {
+// Calls f(S, ws, lo, hi, ys) for each stripe met by rows [r0, r1) of a planes-packed L, with
+// S the stripe as a whole-block matrix of its own (ws: a per-thread buffer), rows [lo, hi) of
+// it, and ys = y + (the output offset of its row lo). The GEMV and GEMM of a type's whole blocks
+// read planes this way where no kernel reads the pack itself (the fp32 paths, the references).
+template <class F>
+void for_unpacked_stripes(const TileLayout& L, const uint8_t* w, int r0, int r1, float* y, F&& f) {
   thread_local std::vector<uint8_t> buf;
-  const size_t row_bytes = (size_t)(cols / block_elems(WT)) * block_bytes(WT);
-  TileShape whole = ts;
-  whole.pack = Pack::Blocks;
-  row_end = std::min(row_end, rows);
-  for (int r0 = row_begin; r0 < row_end; r0 += ts.tr) {
-    const int nr = std::min(ts.tr, rows - r0);
+  const size_t row_bytes = (size_t)(L.cols / L.qk) * L.bb;
+  TileLayout S = L;
+  S.pack = (int)Pack::Blocks;
+  r1 = std::min(r1, L.rows);
+  for (int r = r0; r < r1;) {
+    const int sr = r / L.tr * L.tr, nr = std::min(L.tr, L.rows - sr), end = std::min(r1, sr + nr);
     buf.resize((size_t)nr * row_bytes);
-    unpack_planes(WT, w + (size_t)r0 * row_bytes, buf.data(), nr, cols, ts);
-    F(y + (r0 - row_begin), x, buf.data(), nr, cols, whole, 0, nr);
+    unpack_planes(L, w + (size_t)sr * row_bytes, buf.data(), nr);
+    S.rows = nr;
+    f((const TileLayout&)S, (const uint8_t*)buf.data(), r - sr, end - sr, y + (r - r0));
+    r = end;
   }
 }
 
-// The two-level GEMV (AType::Q8x2) from a one-level kernel F: F on each level, summed. The
-// scalar definition the single-pass SIMD kernels match.
+// The planes-packed GEMV made from a whole-block kernel F of the same type and activation.
 template <GemvFn F>
-void gemv_two_levels(float* y, const void* x, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                     int row_begin, int row_end) {
+void gemv_unpacked(float* y, const void* x, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
+  for_unpacked_stripes(L, w, row_begin, row_end, y, [&](const TileLayout& S, const uint8_t* ws, int lo, int hi, float* ys) {
+    F(ys, x, ws, S, lo, hi);
+  });
+}
+
+// The two-level GEMV (AType::Q8x2) from a one-level kernel F: F on each level's row, summed.
+// The scalar definition the single-pass SIMD kernels match, and the form of the types that have
+// no single-pass kernel.
+template <GemvFn F>
+void gemv_two_levels(float* y, const void* x, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   thread_local std::vector<float> y2;
-  const int n = std::min(row_end, rows) - row_begin;
+  const int n = std::min(row_end, L.rows) - row_begin;
   if (n <= 0) return;
   y2.resize((size_t)n);
-  F(y, x, w, rows, cols, ts, row_begin, row_end);
-  F(y2.data(), (const block_q8a*)x + cols / QK, w, rows, cols, ts, row_begin, row_end);
+  F(y, x, w, L, row_begin, row_end);
+  F(y2.data(), (const uint8_t*)x + act_bytes(L.bt(), AType::Q8, L.cols), w, L, row_begin, row_end);
   for (int i = 0; i < n; ++i) y[i] += y2[i];
 }
 

@@ -10,6 +10,7 @@
 // fma32(q, d0, o0, d1, o1, x, a0, a1): the 32 signed bytes q as weights d*q + o (d0, o0 for
 // bytes 0..15, d1, o1 for 16..31) times x[0..32) added into a0 / a1.
 // For the int8 side: the ISA's IVec (vec.h): dot, dot_sc, dot_s8, bits32 over 256-bit vectors.
+// The including file also defines quantize_block(x, o): 32 activations -> o.qs, returning d.
 // The including file has already included <immintrin.h>, <cstring>, isa_kernels.h, tile_walk.h.
 
 inline float h2f(const uint8_t* p) {
@@ -35,28 +36,36 @@ inline __m256i hi4(__m256i q) { return lo4(_mm256_srli_epi16(q, 4)); }
 inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
 // ---- block kinds ----
-// A kind describes one weight block type: kQK weights, kBB bytes, the activation block Act of
-// its int8 path, chunks(p, f) calling f(j, q, d0, o0, d1, o1) for each chunk j of 32 weights
-// (fp32 weights d*q + o, as the scalar reference forms them) and dot(p, a, acc, accs) (the int8
-// dot of block p with activation block a, added into the 8 float lanes acc and the float accs).
+// A kind describes one weight block type (kType; kQK weights, kBB bytes from the block table):
+// the activation block Act of its int8 path, chunks(p, f) calling f(j, q, d0, o0, d1, o1) for
+// each chunk j of 32 weights (fp32 weights d*q + o, as the scalar reference forms them) and
+// dot(p, a, ls, acc, accs) (the int8 dot of block p with activation block a, whose lane sums
+// are *ls for block_q8a, added into the 8 float lanes acc and the float accs).
 // The 32-block kinds give q(p) / d(p) / o(p) (bytes, scale, fp32 offset) and kZero: the int8
 // path takes q as unsigned bytes and subtracts kZero * (lane sums of x); kZero 0 (Q4_1) adds
 // m * sum(x) instead, kZero -1 (Q8_0) marks signed weights.
 
-struct BlkQ4_0 {
-  static constexpr int kQK = 32, kBB = 18, kZero = 8;
+// kType's row of the block table gives kQK and kBB.
+template <BlockType BT>
+struct BlkOf {
+  static constexpr BlockType kType = BT;
+  static constexpr int kQK = block_elems(BT), kBB = block_bytes(BT);
+};
+
+struct BlkQ4_0 : BlkOf<BlockType::Q4_0> {
+  static constexpr int kZero = 8;
   static __m256i q(const uint8_t* p) { return nib32(p + 2); }
   static float d(const uint8_t* p) { return h2f(p); }
   static float o(const uint8_t* p) { return -8.0f * h2f(p); }
 };
-struct BlkQ4_1 {
-  static constexpr int kQK = 32, kBB = 20, kZero = 0;
+struct BlkQ4_1 : BlkOf<BlockType::Q4_1> {
+  static constexpr int kZero = 0;
   static __m256i q(const uint8_t* p) { return nib32(p + 4); }
   static float d(const uint8_t* p) { return h2f(p); }
   static float o(const uint8_t* p) { return h2f(p + 2); }
 };
-struct BlkQ5_0 {
-  static constexpr int kQK = 32, kBB = 22, kZero = 16;
+struct BlkQ5_0 : BlkOf<BlockType::Q5_0> {
+  static constexpr int kZero = 16;
   static __m256i q(const uint8_t* p) {  // nibble | (bit j of qh) << 4
     uint32_t qh;
     std::memcpy(&qh, p + 2, 4);
@@ -65,8 +74,8 @@ struct BlkQ5_0 {
   static float d(const uint8_t* p) { return h2f(p); }
   static float o(const uint8_t* p) { return -16.0f * h2f(p); }
 };
-struct BlkQ8_0 {
-  static constexpr int kQK = 32, kBB = 34, kZero = -1;  // signed weights
+struct BlkQ8_0 : BlkOf<BlockType::Q8_0> {
+  static constexpr int kZero = -1;  // signed weights
   static __m256i q(const uint8_t* p) { return load32(p + 2); }
   static float d(const uint8_t* p) { return h2f(p); }
   static float o(const uint8_t*) { return 0.0f; }
@@ -86,8 +95,7 @@ inline void scales_k4(const uint8_t* s12, uint8_t* sm) {
   std::memcpy(sm, u, 16);
 }
 
-struct BlkQ4_K {
-  static constexpr int kQK = 256, kBB = 144;
+struct BlkQ4_K : BlkOf<BlockType::Q4_K> {
   using Act = block_q8_K;
   // 4 chunks of 64 weights, 32 bytes each: low nibbles are sub-block 2c, high 2c+1.
   template <class F>
@@ -122,15 +130,14 @@ struct BlkQ4_K {
     const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
     accs -= h2f(p + 2) * a.d * (float)hsum_i32(_mm_madd_epi16(bs, mins));
   }
-  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float& accs) {
+  static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float& accs) {
     uint8_t sm[16];
     scales_k4(p + 4, sm);
     finish(p, a, sm, isum(p, a, sm), acc, accs);
   }
 };
 
-struct BlkQ6_K {
-  static constexpr int kQK = 256, kBB = 210;
+struct BlkQ6_K : BlkOf<BlockType::Q6_K> {
   using Act = block_q8_K;
   // The 32 weights j = 4h + k (half h of 128, quarter k) as 6-bit unsigned bytes (0..63):
   // low 4 bits from ql (bytes 0..31 or 32..63 of the half, low or high nibble), high 2 from qh.
@@ -173,7 +180,9 @@ struct BlkQ6_K {
     s = _mm256_sub_epi32(s, _mm256_slli_epi32(off, 5));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(p + 208) * a.d), acc);
   }
-  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float&) { finish(p, a, isum(p, a), acc); }
+  static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float&) {
+    finish(p, a, isum(p, a), acc);
+  }
 };
 
 // The 32-block kinds share their chunk and int8 dot forms.
@@ -185,14 +194,14 @@ struct Blk32 : B {
     const float d = B::d(p), o = B::o(p);
     f(0, B::q(p), d, o, d, o);
   }
-  static void dot(const uint8_t* p, const block_q8a& a, __m256& acc, float& accs) {
+  static void dot(const uint8_t* p, const block_q8a& a, const q8a_sums* ls, __m256& acc, float& accs) {
     const __m256i x = load32(a.qs);
     __m256i s;
     if (B::kZero < 0) {
-      s = V::dot_s8(B::q(p), x, load32(a.lsum8));
+      s = V::dot_s8(B::q(p), x, load32(ls->lsum8));
     } else {
       s = _mm256_setzero_si256();
-      if (B::kZero > 0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(load32(a.lsum8), B::kZero == 8 ? 3 : 4));
+      if (B::kZero > 0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(load32(ls->lsum8), B::kZero == 8 ? 3 : 4));
       s = V::dot(s, B::q(p), x);
       if (B::kZero == 0) accs += B::o(p) * a.s;
     }
@@ -208,21 +217,25 @@ using KQ6_K = BlkQ6_K;
 
 // ---- int8-activation GEMV: four rows at a time (independent chains), x blocks shared ----
 template <class T>
-void gemv_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-             int row_begin, int row_end) {
+void gemv_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   using A = typename T::Act;
   const A* x = (const A*)xv;
-  walk_tiles_whole(y, w, rows, cols, ts, T::kQK, T::kBB, row_begin, row_end,
+  // the lane sums of a block_q8a row (the K-quants' kinds take none)
+  const q8a_sums* xs = T::kQK == QK ? q8a_sums_of((const block_q8a*)xv, L.cols) : nullptr;
+  walk_tiles_whole(y, w, L, row_begin, row_end,
                    [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
                      for (int i = 0; i < nr; i += 4) {
                        const int n = nr - i < 4 ? nr - i : 4;
                        // rows i .. i+3 (a missing row repeats the last one; its result is dropped)
-                       auto row = [&](int k) { return TileRow(tile, nr, nb, ts.g, T::kBB, i + (k < n ? k : n - 1)); };
+                       auto row = [&](int k) { return TileRow(tile, nr, nb, L.g, T::kBB, i + (k < n ? k : n - 1)); };
                        const TileRow tr[4] = {row(0), row(1), row(2), row(3)};
                        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
                        float accs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                       for (int b = 0; b < nb; ++b)
-                         for (int k = 0; k < n; ++k) T::dot(tr[k].base + b * tr[k].stride, x[cb0 + b], acc[k], accs[k]);
+                       for (int b = 0; b < nb; ++b) {
+                         const q8a_sums* sb = nullptr;
+                         if constexpr (T::kQK == QK) sb = xs + cb0 + b;
+                         for (int k = 0; k < n; ++k) T::dot(tr[k].base + b * tr[k].stride, x[cb0 + b], sb, acc[k], accs[k]);
+                       }
                        for (int k = 0; k < n; ++k) y[r + i + k] += V::hsum8(acc[k]) + accs[k];
                      }
                    });
@@ -231,16 +244,15 @@ void gemv_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, con
 // ---- fp32-activation GEMV: weights formed as the scalar reference forms them (d * q + o is
 // one rounding of the exact value for Q4_0/Q5_0/Q8_0/Q6_K), FMA with x; two rows at a time ----
 template <class T>
-void gemv_f32(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-              int row_begin, int row_end) {
+void gemv_f32(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   const float* x = (const float*)xv;
   using reg = typename V::reg;
-  walk_tiles_whole(y, w, rows, cols, ts, T::kQK, T::kBB, row_begin, row_end,
+  walk_tiles_whole(y, w, L, row_begin, row_end,
                    [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
                      const float* xt = x + (size_t)cb0 * T::kQK;
                      for (int i = 0; i < nr; i += 2) {
                        const int n = nr - i < 2 ? nr - i : 2;
-                       const TileRow r0(tile, nr, nb, ts.g, T::kBB, i), r1(tile, nr, nb, ts.g, T::kBB, i + n - 1);
+                       const TileRow r0(tile, nr, nb, L.g, T::kBB, i), r1(tile, nr, nb, L.g, T::kBB, i + n - 1);
                        reg a0 = V::zero(), a1 = V::zero(), c0 = V::zero(), c1 = V::zero();
                        for (int b = 0; b < nb; ++b) {
                          const float* xb = xt + (size_t)b * T::kQK;
@@ -264,12 +276,11 @@ void gemv_f32(float* y, const void* xv, const uint8_t* w, int rows, int cols, co
 // time take one vector of weights per column times the broadcast x_j (masked for the last
 // rows of a group).
 template <int E>
-void gemv_elem(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-               int row_begin, int row_end) {
+void gemv_elem(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   constexpr int BB = E == 0 ? 4 : 2, W = V::W;
   const float* x = (const float*)xv;
   using reg = typename V::reg;
-  walk_tiles(y, w, rows, cols, ts, 1, BB, row_begin, row_end,
+  walk_tiles(y, w, L, row_begin, row_end,
              [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
                const float* xt = x + cb0;
                if (gg == 1) {
@@ -299,22 +310,39 @@ void gemv_elem(float* y, const void* xv, const uint8_t* w, int rows, int cols, c
              });
 }
 
+// Activations -> one row of block_q8a, rounding to nearest even as the reference: the ISA's
+// quantize_block(x, o) writes o.qs and returns d; the lane sums and s follow from the bytes.
+inline void quantize_q8a_v(block_q8a* out, const float* x, int cols) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  q8a_sums* ls = q8a_sums_of(out, cols);
+  for (int b = 0; b < cols / QK; ++b) {
+    block_q8a& o = out[b];
+    const float d = quantize_block(x + (size_t)b * QK, o);
+    const __m256i l8 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, load32(o.qs)), ones16);
+    const __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(l8), _mm256_extracti128_si256(l8, 1));
+    _mm256_storeu_si256((__m256i*)ls[b].lsum8, l8);
+    _mm_storeu_si128((__m128i*)ls[b].lsum4, l4);
+    o.d = d;
+    o.s = d * (float)hsum_i32(l4);
+  }
+}
+
 // Fills the table entries every ISA shares (a file may then replace some with its own kernels).
-inline void fill_table(GemvTable& t) {
-  auto set = [&](WType wt, AType at, GemvFn fn) { t[wtype_index(wt)][(int)at] = fn; };
-  set(WType::F32, AType::F32, gemv_elem<0>);
-  set(WType::F16, AType::F32, gemv_elem<1>);
-  set(WType::BF16, AType::F32, gemv_elem<2>);
-  set(WType::Q4_0, AType::F32, gemv_f32<KQ4_0>);
-  set(WType::Q4_1, AType::F32, gemv_f32<KQ4_1>);
-  set(WType::Q5_0, AType::F32, gemv_f32<KQ5_0>);
-  set(WType::Q8_0, AType::F32, gemv_f32<KQ8_0>);
-  set(WType::Q4_K, AType::F32, gemv_f32<KQ4_K>);
-  set(WType::Q6_K, AType::F32, gemv_f32<KQ6_K>);
-  set(WType::Q4_0, AType::Q8, gemv_q8<KQ4_0>);
-  set(WType::Q4_1, AType::Q8, gemv_q8<KQ4_1>);
-  set(WType::Q5_0, AType::Q8, gemv_q8<KQ5_0>);
-  set(WType::Q8_0, AType::Q8, gemv_q8<KQ8_0>);
-  set(WType::Q4_K, AType::Q8, gemv_q8<KQ4_K>);
-  set(WType::Q6_K, AType::Q8, gemv_q8<KQ6_K>);
+template <class K>
+void set_kind(KernelTable& t) {
+  set_gemv_f32<gemv_f32<K>>(t, K::kType);
+  set_gemv_q8<gemv_q8<K>>(t, K::kType);
+}
+
+inline void fill_table(KernelTable& t) {
+  set_gemv_f32<gemv_elem<0>>(t, BlockType::F32);
+  set_gemv_f32<gemv_elem<1>>(t, BlockType::F16);
+  set_gemv_f32<gemv_elem<2>>(t, BlockType::BF16);
+  set_kind<KQ4_0>(t);
+  set_kind<KQ4_1>(t);
+  set_kind<KQ5_0>(t);
+  set_kind<KQ8_0>(t);
+  set_kind<KQ4_K>(t);
+  set_kind<KQ6_K>(t);
+  t.quantize_q8a = quantize_q8a_v;
 }

@@ -3,21 +3,20 @@
 // block; fill_planes_table fills the planes table from the including file's gemv_planes_q8
 // (its own kernel) and gemv_f32 (gemv_simd.h) after unpacking.
 
-template <WType WT>
+template <BlockType WT>
 struct PlanesKind {
-  static constexpr int kHdr = WT == WType::Q4_1 ? 4 : 2;  // header bytes: d (and m)
-  static constexpr int kBB = WT == WType::Q4_1 ? 20 : WT == WType::Q4_0 ? 18 : 34;
-  static constexpr bool kNib = WT != WType::Q8_0;  // 4-bit quants (two weights per byte)
+  static constexpr int kHdr = planes_header(WT);  // header bytes: d (and m)
+  static constexpr int kBB = block_bytes(WT);
+  static constexpr bool kNib = WT != BlockType::Q8_0;  // 4-bit quants (two weights per byte)
 };
 
 // Walks a planes payload by interleave group (walk_tiles): group(r, gg, cb0, nb, chunk), with
 // chunk(b) the 16-row chunk of column block b, prefetched ahead (planes_prefetch) and widened
 // to 16 rows in a stack buffer when the group is ragged (planes_widen).
-template <WType WT, class Group>
-inline void walk_planes(float* y, const uint8_t* w, int rows, int cols, const TileShape& ts, int row_begin,
-                        int row_end, Group&& group) {
+template <BlockType WT, class GroupF>
+inline void walk_planes(float* y, const uint8_t* w, const TileLayout& L, int row_begin, int row_end, GroupF&& group) {
   using K = PlanesKind<WT>;
-  walk_tiles(y, w, rows, cols, ts, QK, K::kBB, row_begin, row_end,
+  walk_tiles(y, w, L, row_begin, row_end,
              [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
                alignas(64) uint8_t wide[kPlanesMaxG * K::kBB];
                const size_t step = (size_t)gg * K::kBB;
@@ -32,20 +31,15 @@ inline void walk_planes(float* y, const uint8_t* w, int rows, int cols, const Ti
              });
 }
 
-template <WType WT, bool TWO>
-void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                    int row_begin, int row_end);
+template <BlockType WT, bool TWO>
+void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end);
 
-inline void fill_planes_table(GemvTable& p) {
-  auto set = [&](WType wt, GemvFn f32, GemvFn q8, GemvFn q8x2) {
-    p[wtype_index(wt)][(int)AType::F32] = f32;
-    p[wtype_index(wt)][(int)AType::Q8] = q8;
-    p[wtype_index(wt)][(int)AType::Q8x2] = q8x2;
+inline void fill_planes_table(KernelTable& t) {
+  auto set = [&](BlockType bt, GemvFn q8, GemvFn q8x2) {
+    t.gemv[block_index(bt)][(int)Pack::Planes][(int)AType::Q8] = q8;
+    t.gemv[block_index(bt)][(int)Pack::Planes][(int)AType::Q8x2] = q8x2;
   };
-  set(WType::Q4_0, gemv_unpacked<WType::Q4_0, gemv_f32<KQ4_0>>, gemv_planes_q8<WType::Q4_0, false>,
-      gemv_planes_q8<WType::Q4_0, true>);
-  set(WType::Q4_1, gemv_unpacked<WType::Q4_1, gemv_f32<KQ4_1>>, gemv_planes_q8<WType::Q4_1, false>,
-      gemv_planes_q8<WType::Q4_1, true>);
-  set(WType::Q8_0, gemv_unpacked<WType::Q8_0, gemv_f32<KQ8_0>>, gemv_planes_q8<WType::Q8_0, false>,
-      gemv_planes_q8<WType::Q8_0, true>);
+  set(BlockType::Q4_0, gemv_planes_q8<BlockType::Q4_0, false>, gemv_planes_q8<BlockType::Q4_0, true>);
+  set(BlockType::Q4_1, gemv_planes_q8<BlockType::Q4_1, false>, gemv_planes_q8<BlockType::Q4_1, true>);
+  set(BlockType::Q8_0, gemv_planes_q8<BlockType::Q8_0, false>, gemv_planes_q8<BlockType::Q8_0, true>);
 }

@@ -1,13 +1,13 @@
 // AVX2 + FMA + F16C GEMMs over the tiled layout: the shared x86/gemm_simd.h with 256-bit
 // vectors and, without VNNI, maddubs + madd for the int8 dots (IVec), its planes kernel (16 rows
-// as two halves of 8) and the activation quantizer.
+// as two halves of 8).
 #include <immintrin.h>
 
 #include <cstring>
 #include <vector>
 
-#include "../../gemm_tiles.h"
 #include "../../isa_kernels.h"
+#include "../../tile_walk.h"
 #include "cflow/gemm.h"
 #include "vec.h"
 
@@ -28,19 +28,18 @@ struct V : Vec, IVec {
 // 30480, no saturation, then one madd to int32. Q8_0: |w| times sign(x, w) per slice (pair
 // sums up to 32512), each widened by madd. Per (block, token): f = d_x * dot (+ -8 s_x for
 // Q4_0), summed over the levels; acc += d_w * f (+ m_w * s_x for Q4_1); s_x = d_x * sum(q_x).
-template <int TYPE, int NT, bool TWO, class Chunk>
-void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int k0, float* y, int ldy, int g) {
-  constexpr int kHdr = planes_header(static_cast<WType>(TYPE));
+template <BlockType TYPE, int NT, bool TWO, class Chunk>
+void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int ldy, int g) {
+  constexpr int kHdr = planes_header(TYPE);
   __m256 acc[NT][2];
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  const int xb = x.cols / 32;
   const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   // The int32 dots of one token's activation block q with the 8 rows of a half, as floats.
   auto dot = [&](const __m256i* u, const int8_t* q) {
     int32_t xs[8];
     std::memcpy(xs, q, 32);
     __m256i s = _mm256_setzero_si256();
-    if constexpr (TYPE == T_Q8_0) {
+    if constexpr (TYPE == BlockType::Q8_0) {
       for (int j = 0; j < 8; ++j) {
         const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(_mm256_set1_epi32(xs[j]), u[j]));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
@@ -51,12 +50,14 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int 
     }
     return _mm256_cvtepi32_ps(s);
   };
+  const block_q8a* xr[NT][2];
+  token_rows<NT>(x, k0, xr);
   for (int cb = 0; cb < bpr; ++cb) {
     const uint8_t* c = chunk(cb);
     const uint8_t* pl = c + kPlanesMaxG * kHdr;
     for (int h = 0; h < 2; ++h) {
       __m256i u[8];
-      if constexpr (TYPE == T_Q8_0) {
+      if constexpr (TYPE == BlockType::Q8_0) {
         for (int j = 0; j < 8; ++j) u[j] = _mm256_loadu_si256((const __m256i*)(pl + 64 * j + 32 * h));
       } else {
         for (int j = 0; j < 4; ++j) {
@@ -67,18 +68,15 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int 
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
       __m256 m = _mm256_setzero_ps();
-      if constexpr (TYPE == T_Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h)));
+      if constexpr (TYPE == BlockType::Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h)));
       for (int t = 0; t < NT; ++t) {
-        const size_t kx = (size_t)(k0 + t), o = kx * xb + cb, oq = kx * x.cols + (size_t)cb * 32;
-        __m256 f = _mm256_mul_ps(dot(u, x.q + oq), _mm256_set1_ps(x.d[o]));
-        float sx = x.s[o];
-        if constexpr (TWO) {
-          f = _mm256_fmadd_ps(dot(u, x2->q + oq), _mm256_set1_ps(x2->d[o]), f);
-          sx += x2->s[o];
-        }
-        if constexpr (TYPE == T_Q4_0) f = _mm256_add_ps(f, _mm256_set1_ps(-8.f * sx));
-        acc[t][h] = _mm256_fmadd_ps(d, f, acc[t][h]);
-        if constexpr (TYPE == T_Q4_1) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[t][h]);
+        float sx;
+        const __m256 f = over_levels<TWO>(xr[t], cb, sx, [&](const block_q8a& a) {
+          return _mm256_mul_ps(dot(u, a.qs), _mm256_set1_ps(a.d));
+        });
+        const __m256 fo = TYPE == BlockType::Q4_0 ? _mm256_add_ps(f, _mm256_set1_ps(-8.f * sx)) : f;
+        acc[t][h] = _mm256_fmadd_ps(d, fo, acc[t][h]);
+        if constexpr (TYPE == BlockType::Q4_1) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[t][h]);
       }
     }
   }
@@ -90,47 +88,12 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int 
   }
 }
 
-// Activations -> int8 blocks of 32 (gemm.h QActs), rounding to nearest even as the reference.
-void quantize_acts_v(const float* x, int ldx, int n, int cols, QActs& out) {
-  const int nb = cols / 32;
-  out.n = n;
-  out.cols = cols;
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the lane-wise packs
-  for (int k = 0; k < n; ++k) {
-    for (int b = 0; b < nb; ++b) {
-      const float* xb = x + (size_t)k * ldx + b * 32;
-      __m256 v[4], m = _mm256_setzero_ps();
-      for (int j = 0; j < 4; ++j) {
-        v[j] = _mm256_loadu_ps(xb + 8 * j);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
-      }
-      const float amax = Vec::hmax(m);
-      const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
-      const __m256 vid = _mm256_set1_ps(id);
-      __m256i q[4];
-      for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vid));
-      const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
-      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
-      _mm256_storeu_si256((__m256i*)(out.q + (size_t)k * cols + b * 32), bytes);
-      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-      __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-      out.d[(size_t)k * nb + b] = d;
-      out.s[(size_t)k * nb + b] = d * _mm_cvtsi128_si32(h);
-    }
-  }
-}
-
 #include "../gemm_simd.h"
 
 }  // namespace
-}  // namespace avx2
 
-const GemmTable& gemm_table_avx2() {
-  static const GemmTable t = avx2::make_gemm_table(Isa::Avx2);
-  return t;
-}
+void fill_gemm(KernelTable& t) { fill_gemm_table(t); }
+
+}  // namespace avx2
 
 }  // namespace cflow

@@ -47,6 +47,24 @@ struct V : Vec, IVec {
   }
 };
 
+// One block of 32 activations -> o.qs; returns the scale d.
+inline float quantize_block(const float* x, block_q8a& o) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the lane-wise packs
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  }
+  const float d = Vec::hmax(m) / 127.f, id = d ? 1.f / d : 0.f;
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i q[4];
+  for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vid));
+  const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+  _mm256_storeu_si256((__m256i*)o.qs, _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order));
+  return d;
+}
+
 #include "../gemv_simd.h"
 #include "../planes_simd.h"
 
@@ -55,18 +73,18 @@ struct V : Vec, IVec {
 // 32-byte halves, and slice k of the activation is broadcast to every lane. Nibbles: maddubs of
 // the low and the high nibbles, their int16 sums added (at most 2 * 2 * 15 * 127, no
 // saturation), one madd to int32. Q8_0: |w| times sign(x, w). Offsets as the AVX-512 kernel.
-template <WType WT>
-inline void planes_block(const uint8_t* c, const block_q8a& a, __m256& acc0, __m256& acc1) {
+template <BlockType WT>
+inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, __m256& acc0, __m256& acc1) {
   using K = PlanesKind<WT>;
   const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   int32_t xw[8];
   std::memcpy(xw, a.qs, 32);
-  const int isum = a.lsum4[0] + a.lsum4[1] + a.lsum4[2] + a.lsum4[3];
+  const int isum = la.lsum4[0] + la.lsum4[1] + la.lsum4[2] + la.lsum4[3];
   const uint8_t* pl = c + 16 * K::kHdr;
   __m256i s[2];
-  s[0] = s[1] = _mm256_set1_epi32(WT == WType::Q4_0 ? -8 * isum : 0);
+  s[0] = s[1] = _mm256_set1_epi32(WT == BlockType::Q4_0 ? -8 * isum : 0);
   for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h+7
-    if (WT != WType::Q8_0) {
+    if (WT != BlockType::Q8_0) {
       for (int k = 0; k < 4; ++k) {
         const __m256i q = load32(pl + 64 * k + 32 * h);
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(q, lo), _mm256_set1_epi32(xw[k])),
@@ -87,7 +105,7 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, __m256& acc0, __m
   const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16)));
   acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s[0]), acc0);
   acc1 = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s[1]), acc1);
-  if (WT == WType::Q4_1) {
+  if (WT == BlockType::Q4_1) {
     const __m256 sx = _mm256_set1_ps(a.s);
     acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32))), sx, acc0);
     acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 48))), sx, acc1);
@@ -96,17 +114,17 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, __m256& acc0, __m
 
 // TWO (AType::Q8x2): x holds the first level's cols/32 blocks, then the second's; both are
 // dotted with each chunk while it is in L1.
-template <WType WT, bool TWO>
-void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                    int row_begin, int row_end) {
+template <BlockType WT, bool TWO>
+void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   const block_q8a* x = (const block_q8a*)xv;
-  const block_q8a* x2 = x + cols / QK;
-  walk_planes<WT>(y, w, rows, cols, ts, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+  const block_q8a* x2 = (const block_q8a*)((const uint8_t*)xv + q8a_row_bytes(L.cols));
+  const q8a_sums *xs = q8a_sums_of(x, L.cols), *xs2 = q8a_sums_of(x2, L.cols);
+  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
       const uint8_t* c = chunk(b);
-      planes_block<WT>(c, x[cb0 + b], acc0, acc1);
-      if (TWO) planes_block<WT>(c, x2[cb0 + b], acc0, acc1);
+      planes_block<WT>(c, x[cb0 + b], xs[cb0 + b], acc0, acc1);
+      if (TWO) planes_block<WT>(c, x2[cb0 + b], xs2[cb0 + b], acc0, acc1);
     }
     alignas(32) float t[16];
     _mm256_store_ps(t, acc0);
@@ -118,20 +136,8 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int co
 }  // namespace
 }  // namespace avx2
 
-const GemvTable& gemv_planes_avx2() {
-  static GemvTable p = {};
-  static const bool filled = ((avx2::fill_planes_table(p)), true);
-  (void)filled;
-  return p;
-}
-
-const GemvTable& gemv_table_avx2() {
-  static GemvTable t = {};
-  static const bool filled = [] {
-    avx2::fill_table(t);
-    return true;
-  }();
-  (void)filled;
+const KernelTable& kernel_table_avx2() {
+  static const KernelTable t = make_table(Isa::Avx2, {avx2::fill_table, avx2::fill_planes_table, avx2::fill_gemm});
   return t;
 }
 

@@ -25,17 +25,12 @@ struct Vec {
     return _mm256_blendv_ps(set1(fill), _mm256_maskload_ps(p, k), _mm256_castsi256_ps(k));
   }
   static void store_n(float* p, reg a, int n) { _mm256_maskstore_ps(p, mask(n), a); }
-  static reg load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-  static void store_h(uint16_t* p, reg a) {
-    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
-  }
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
   static reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }
-  static reg fmaddsub(reg a, reg b, reg c) { return _mm256_fmaddsub_ps(a, b, c); }
   static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
   static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
   static float hsum(reg a) {
@@ -60,14 +55,6 @@ struct Vec {
     const reg f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, b), 23));
     return mul(mul(y, f1), f2);
   }
-  static unsigned gt_mask(reg a, reg b) {
-    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ));
-  }
-  static reg dup_pairs(const float* p) {
-    const __m128 a = _mm_loadu_ps(p);
-    return _mm256_set_m128(_mm_unpackhi_ps(a, a), _mm_unpacklo_ps(a, a));
-  }
-  static reg swap_pairs(reg a) { return _mm256_permute_ps(a, 0xB1); }
 };
 
 // The int8 side, over 256-bit integer vectors ("lane" = 4 bytes = one int32 of the result):

@@ -1,13 +1,13 @@
 // AVX-512 (VNNI) GEMMs over the tiled layout: the shared x86/gemm_simd.h with 512-bit vectors
-// and vpdpbusd, its planes kernel (16 rows in one zmm) and the activation quantizer.
+// and vpdpbusd, and its planes kernel (16 rows in one zmm).
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "../../gemm_tiles.h"
 #include "../../isa_kernels.h"
+#include "../../tile_walk.h"
 #include "cflow/gemm.h"
 #include "vec.h"
 
@@ -28,14 +28,13 @@ struct V : Vec, IVec {
 // Per (block, token): acc += d_w * (d_x * dot + off * s_x), off = -8 (Q4_0) or -128 (Q8_0, made
 // unsigned by ^ 0x80), or acc += d_w * d_x * dot + m_w * s_x (Q4_1); s_x = d_x * sum(q_x).
 // No shuffles, no horizontal sums.
-template <int TYPE, int NT, bool TWO, class Chunk>
-void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int k0, float* y, int ldy, int g) {
-  constexpr int kHdr = planes_header(static_cast<WType>(TYPE));
+template <BlockType TYPE, int NT, bool TWO, class Chunk>
+void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int ldy, int g) {
+  constexpr int kHdr = planes_header(TYPE);
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  const int xb = x.cols / 32;
   const __m512i lo = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-  const __m512 off = _mm512_set1_ps(TYPE == T_Q4_0 ? -8.f : TYPE == T_Q8_0 ? -128.f : 0.f);
+  const __m512 off = _mm512_set1_ps(TYPE == BlockType::Q4_0 ? -8.f : TYPE == BlockType::Q8_0 ? -128.f : 0.f);
   // The int32 dots of one token's activation blocks q with the 16 rows.
   auto dot = [](const __m512i* u, const int8_t* q) {
     const int32_t* xs = (const int32_t*)q;
@@ -46,11 +45,13 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int 
     }
     return _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
   };
+  const block_q8a* xr[NT][2];
+  token_rows<NT>(x, k0, xr);
   for (int cb = 0; cb < bpr; ++cb) {
     const uint8_t* c = chunk(cb);
     const __m512i* pl = (const __m512i*)(c + kPlanesMaxG * kHdr);
     __m512i u[8];
-    if constexpr (TYPE == T_Q8_0) {
+    if constexpr (TYPE == BlockType::Q8_0) {
       for (int j = 0; j < 8; ++j) u[j] = _mm512_xor_si512(_mm512_loadu_si512(pl + j), flip);
     } else {
       for (int j = 0; j < 4; ++j) {
@@ -61,17 +62,14 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int 
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
     __m512 m = _mm512_setzero_ps();
-    if constexpr (TYPE == T_Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32)));
+    if constexpr (TYPE == BlockType::Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32)));
     for (int t = 0; t < NT; ++t) {
-      const size_t kx = (size_t)(k0 + t), o = kx * xb + cb, oq = kx * x.cols + (size_t)cb * 32;
       // f = d_x * dot + off * s_x, summed over the levels; Q4_1's m * s_x goes in separately
-      __m512 f = _mm512_mul_ps(dot(u, x.q + oq), _mm512_set1_ps(x.d[o]));
-      float sx = x.s[o];
-      if constexpr (TWO) {
-        f = _mm512_fmadd_ps(dot(u, x2->q + oq), _mm512_set1_ps(x2->d[o]), f);
-        sx += x2->s[o];
-      }
-      if constexpr (TYPE == T_Q4_1) {
+      float sx;
+      const __m512 f = over_levels<TWO>(xr[t], cb, sx, [&](const block_q8a& a) {
+        return _mm512_mul_ps(dot(u, a.qs), _mm512_set1_ps(a.d));
+      });
+      if constexpr (TYPE == BlockType::Q4_1) {
         acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), _mm512_fmadd_ps(d, f, acc[t]));
       } else {
         acc[t] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(off, _mm512_set1_ps(sx), f), acc[t]);
@@ -81,39 +79,12 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, const QActs* x2, int 
   for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + (size_t)(k0 + t) * ldy, (__mmask16)((1u << g) - 1), acc[t]);
 }
 
-void quantize_acts_v(const float* x, int ldx, int n, int cols, QActs& out) {
-  const int nb = cols / 32;
-  out.n = n;
-  out.cols = cols;
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int k = 0; k < n; ++k) {
-    for (int b = 0; b < nb; ++b) {
-      const float* xb = x + (size_t)k * ldx + b * 32;
-      __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-      __m512 m = _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1));
-      const float amax = _mm512_reduce_max_ps(m);
-      const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
-      const __m512 vid = _mm512_set1_ps(id);
-      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));  // round to nearest even
-      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-      int8_t* q = out.q + (size_t)k * cols + b * 32;
-      _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(q1));
-      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      out.d[(size_t)k * nb + b] = d;
-      out.s[(size_t)k * nb + b] = d * sum;
-    }
-  }
-}
-
 #include "../gemm_simd.h"
 
 }  // namespace
-}  // namespace avx512
 
-const GemmTable& gemm_table_avx512() {
-  static const GemmTable t = avx512::make_gemm_table(Isa::Avx512);
-  return t;
-}
+void fill_gemm(KernelTable& t) { fill_gemm_table(t); }
+
+}  // namespace avx512
 
 }  // namespace cflow

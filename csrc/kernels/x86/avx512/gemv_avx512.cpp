@@ -10,7 +10,7 @@
 // pointers instead (a missing row repeats the last one; its result is dropped).
 // Weight nibbles are unsigned (0..15, Q5_0 0..31); the -8 offset of Q4_0 (-16 of Q5_0) enters as
 // the initial value of the int32 accumulator, -8 * (lane sums of the activation), precomputed in
-// block_q8a.
+// q8a_sums.
 #include <immintrin.h>
 
 #include "../../isa_kernels.h"
@@ -120,7 +120,8 @@ using Q5_0 = Nib<22, 6, false, 4, true>;
 // column block b are contiguous at q0 + b * stride (rows of one interleave group, g >= 4);
 // else row k's block b is at rows[k].base + b * rows[k].stride.
 template <class T, bool CONTIG>
-inline __m512 quad_nib(const uint8_t* q0, size_t stride, const TileRow* rows, const block_q8a* xa, int nb) {
+inline __m512 quad_nib(const uint8_t* q0, size_t stride, const TileRow* rows, const block_q8a* xa,
+                       const q8a_sums* xs, int nb) {
   constexpr bool kOff = !T::kHasM;  // Q4_0: q - 8, Q5_0: q - 16; Q4_1: d*q + m
   const __m512i lo4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(16);
   __m512 acc = _mm512_setzero_ps();
@@ -140,7 +141,7 @@ inline __m512 quad_nib(const uint8_t* q0, size_t stride, const TileRow* rows, co
     const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(a.qs + 16)));
     __m512i s = _mm512_setzero_si512();
     if (kOff)  // -2^ZS * lane sums of x
-      s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)a.lsum4)), T::kZeroShift));
+      s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xs[b].lsum4)), T::kZeroShift));
     __m512i ulo = _mm512_and_si512(qs, lo4), uhi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
     if (T::kHasH) {  // Q5_0: + 16 where the fifth bit is set
       ulo = _mm512_mask_add_epi8(ulo, (__mmask64)_mm_cvtsi128_si64(h), ulo, bit4);
@@ -172,15 +173,15 @@ inline void for_each_quad(const uint8_t* tile, int nr, int nb, int g, int bb, Qu
 }
 
 template <class T>
-void gemv_nib_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                 int row_begin, int row_end) {
+void gemv_nib_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   const block_q8a* x = (const block_q8a*)xv;
-  walk_tiles_whole(y, w, rows, cols, ts, QK, T::kBB, row_begin, row_end,
+  const q8a_sums* xs = q8a_sums_of(x, L.cols);
+  walk_tiles_whole(y, w, L, row_begin, row_end,
                    [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
-                     for_each_quad(tile, nr, nb, ts.g, T::kBB,
+                     for_each_quad(tile, nr, nb, L.g, T::kBB,
                                    [&](int i, const uint8_t* q0, size_t stride, const TileRow* tr, int n) {
-                                     if (q0) add_quad(y + r + i, quad_nib<T, true>(q0, stride, nullptr, x + cb0, nb));
-                                     else add_quad_n(y + r + i, quad_nib<T, false>(nullptr, 0, tr, x + cb0, nb), n);
+                                     if (q0) add_quad(y + r + i, quad_nib<T, true>(q0, stride, nullptr, x + cb0, xs + cb0, nb));
+                                     else add_quad_n(y + r + i, quad_nib<T, false>(nullptr, 0, tr, x + cb0, xs + cb0, nb), n);
                                    });
                    });
 }
@@ -215,6 +216,17 @@ struct V : Vec, IVec {
   }
 };
 
+// One block of 32 activations -> o.qs; returns the scale d.
+inline float quantize_block(const float* x, block_q8a& o) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1))) / 127.f;
+  const __m512 vid = _mm512_set1_ps(d ? 1.f / d : 0.f);
+  _mm_storeu_si128((__m128i*)o.qs, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid))));
+  _mm_storeu_si128((__m128i*)(o.qs + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid))));
+  return d;
+}
+
 #include "../gemv_simd.h"
 #include "../planes_simd.h"
 
@@ -223,7 +235,7 @@ inline __m256i fold(__m512i s) { return _mm256_add_epi32(_mm512_castsi512_si256(
 
 struct KQ4_K512 : BlkQ4_K {
   // chunk c (32 bytes): low nibbles are sub-block 2c, high 2c+1 = weights 64c .. 64c+63 in order.
-  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float& accs) {
+  static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float& accs) {
     uint8_t sm[16];
     scales_k4(p + 4, sm);
     __m512i s = _mm512_setzero_si512();
@@ -241,7 +253,7 @@ struct KQ6_K512 : BlkQ6_K {
   // Half h: ql's 64 bytes give quarters 0|1 (low nibbles, weights 0..63 of the half) and 2|3
   // (high nibbles, 64..127); qh (32 bytes, in both 256-bit halves) is shifted by 0|2 and 4|6.
   // int16 word i of a 64-weight vector covers weights 2i, 2i+1: scale sc[8h + 4t + i/8].
-  static void dot(const uint8_t* p, const block_q8_K& a, __m256& acc, float&) {
+  static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float&) {
     const __m512i scw = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(p + 192))));
     const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(0x0F);
     const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
@@ -274,20 +286,21 @@ struct KQ6_K512 : BlkQ6_K {
 // Q4_1 adds m * d_x * sum(x) in float. A group of fewer rows is widened to 16 (planes_widen).
 // TWO (AType::Q8x2): a second int8 activation (the residual level, a2) is dotted with the same
 // unpacked planes, so the second level costs arithmetic, not a second pass over the weights.
-template <WType WT, bool TWO>
-inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const block_q8a* a2, __m512 acc) {
+template <BlockType WT, bool TWO>
+inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
+                           const q8a_sums* la2, __m512 acc) {
   using K = PlanesKind<WT>;
   const __m512i lo = _mm512_set1_epi8(0x0F);
-  auto start = [](const block_q8a& x) {  // the exact integer offset term
-    const int isum = x.lsum4[0] + x.lsum4[1] + x.lsum4[2] + x.lsum4[3];
-    return _mm512_set1_epi32(WT == WType::Q4_0 ? -8 * isum : WT == WType::Q8_0 ? -128 * isum : 0);
+  auto start = [](const q8a_sums& l) {  // the exact integer offset term
+    const int isum = l.lsum4[0] + l.lsum4[1] + l.lsum4[2] + l.lsum4[3];
+    return _mm512_set1_epi32(WT == BlockType::Q4_0 ? -8 * isum : WT == BlockType::Q8_0 ? -128 * isum : 0);
   };
   int32_t xw[8], xw2[8];  // the activations' 4-byte slices
   std::memcpy(xw, a.qs, 32);
   if (TWO) std::memcpy(xw2, a2->qs, 32);
   const __m512i* pl = (const __m512i*)(c + 16 * K::kHdr);
-  __m512i s0 = start(a), s1 = _mm512_setzero_si512();
-  __m512i t0 = TWO ? start(*a2) : s1, t1 = s1;
+  __m512i s0 = start(la), s1 = _mm512_setzero_si512();
+  __m512i t0 = TWO ? start(*la2) : s1, t1 = s1;
   // u: the unsigned weights of plane slot j; xj: the activation slice index it meets
   auto dot = [&](__m512i u0, int j0, __m512i u1, int j1) {
     s0 = _mm512_dpbusd_epi32(s0, u0, _mm512_set1_epi32(xw[j0]));
@@ -315,48 +328,41 @@ inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const block_q8a
   } else {
     acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc);
   }
-  if (WT == WType::Q4_1)
+  if (WT == BlockType::Q4_1)
     acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))),
                           _mm512_set1_ps(TWO ? a.s + a2->s : a.s), acc);
   return acc;
 }
 
 // TWO: x holds the cols/32 blocks of the first level, then those of the second (AType::Q8x2).
-template <WType WT, bool TWO>
-void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, int rows, int cols, const TileShape& ts,
-                    int row_begin, int row_end) {
+template <BlockType WT, bool TWO>
+void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   const block_q8a* x = (const block_q8a*)xv;
-  const block_q8a* x2 = x + cols / QK;
-  walk_planes<WT>(y, w, rows, cols, ts, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+  const block_q8a* x2 = (const block_q8a*)((const uint8_t*)xv + q8a_row_bytes(L.cols));
+  const q8a_sums *xs = q8a_sums_of(x, L.cols), *xs2 = q8a_sums_of(x2, L.cols);
+  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m512 acc = _mm512_setzero_ps();
-    for (int b = 0; b < nb; ++b) acc = planes_block<WT, TWO>(chunk(b), x[cb0 + b], x2 + cb0 + b, acc);
+    for (int b = 0; b < nb; ++b) acc = planes_block<WT, TWO>(chunk(b), x[cb0 + b], xs[cb0 + b], x2 + cb0 + b, xs2 + cb0 + b, acc);
     const __mmask16 m = (__mmask16)((1u << gg) - 1);
     _mm512_mask_storeu_ps(y + r, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + r), acc));
   });
 }
 
+// The wider kernels above in place of the shared ones (after fill_table).
+void fill_wide(KernelTable& t) {
+  set_gemv_q8<gemv_nib_q8<Q4_0>>(t, BlockType::Q4_0);
+  set_gemv_q8<gemv_nib_q8<Q4_1>>(t, BlockType::Q4_1);
+  set_gemv_q8<gemv_nib_q8<Q5_0>>(t, BlockType::Q5_0);
+  set_gemv_q8<gemv_q8<KQ4_K512>>(t, BlockType::Q4_K);
+  set_gemv_q8<gemv_q8<KQ6_K512>>(t, BlockType::Q6_K);
+}
+
 }  // namespace
 }  // namespace avx512
 
-const GemvTable& gemv_planes_avx512() {
-  static GemvTable p = {};
-  static const bool filled = ((avx512::fill_planes_table(p)), true);
-  (void)filled;
-  return p;
-}
-
-const GemvTable& gemv_table_avx512() {
-  static GemvTable t = {};
-  static const bool filled = [] {
-    avx512::fill_table(t);
-    t[wtype_index(WType::Q4_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_0>;
-    t[wtype_index(WType::Q4_1)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q4_1>;
-    t[wtype_index(WType::Q5_0)][(int)AType::Q8] = avx512::gemv_nib_q8<avx512::Q5_0>;
-    t[wtype_index(WType::Q4_K)][(int)AType::Q8] = avx512::gemv_q8<avx512::KQ4_K512>;
-    t[wtype_index(WType::Q6_K)][(int)AType::Q8] = avx512::gemv_q8<avx512::KQ6_K512>;
-    return true;
-  }();
-  (void)filled;
+const KernelTable& kernel_table_avx512() {
+  static const KernelTable t =
+      make_table(Isa::Avx512, {avx512::fill_table, avx512::fill_planes_table, avx512::fill_gemm, avx512::fill_wide});
   return t;
 }
 

@@ -21,20 +21,12 @@ struct Vec {
     return _mm512_mask_loadu_ps(set1(fill), mask(n), p);
   }
   static void store_n(float* p, reg a, int n) { _mm512_mask_storeu_ps(p, mask(n), a); }
-  static reg load_h(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-  }
-  static void store_h(uint16_t* p, reg a) {
-    _mm256_storeu_si256((__m256i*)p,
-                        _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
   static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }
-  static reg fmaddsub(reg a, reg b, reg c) { return _mm512_fmaddsub_ps(a, b, c); }
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
   static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
@@ -51,12 +43,6 @@ struct Vec {
     const reg f2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, b), 23));
     return mul(mul(y, f1), f2);
   }
-  static unsigned gt_mask(reg a, reg b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
-  static reg dup_pairs(const float* p) {
-    const __m512i idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(p)));
-  }
-  static reg swap_pairs(reg a) { return _mm512_permute_ps(a, 0xB1); }
 };
 
 // The int8 side, over 256-bit integer vectors ("lane" = 4 bytes = one int32 of the result):
