@@ -1,7 +1,7 @@
 // The prefill GEMM of every ISA this CPU runs, on one matrix, one thread (the kernel called
 // directly, no thread pool): GMAC/s, best and median of --repeats runs, int8 activations.
 //   build/dev/cflow_bench_gemm [--type q4_1] [--pack planes|blocks] [--rows 3072] [--cols 576]
-//                              [--tokens 512] [--repeats 7]
+//                              [--tokens 512] [--levels 1|2] [--repeats 7]
 // Defaults: SmolLM2-135M's gate+up (3072 x 576, Q4_1, planes at interleave 16, as `cflow
 // convert` writes it) against a 512-token prompt. Weights are random bytes with sane fp16
 // scales: a GEMM's speed does not depend on the values.
@@ -21,7 +21,7 @@ using namespace cflow;
 
 int main(int argc, char** argv) {
   std::string type = "q4_1", pack = "planes";
-  int rows = 3072, cols = 576, tokens = 512, repeats = 7;
+  int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--type") type = v;
@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
     else if (k == "--cols") cols = std::atoi(v.c_str());
     else if (k == "--tokens") tokens = std::atoi(v.c_str());
     else if (k == "--repeats") repeats = std::atoi(v.c_str());
+    else if (k == "--levels") levels = std::atoi(v.c_str());
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
   BlockType bt;
@@ -40,7 +41,7 @@ int main(int argc, char** argv) {
   const char* err = nullptr;
   const Pack p = pack == "planes" ? Pack::Planes : Pack::Blocks;
   const TileLayout L = tile_layout(bt, rows, cols, 128, 256, p == Pack::Planes ? kPlanesMaxG : 1, p, &err);
-  if (repeats < 1 || tokens < 1 || err) {
+  if (repeats < 1 || tokens < 1 || levels < 1 || levels > 2 || err) {
     std::fprintf(stderr, "bad shape: %s\n", err ? err : "tokens and repeats must be positive");
     return 2;
   }
@@ -57,12 +58,12 @@ int main(int argc, char** argv) {
   std::vector<float> x((size_t)tokens * cols), y((size_t)tokens * rows);
   std::uniform_real_distribution<float> u(-1, 1);
   for (auto& v : x) v = u(rng);
-  QActs qa{tokens, cols, 1, nullptr};
+  QActs qa{tokens, cols, levels, nullptr};
   std::vector<uint8_t> b(qa.bytes());
   qa.data = b.data();
   quantize_acts(x.data(), cols, tokens, cols, qa);
-  std::printf("%s %s, %d x %d, %d tokens, 1 thread, best / median of %d\n", type.c_str(), pack.c_str(), rows, cols,
-              tokens, repeats);
+  std::printf("%s %s, %d x %d, %d tokens, %d level(s), 1 thread, best / median of %d\n", type.c_str(), pack.c_str(),
+              rows, cols, tokens, levels, repeats);
   const double macs = (double)tokens * rows * cols;
   for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
     if (!isa_supported(isa)) continue;
