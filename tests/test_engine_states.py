@@ -43,6 +43,41 @@ def test_states_advanced_together_match_one_by_one(qwen3_q4, engine):
     assert [s.pos for s in together] == [9, 6, 18]
 
 
+@pytest.mark.parametrize("layout", [dict(wtype="q4_1", interleave=16, stripe_rows=16, pack="planes"),
+                                    dict(wtype="q8_0", interleave=4, stripe_rows=16), dict(wtype="f32")])
+def test_each_row_gets_exactly_what_its_sequence_gets_alone(layout):
+    # bit for bit, on the default (two-level int8) path: decode rows of 8 sequences in one step,
+    # a prompt split into chunks, and a chunk sharing its step with decoding sequences
+    f = to_cflow(tiny_hf("llama"), embtype="q8_0", tile=(32, 64), **layout)
+    eng = Engine(f, threads=2)
+    prompts = [IDS[i:i + 3 + 4 * i] for i in range(8)]
+    batch = [eng.new_state() for _ in prompts]
+    for st, p in zip(batch, prompts):
+        eng.forward(st, p)
+    alone = []
+    for p in prompts:
+        st = eng.new_state()
+        eng.forward(st, p)
+        alone.append(eng.forward(st, [7]))
+    assert all(np.array_equal(a, b) for a, b in zip(alone, eng.forward(batch, [[7]] * 8)))
+    whole = eng.forward(eng.new_state(), IDS[:45])
+    chunked = eng.new_state()
+    eng.forward(chunked, IDS[:20])
+    eng.forward(chunked, IDS[20:31])
+    assert np.array_equal(eng.forward(chunked, IDS[31:45]), whole)
+    mixed, d = eng.new_state(), eng.new_state()
+    eng.forward(mixed, IDS[:20])
+    eng.forward(d, IDS[:3])
+    out = eng.forward([d, mixed], [[9], IDS[20:31]])
+    assert np.array_equal(eng.forward(mixed, IDS[31:45]), whole) and np.array_equal(out[0], alone_after(eng, IDS[:3], 9))
+
+
+def alone_after(eng, prompt, token):
+    st = eng.new_state()
+    eng.forward(st, prompt)
+    return eng.forward(st, [token])
+
+
 def test_two_threads_on_one_engine_give_the_sequential_tokens(qwen3_q4):
     eng = Engine(qwen3_q4, threads=2)  # the default path: two-level int8
 

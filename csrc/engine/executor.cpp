@@ -42,8 +42,9 @@ struct Engine::Workspace {
   int n = 0;
   bool all_logits = false;
   std::vector<int32_t> tokens, row_seq, row_pos;  // per row
-  std::vector<int32_t> last_row;                  // per sequence
-  std::vector<State*> states;                     // per sequence
+  int n_pre = 0;                                  // rows [0, n_pre): sequences with several new tokens
+  std::vector<int32_t> first_row, last_row;       // per sequence, in the caller's order
+  std::vector<State*> states;                     // per sequence, in row order
 };
 
 struct Engine::Input {
@@ -315,16 +316,9 @@ Engine::Input Engine::prepare(Workspace& ws, const float* src, int lds, int n, i
 // Decode reads each weight once for one token: the tile GEMV kernels (kernels.h), which split
 // work by whole stripes, are the bandwidth-bound path. int8 activations (one or two levels,
 // AType::Q8 / Q8x2) on the fast path for quantized types, fp32 otherwise.
-GemvFn Engine::decode_gemv(Workspace& ws, const TileLayout& L, const float* x, int tid, const void** xa,
-                           bool precise) {
-  const AType at = !fast_ || !has_int8_path(L.bt(), false) ? AType::F32 : precise ? AType::Q8x2 : AType::Q8;
-  GemvFn fn = gemv_fn(L.bt(), L.packing(), at, isa_);
-  if (!fn) return nullptr;
-  Scratch& s = *ws.priv[tid];
-  grow(s.xa, act_bytes(L.bt(), at, L.cols));
-  prepare_act(L.bt(), at, s.xa.data(), x, L.cols);
-  *xa = s.xa.data();
-  return fn;
+GemvFn Engine::decode_kernel(const TileLayout& L, bool precise, AType* at) const {
+  *at = !fast_ || !has_int8_path(L.bt(), false) ? AType::F32 : precise ? AType::Q8x2 : AType::Q8;
+  return gemv_fn(L.bt(), L.packing(), *at, isa_);
 }
 
 // Thread tid's share of whole stripes: rows [r0, r1).
@@ -360,54 +354,21 @@ void Engine::run_op(const Embed& op, Workspace& ws, int tid) {
   }
 }
 
-void Engine::run_op(const Matmul& op, Workspace& ws, int tid) {
-  const Weight& W = W_[op.weight];
-  const TileLayout& L = W.L;
-  const int C = L.cols, nth = ws.pool.size();
-  const int lds = plan_.buffers[op.src].width, ldd = plan_.buffers[op.dst].width;
-  const float* src = ws.bufs[op.src].data();
-  int n = ws.n;
-  if (op.last_token && !ws.all_logits) {  // one row per sequence: its last
-    const int m = (int)ws.last_row.size();
-    if (m == 1) {
-      src += (size_t)ws.last_row[0] * lds;
-    } else {
-      for (int i = tid; i < m; i += nth)
-        std::memcpy(ws.gather.data() + (size_t)i * lds, src + (size_t)ws.last_row[i] * lds, sizeof(float) * C);
-      ws.pool.barrier();
-      src = ws.gather.data();
-    }
-    n = m;
-  }
-  const bool one = n == 1;
-  const bool q8 = !one && fast_ && has_int8_path(L.bt(), true);
-  const bool precise = fast_ && op.two_level;
-  Input in = prepare(ws, src, lds, n, C, op.norm, q8, q8 && precise, tid);
-  const void* xa = nullptr;
-  GemvFn gemv = one ? decode_gemv(ws, L, in.x, tid, &xa, precise) : nullptr;
-  int r0, r1;
-  if (gemv) stripe_share(L, tid, nth, &r0, &r1);
-  else row_share(L, tid, nth, &r0, &r1);
-  if (r0 >= r1) return;
-  float* dst = ws.bufs[op.dst].data() + op.dst_col;  // this weight's columns of the output
-  Scratch& s = *ws.priv[tid];
-  float* y = dst + r0;
-  int ldy = ldd;
-  if (op.accumulate) {
-    grow(s.y, (size_t)n * (r1 - r0));
-    y = s.y.data();
-    ldy = r1 - r0;
-  }
-  if (gemv) {
-    gemv(y, xa, W.data, L, r0, r1);
-  } else if (q8) {
-    gemm_q8(L, W.data, r0, r1, in.qa, y, ldy);
-  } else {
-    gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, y, ldy);
-  }
+// The rows of a step go through a weight in two groups, so that each row gets exactly what its
+// sequence would get alone (the kernels' sums differ in order between the two paths):
+//  - rows of sequences with several new tokens (prompts, laid out first: rows [0, n_pre)) take
+//    the tile GEMM together, each weight block read once for all of them;
+//  - a sequence's single new token (decode; rows [n_pre, n)) takes the decode GEMV, which
+//    splits work by whole stripes. The single rows of a step visit a thread's stripes in runs
+//    of about kVisitBytes, every row in turn, so the weights come from memory once per step and
+//    from cache for the other rows.
+constexpr size_t kVisitBytes = 192 << 10;
+
+// y (+ epilogue) for rows [r0, r1) of W of m rows: bias, scale, softcap, then dst (+)= y.
+void Engine::epilogue(const Matmul& op, float* y, int ldy, int m, int r0, int r1, float* dst, int ldd) const {
   const float* b = op.bias >= 0 ? vec(op.bias) : nullptr;
   const float cap = op.softcap, scale = op.scale;
-  for (int k = 0; k < n; ++k) {
+  for (int k = 0; k < m; ++k) {
     float* yk = y + (size_t)k * ldy;
     if (b)
       for (int r = r0; r < r1; ++r) yk[r - r0] += b[r];
@@ -422,32 +383,142 @@ void Engine::run_op(const Matmul& op, Workspace& ws, int tid) {
   }
 }
 
+void Engine::run_op(const Matmul& op, Workspace& ws, int tid) {
+  const int lds = plan_.buffers[op.src].width, ldd = plan_.buffers[op.dst].width, nth = ws.pool.size();
+  const float* src = ws.bufs[op.src].data();
+  float* dst = ws.bufs[op.dst].data() + op.dst_col;  // this weight's columns of the output
+  if (op.last_token && !ws.all_logits) {  // one row per sequence, its last: single rows
+    const int m = (int)ws.last_row.size(), C = W_[op.weight].L.cols;
+    if (m == 1) {
+      src += (size_t)ws.last_row[0] * lds;
+    } else {
+      for (int i = tid; i < m; i += nth)
+        std::memcpy(ws.gather.data() + (size_t)i * lds, src + (size_t)ws.last_row[i] * lds, sizeof(float) * C);
+      ws.pool.barrier();
+      src = ws.gather.data();
+    }
+    matmul_single(op, ws, src, lds, m, dst, ldd, tid);
+    return;
+  }
+  if (ws.n_pre) matmul_gemm(op, ws, src, lds, ws.n_pre, dst, ldd, tid);
+  if (ws.n > ws.n_pre)
+    matmul_single(op, ws, src + (size_t)ws.n_pre * lds, lds, ws.n - ws.n_pre, dst + (size_t)ws.n_pre * ldd, ldd, tid);
+}
+
+// n >= 2 rows through the tile GEMM (int8 activations where the type has an int8 GEMM).
+void Engine::matmul_gemm(const Matmul& op, Workspace& ws, const float* src, int lds, int n, float* dst, int ldd,
+                         int tid) {
+  const Weight& W = W_[op.weight];
+  const TileLayout& L = W.L;
+  const bool q8 = fast_ && has_int8_path(L.bt(), true);
+  Input in = prepare(ws, src, lds, n, L.cols, op.norm, q8, q8 && op.two_level, tid);
+  int r0, r1;
+  row_share(L, tid, ws.pool.size(), &r0, &r1);
+  if (r0 >= r1) return;
+  Scratch& s = *ws.priv[tid];
+  float* y = dst + r0;
+  int ldy = ldd;
+  if (op.accumulate) {
+    grow(s.y, (size_t)n * (r1 - r0));
+    y = s.y.data();
+    ldy = r1 - r0;
+  }
+  if (q8) gemm_q8(L, W.data, r0, r1, in.qa, y, ldy);
+  else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, y, ldy);
+  epilogue(op, y, ldy, n, r0, r1, dst, ldd);
+}
+
+// m single rows, each as a one-token step computes it.
+void Engine::matmul_single(const Matmul& op, Workspace& ws, const float* src, int lds, int m, float* dst, int ldd,
+                           int tid) {
+  const Weight& W = W_[op.weight];
+  const TileLayout& L = W.L;
+  const int nth = ws.pool.size();
+  Scratch& s = *ws.priv[tid];
+  AType at;
+  const GemvFn gemv = decode_kernel(L, fast_ && op.two_level, &at);
+  int r0, r1;
+  if (gemv) stripe_share(L, tid, nth, &r0, &r1);
+  else row_share(L, tid, nth, &r0, &r1);
+  // each row's input, normalised and prepared for the kernel (thread-private: no barrier)
+  const size_t ab = gemv ? act_bytes(L.bt(), at, L.cols) : (size_t)L.cols * sizeof(float);
+  grow(s.xa, (size_t)m * ab);
+  for (int k = 0; k < m; ++k) {
+    Input in = prepare(ws, src + (size_t)k * lds, lds, 1, L.cols, op.norm, false, false, tid);
+    if (gemv) prepare_act(L.bt(), at, s.xa.data() + k * ab, in.x, L.cols);
+    else std::memcpy(s.xa.data() + k * ab, in.x, ab);
+  }
+  if (r0 >= r1) return;
+  float* y = dst + r0;
+  int ldy = ldd;
+  if (op.accumulate) {
+    grow(s.y, (size_t)m * (r1 - r0));
+    y = s.y.data();
+    ldy = r1 - r0;
+  }
+  if (gemv) {
+    const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
+    const int run = L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
+    for (int c0 = r0; c0 < r1; c0 += run) {
+      const int c1 = std::min(r1, c0 + run);
+      for (int k = 0; k < m; ++k) gemv(y + (size_t)k * ldy + (c0 - r0), s.xa.data() + k * ab, W.data, L, c0, c1);
+    }
+  } else {  // no decode kernel for this type: the fp32 GEMM, one row at a time
+    for (int k = 0; k < m; ++k)
+      gemm_f32(L, W.data, r0, r1, (const float*)(s.xa.data() + k * ab), L.cols, 1, y + (size_t)k * ldy, ldy);
+  }
+  epilogue(op, y, ldy, m, r0, r1, dst, ldd);
+}
+
 // gate_up rows come in pairs of pieces: [gate rows p*c .. +cp), [up rows p*c .. +cp), cp <= c.
+// Rows as for Matmul: prompt rows through the GEMM; single rows through the decode GEMV when a
+// piece pair is one stripe (each piece one GEMV row range, visited by every single row in turn),
+// else each through the GEMM alone.
 void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
   const Weight& W = W_[op.weight];
   const TileLayout& L = W.L;
-  const int C = L.cols, F = L.rows / 2, c = op.chunk, lds = plan_.buffers[op.src].width, n = ws.n;
-  const int nth = ws.pool.size();
-  // One token with pieces of half a stripe: each piece pair is one stripe, a GEMV row range.
-  const bool one = n == 1 && 2 * c == L.tr;
-  const bool q8 = !one && fast_ && has_int8_path(L.bt(), true);
-  const bool precise = fast_ && op.two_level;
-  Input in = prepare(ws, ws.bufs[op.src].data(), lds, n, C, op.norm, q8, q8 && precise, tid);
-  const void* xa = nullptr;
-  GemvFn gemv = one ? decode_gemv(ws, L, in.x, tid, &xa, precise) : nullptr;
+  const int C = L.cols, F = L.rows / 2, c = op.chunk, lds = plan_.buffers[op.src].width, nth = ws.pool.size();
   const int P = (F + c - 1) / c;
   const int p0 = (int)((int64_t)P * tid / nth), p1 = (int)((int64_t)P * (tid + 1) / nth);
-  Scratch& s = *ws.priv[tid];
-  grow(s.y, (size_t)n * 2 * std::min(c, F));
+  const bool precise = fast_ && op.two_level, q8 = fast_ && has_int8_path(L.bt(), true);
+  const float* src = ws.bufs[op.src].data();
   float* h = ws.bufs[op.dst].data();
+  Scratch& s = *ws.priv[tid];
+  // rows [k0, k0 + n) prepared as `in`, through the GEMM, piece by piece
+  auto gemm_rows = [&](const Input& in, int k0, int n) {
+    grow(s.y, (size_t)n * 2 * std::min(c, F));
+    for (int p = p0; p < p1; ++p) {
+      const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
+      if (in.qa.data) gemm_q8(L, W.data, r0, r1, in.qa, s.y.data(), 2 * cp);
+      else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, s.y.data(), 2 * cp);
+      for (int k = 0; k < n; ++k) {
+        const float* g = s.y.data() + (size_t)k * 2 * cp;
+        act_mul(op.act, g, g + cp, h + (size_t)(k0 + k) * F + (size_t)p * c, cp);
+      }
+    }
+  };
+  if (ws.n_pre) gemm_rows(prepare(ws, src, lds, ws.n_pre, C, op.norm, q8, q8 && precise, tid), 0, ws.n_pre);
+  const int m = ws.n - ws.n_pre;
+  if (!m) return;
+  AType at;
+  const GemvFn gemv = 2 * c == L.tr ? decode_kernel(L, precise, &at) : nullptr;
+  if (!gemv) {
+    for (int k = ws.n_pre; k < ws.n; ++k)
+      gemm_rows(prepare(ws, src + (size_t)k * lds, lds, 1, C, op.norm, q8, q8 && precise, tid), k, 1);
+    return;
+  }
+  const size_t ab = act_bytes(L.bt(), at, C);
+  grow(s.xa, (size_t)m * ab);
+  for (int k = 0; k < m; ++k) {
+    Input in = prepare(ws, src + (size_t)(ws.n_pre + k) * lds, lds, 1, C, op.norm, false, false, tid);
+    prepare_act(L.bt(), at, s.xa.data() + k * ab, in.x, C);
+  }
+  grow(s.y, (size_t)2 * std::min(c, F));
   for (int p = p0; p < p1; ++p) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
-    if (gemv) gemv(s.y.data(), xa, W.data, L, r0, r1);
-    else if (q8) gemm_q8(L, W.data, r0, r1, in.qa, s.y.data(), 2 * cp);
-    else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, s.y.data(), 2 * cp);
-    for (int k = 0; k < n; ++k) {
-      const float* g = s.y.data() + (size_t)k * 2 * cp;
-      act_mul(op.act, g, g + cp, h + (size_t)k * F + (size_t)p * c, cp);
+    for (int k = 0; k < m; ++k) {
+      gemv(s.y.data(), s.xa.data() + k * ab, W.data, L, r0, r1);
+      act_mul(op.act, s.y.data(), s.y.data() + cp, h + (size_t)(ws.n_pre + k) * F + (size_t)p * c, cp);
     }
   }
 }
@@ -605,17 +676,25 @@ void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logit
   ws.tokens.clear();
   ws.row_seq.clear();
   ws.row_pos.clear();
-  ws.last_row.clear();
   ws.states.clear();
-  for (size_t i = 0; i < seqs.size(); ++i) {
+  ws.first_row.assign(seqs.size(), 0);
+  ws.last_row.assign(seqs.size(), 0);
+  // Rows sequence after sequence, those with several new tokens first (the GEMM rows).
+  std::vector<int> order(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) order[i] = (int)i;
+  std::stable_partition(order.begin(), order.end(), [&](int i) { return seqs[i].n > 1; });
+  ws.n_pre = 0;
+  for (int i : order) {
     const Seq& s = seqs[i];
+    ws.first_row[i] = (int)ws.tokens.size();
     for (int j = 0; j < s.n; ++j) {
       ws.tokens.push_back(s.tokens[j]);
-      ws.row_seq.push_back((int)i);
+      ws.row_seq.push_back((int)ws.states.size());
       ws.row_pos.push_back(s.state->pos() + j);
     }
-    ws.last_row.push_back((int)ws.tokens.size() - 1);
+    ws.last_row[i] = (int)ws.tokens.size() - 1;
     ws.states.push_back(s.state);
+    if (s.n > 1) ws.n_pre += s.n;
   }
   // Buffers and shared scratch sized for n rows (every thread writes its rows of them).
   ws.bufs.resize(plan_.buffers.size());
@@ -633,8 +712,16 @@ void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logit
     throw;
   }
   for (const Seq& s : seqs) s.state->tokens_.insert(s.state->tokens_.end(), s.tokens, s.tokens + s.n);
-  const float* lg = ws.bufs[plan_.logits].data();
-  std::memcpy(logits, lg, sizeof(float) * (size_t)vocab_ * (all_logits ? n : seqs.size()));
+  const float* lg = ws.bufs[plan_.logits].data();  // all rows in layout order, or one per sequence
+  if (all_logits) {
+    for (const Seq& s : seqs) {
+      const size_t i = &s - seqs.data();
+      std::memcpy(logits, lg + (size_t)ws.first_row[i] * vocab_, sizeof(float) * (size_t)vocab_ * s.n);
+      logits += (size_t)vocab_ * s.n;
+    }
+  } else {
+    std::memcpy(logits, lg, sizeof(float) * (size_t)vocab_ * seqs.size());
+  }
   give_workspace(std::move(wsp));
 }
 

@@ -91,10 +91,12 @@ class Engine {
   void run_op(const NormAdd& op, Workspace& ws, int tid);
   struct Input;
   Input prepare(Workspace& ws, const float* src, int lds, int n, int cols, int norm, bool q8, bool precise, int tid);
-  // One token: the tile GEMV kernel for W (kernels.h) with x prepared for it in thread tid's
-  // scratch (*xa: one or, with precise, two int8 levels), or nullptr when none applies (the
-  // GEMM path runs).
-  GemvFn decode_gemv(Workspace& ws, const TileLayout& L, const float* x, int tid, const void** xa, bool precise);
+  // The decode (one-token) GEMV kernel of W and the activation type it takes; nullptr when none
+  // applies.
+  GemvFn decode_kernel(const TileLayout& L, bool precise, AType* at) const;
+  void matmul_gemm(const Matmul& op, Workspace& ws, const float* src, int lds, int n, float* dst, int ldd, int tid);
+  void matmul_single(const Matmul& op, Workspace& ws, const float* src, int lds, int m, float* dst, int ldd, int tid);
+  void epilogue(const Matmul& op, float* y, int ldy, int m, int r0, int r1, float* dst, int ldd) const;
   void rmsnorm(const float* x, const float* w, int cols, float* out) const;
   const float* vec(int tensor) const { return vecs_[tensor].data(); }  // norms, biases
   void rope(float* x, int head_dim, float theta, int pos) const;
