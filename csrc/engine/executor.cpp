@@ -458,7 +458,7 @@ void Engine::matmul_single(const Matmul& op, Workspace& ws, const float* src, in
   }
   if (gemv) {
     const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
-    const int run = L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
+    const int run = m == 1 ? r1 - r0 : L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
     for (int c0 = r0; c0 < r1; c0 += run) {
       const int c1 = std::min(r1, c0 + run);
       for (int k = 0; k < m; ++k) gemv(y + (size_t)k * ldy + (c0 - r0), s.xa.data() + k * ab, W.data, L, c0, c1);
