@@ -8,7 +8,7 @@ module. Modules are found by reading their source for `ARCH =`, so the registry 
 the families (no torch: cflow.models.pnt, the torch model, is not one of them).
 
     from cflow import models
-    models.names()                   # ('gemma3', 'llama', 'pnt', 'qwen2', 'qwen3')
+    models.names()                   # ('gemma3', 'llama', 'phi3', 'pnt', 'qwen2', 'qwen3')
     arch = models.get(cfg.arch)      # UnsupportedError naming the known ones
     plan = arch.build(builder, cfg)  # the forward pass as ops (cflow.plan)
     models.for_hf("mistral").name    # 'llama'
