@@ -22,6 +22,15 @@ def test_unknown_verb_is_a_usage_error():
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("verb", ["generate", "chat"])
+def test_sampling_help_names_the_defaults(verb, capsys):
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "default: the model's generation_config.json, else llama.cpp's: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05" in out
+    assert "0: greedy (default: the model's, else 0.8)" in out
+
+
 def test_cli_does_not_import_torch():
     code = "import sys; from cflow.cli import main; main(['info']); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from cflow.cli import main as cli
 from cflow.config import ModelConfig
-from cflow.errors import CflowError, UnsupportedError
+from cflow.errors import CflowError, CflowFormatError, UnsupportedError
 from cflow.format import CflowFile, CflowWriter, decode_order, fuse_rows
 from cflow.format import quant
 from cflow.format.spec import ALIGN, TENSOR_ALIGN, fused_row_order
@@ -82,12 +82,14 @@ def test_header_fields_round_trip(tmp_path):
                       top_k=2, d_expert=32, delta_d=1, delta_e=2, combine="async_experts", act="gelu_tanh")
     tok = '{"version": "1.0", "model": {"type": "BPE", "vocab": {"é": 0}}}'
     with CflowWriter(path, cfg, tokenizer_json=tok, chat_template="{% for m in messages %}{{ m }}{% endfor %}",
-                     special_tokens={"bos_token_id": 1, "eos_token_ids": [2, 3], "add_bos": True}, metadata={"source": "x.gguf", "quant": "q4_0"}) as w:
+                     special_tokens={"bos_token_id": 1, "eos_token_ids": [2, 3], "add_bos": True}, metadata={"source": "x.gguf", "quant": "q4_0"},
+                     generation={"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8}) as w:
         w.add_tensor("output_norm", "f32", np.arange(64, dtype=np.float32))
     with CflowFile(path) as f:
         assert f.config == cfg and f.config.delta_e == 2 and f.config.combine == "async_experts"
         assert f.tokenizer_json == tok and f.chat_template.startswith("{% for")
         assert f.special_tokens == {"bos_token_id": 1, "eos_token_ids": [2, 3], "add_bos": True} and f.metadata["quant"] == "q4_0"
+        assert f.generation == {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8}
         assert f.tensors["output_norm"].shape == (64,)
         assert np.array_equal(f.dequantize("output_norm"), np.arange(64, dtype=np.float32))
 
@@ -222,6 +224,11 @@ def test_atomic_write_leaves_nothing_on_error(tmp_path):
 
 
 def test_writer_rejects_bad_input_clearly(tmp_path):
+    for bad, match in (({"temperature": "hot"}, "must be a number"), ({"top_p": 0}, r"outside \(0, 1\]"),
+                       ({"top_k": 1.5}, "must be an integer"), ({"do_sample": 1}, "must be a boolean")):
+        with pytest.raises(CflowFormatError, match=match):
+            CflowWriter(tmp_path / "g.cflow", CFG, generation=bad)
+    assert not list(tmp_path.iterdir())
     with CflowWriter(tmp_path / "m.cflow", CFG) as w:
         with pytest.raises(UnsupportedError, match="GGUF-encoded"):
             w.add_tensor("k", "q4_k", np.ones((2, 256), np.float32))

@@ -107,6 +107,18 @@ def test_unsupported_architecture_and_tensor_type(tmp_path):
             load_source(p)
 
 
+def test_gguf_sampling_keys_become_the_generation_defaults(smol_cflow):
+    from cflow.convert.gguf import gguf_generation
+    from cflow.format import CflowFile
+
+    m = {"general.sampling.temp": np.float32(0.6).item(), "general.sampling.top_k": 20,
+         "general.sampling.top_p": np.float32(0.95).item(), "general.sampling.penalty_repeat": 1.05,
+         "general.sampling.min_p": 3.0}  # out of range: left out
+    assert gguf_generation(m) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05}
+    with CflowFile(smol_cflow) as f:
+        assert f.generation == {}  # SmolLM2's GGUF carries none
+
+
 def test_hub_references_parse(tmp_path):
     assert hub.parse_hf_ref("hf://Qwen/Qwen3-0.6B-GGUF/Qwen3-0.6B-Q8_0.gguf") == ("Qwen/Qwen3-0.6B-GGUF", "Qwen3-0.6B-Q8_0.gguf", None)
     assert hub.parse_hf_ref("hf://o/r@main") == ("o/r", None, "main")

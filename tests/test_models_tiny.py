@@ -60,7 +60,7 @@ def test_greedy_continuation_matches_transformers(tiny, engine):
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(prompt):].tolist()
-    chunks = list(llm.complete(prompt, max_tokens=24))
+    chunks = list(llm.complete(prompt, max_tokens=24, temperature=0))
     got = [t for c in chunks for t in c.token_ids]
     eos = llm.tokenizer.eos_token_ids
     n = next((i for i, t in enumerate(ref) if t in eos), len(ref))  # we stop at EOS, HF was told not to

@@ -12,6 +12,7 @@ import numpy as np
 
 from cflow.errors import CflowError, CflowFormatError
 from cflow.generate import Chunk, check_budget, generate_step
+from cflow.sampling import generation_defaults, make_sampler
 from cflow.tokenizer import Tokenizer
 
 # used when a model carries no chat template of its own
@@ -113,6 +114,10 @@ class LLM:
         self.config = self.file.config
         self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.special_tokens)
         self.chat_template = self.file.chat_template
+        # what complete / generate / stream / chat sample with when a setting is not passed:
+        # the source's generation_config.json, else llama.cpp's ("model" / "llama.cpp")
+        self.generation_defaults, self.generation_defaults_source = generation_defaults(
+            getattr(self.file, "generation", None))
         self.engine = make_engine(self.file, threads=threads, n_ctx=n_ctx, fast=fast, engine=engine, precise=precise)
         self.n_ctx = self.engine.n_ctx
         self._template = None
@@ -150,22 +155,26 @@ class LLM:
         return ids
 
     # ------------------------------------------------------------------ generation
-    def complete(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
-                 stop: list[str] | None = None, ignore_eos: bool = False, state=None) -> Iterator[Chunk]:
+    def complete(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, seed: int | None = None, stop: list[str] | None = None,
+                 ignore_eos: bool = False, state=None) -> Iterator[Chunk]:
         """Generate from a prompt (text or token ids): one Chunk per token, the last with
         finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
         plus max_tokens does not fit the context. Close the generator to cancel.
+
+        Sampling settings left at None take `generation_defaults`; temperature=0 is greedy. With a
+        seed the draws repeat from call to call; without one they differ.
 
         state: reuse an engine state across calls (prompt cache: the common prefix of the prompt
         and the tokens the state holds is kept, the rest recomputed).
         """
         ids = self.encode_prompt(prompt)
         check_budget(len(ids), max_tokens, self.n_ctx)
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        repetition_penalty=repetition_penalty, seed=seed)
-        from cflow.sampling import make_sampler
-
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                     repetition_penalty=repetition_penalty)
+        sampling = {k: self.generation_defaults[k] if v is None else v for k, v in given.items()}
+        sampling["seed"] = seed
         make_sampler(**sampling)  # bad settings fail here, not at the first token
         cached = 0
         if state is None:

@@ -15,6 +15,26 @@ from cflow.errors import CflowError
 
 Sampler = Callable[[np.ndarray, list[int]], int]
 
+# llama.cpp's sampling defaults (common/common.h), for models that give none of their own
+LLAMA_CPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+# a setting a model's defaults leave out is off (temperature 1, as in transformers)
+NOT_GIVEN = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+SAMPLING_KEYS = tuple(NOT_GIVEN)
+
+
+def generation_defaults(source: dict | None) -> tuple[dict, str]:
+    """(defaults, where they come from) for a model whose source gave `source` (a .cflow header's
+    `generation`: generation_config.json's do_sample, temperature, top_k, top_p, min_p,
+    repetition_penalty). Any of those given: "model", the ones left out off, and do_sample false
+    means greedy (temperature 0). None given: llama.cpp's defaults, "llama.cpp"."""
+    given = {k: v for k, v in (source or {}).items() if k in SAMPLING_KEYS + ("do_sample",)}
+    if not given:
+        return dict(LLAMA_CPP_DEFAULTS), "llama.cpp"
+    out = {k: (int if k == "top_k" else float)(given.get(k, NOT_GIVEN[k])) for k in SAMPLING_KEYS}
+    if given.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out, "model"
+
 
 def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: float) -> np.ndarray:
     """CTRL-style: logits of seen tokens are divided by penalty when > 0, multiplied when < 0."""

@@ -6,15 +6,22 @@ HELP = "generate text from a prompt (streams to stdout; speed summary on stderr)
 def add_sampling_arguments(p):
     from cflow.engine import DEFAULT_MAX_CTX
     from cflow.llm import ENGINES
+    from cflow.sampling import LLAMA_CPP_DEFAULTS
 
     p.add_argument("-m", "--model", default="smollm2-135m", help="model name, .cflow/.gguf path, HF directory or hf://...")
     p.add_argument("-n", "--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    d = LLAMA_CPP_DEFAULTS
+    s = p.add_argument_group(
+        "sampling", f"default: the model's generation_config.json, else llama.cpp's: temperature {d['temperature']}, "
+                    f"top-k {d['top_k']}, top-p {d['top_p']}, min-p {d['min_p']}")
+    s.add_argument("--temperature", "--temp", type=float, default=None,
+                   help=f"0: greedy (default: the model's, else {d['temperature']})")
+    s.add_argument("--top-k", type=int, default=None, help=f"0: off (default: the model's, else {d['top_k']})")
+    s.add_argument("--top-p", type=float, default=None, help=f"1: off (default: the model's, else {d['top_p']})")
+    s.add_argument("--min-p", type=float, default=None, help=f"0: off (default: the model's, else {d['min_p']})")
+    s.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"1: off (default: the model's, else {d['repetition_penalty']:g})")
+    s.add_argument("--seed", type=int, default=None, help="repeat a sampled run (default: a new draw each run)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("-t", "--threads", type=int, default=None)

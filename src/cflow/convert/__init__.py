@@ -5,10 +5,11 @@
 
 A Checkpoint is the model in cflow's terms, in memory (arrays may be views of a mapped file):
 its ModelConfig, tensors under our names (see names.py) with the Q/K/V and gate/up matrices
-fused, the tokenizer (a Hugging Face tokenizers JSON string), the chat template and the special
-token ids. What differs by architecture (config keys, tensor names, tensor transforms, the
-tensors expected) comes from its module in cflow.models. It reads like a CflowFile (config,
-tokenizer_json, chat_template, tensors, dequantize), so the reference engine runs either.
+fused, the tokenizer (a Hugging Face tokenizers JSON string), the chat template, the special
+token ids and the sampling defaults the source gives (`generation`, see generation_fields). What
+differs by architecture (config keys, tensor names, tensor transforms, the tensors expected)
+comes from its module in cflow.models. It reads like a CflowFile (config, tokenizer_json,
+chat_template, tensors, dequantize), so the reference engine runs either.
 
 Fused tensors: blk.{l}.attn_qkv stacks [Wq; Wk; Wv] by rows (biases likewise), and
 blk.{l}.ffn_gate_up stacks [W_gate; W_up]; `parts` records the row counts. Blocks are never
@@ -19,6 +20,7 @@ block types (Q4_K_M files store some attn_v / ffn_up as Q6_K), `keep` stores the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +84,7 @@ class Checkpoint:
     chat_template: str | None = None
     special_tokens: dict = field(default_factory=dict)  # bos_token_id, eos_token_ids, ...
     metadata: dict = field(default_factory=dict)
+    generation: dict = field(default_factory=dict)  # the source's sampling defaults (generation_fields)
 
     def dequantize(self, name: str) -> np.ndarray:
         if name not in self.tensors:
@@ -97,6 +100,19 @@ class Checkpoint:
 
     def close(self) -> None:
         pass
+
+
+GENERATION_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def generation_fields(settings: dict) -> dict:
+    """The sampling defaults among a source's generation settings, under Hugging Face
+    generation_config.json's names: those present with a value a .cflow reader accepts
+    (docs/FORMAT.md 3.4). Nulls and values out of range are left out."""
+    from cflow.format.spec import generation_error
+
+    return {k: settings[k] for k in GENERATION_KEYS
+            if settings.get(k) is not None and generation_error(k, settings[k]) is None}
 
 
 # ---------------------------------------------------------------------------- loading
@@ -192,8 +208,7 @@ def requantize(ckpt: Checkpoint, quant: str) -> Checkpoint:
             out[name] = t
             continue
         out[name] = Tensor(target, t.shape, quantize(target, t.dequantize()), t.parts)
-    meta = dict(ckpt.metadata, quant=quant)
-    return Checkpoint(ckpt.config, out, ckpt.tokenizer_json, ckpt.chat_template, ckpt.special_tokens, meta)
+    return dataclasses.replace(ckpt, tensors=out, metadata=dict(ckpt.metadata, quant=quant))
 
 
 def check_tensors(ckpt: Checkpoint) -> None:

@@ -2,7 +2,8 @@
 
 general.architecture picks the architecture (cflow.models.for_gguf); it reads the metadata and
 names and adapts the tensors (llama's Q/K rows are un-permuted there, so every architecture
-runs one rope style, "neox"; moving whole rows keeps `keep` bit-identical per row).
+runs one rope style, "neox"; moving whole rows keeps `keep` bit-identical per row). Sampling
+defaults come from general.sampling.* where a file has them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 import os
 
 from cflow import models
-from cflow.convert import Checkpoint, Tensor, check_tensors, fuse_layers
+from cflow.convert import Checkpoint, Tensor, check_tensors, fuse_layers, generation_fields
 from cflow.convert.names import rename
 from cflow.errors import CflowFormatError, UnsupportedError
 from cflow.format.tiles import BLOCK_TYPES, BLOCK_TYPES_BY_CODE
@@ -122,6 +123,21 @@ def gguf_tokenizer(path, r=None, m=None) -> tuple[str, dict]:
     return tk.to_str(), special
 
 
+# general.sampling.* (what llama.cpp's converter copies from generation_config.json) -> our names
+GGUF_SAMPLING = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty"}
+
+
+def gguf_generation(m: dict) -> dict:
+    """The sampling defaults a GGUF file carries (most carry none)."""
+    got = {}
+    for key, ours in GGUF_SAMPLING.items():
+        v = m.get(f"general.sampling.{key}")
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            got[ours] = int(v) if ours == "top_k" else round(float(v), 6)  # float32 0.95 -> 0.95
+    return generation_fields(got)
+
+
 def _vocab_size(r) -> int:
     """Rows of the token embedding, else the tokenizer's vocabulary size."""
     for t in r.tensors:
@@ -156,6 +172,7 @@ def load_gguf(path) -> Checkpoint:
     cfg = dataclasses.replace(cfg, tie_embeddings="output" not in tensors)
     tmpl = m.get("tokenizer.chat_template")
     ckpt = Checkpoint(cfg, fuse_layers(cfg, tensors), tok_json, tmpl, special,
-                      {"source": os.path.basename(path), "source_format": "gguf", "name": m.get("general.name", "")})
+                      {"source": os.path.basename(path), "source_format": "gguf", "name": m.get("general.name", "")},
+                      gguf_generation(m))
     check_tensors(ckpt)
     return ckpt

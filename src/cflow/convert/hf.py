@@ -1,7 +1,8 @@
 """Hugging Face directory (config.json, *.safetensors, tokenizer files) -> Checkpoint.
 
 config.json's model_type picks the architecture (cflow.models.for_hf); it reads the config and
-names and adapts the tensors.
+names and adapts the tensors. generation_config.json gives the end-of-sequence ids and the
+sampling defaults (do_sample, temperature, top_k, top_p, min_p, repetition_penalty).
 
 safetensors files are mapped and parsed here (8-byte header length, JSON header, raw data), so
 bf16 needs no torch: its bits are kept as uint16 and stored as block type bf16 under `keep`.
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cflow import models
-from cflow.convert import Checkpoint, Tensor, check_tensors, fuse_layers
+from cflow.convert import Checkpoint, Tensor, check_tensors, fuse_layers, generation_fields
 from cflow.convert.names import rename
 from cflow.errors import CflowFormatError, UnsupportedError
 from cflow.models.base import hf_rope_theta as _rope_theta  # noqa: F401 - the name tests use
@@ -64,13 +65,12 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
     return out
 
 
-def _tokenizer(d: Path, add_bos: bool) -> tuple[str | None, str | None, dict]:
+def _tokenizer(d: Path, add_bos: bool, gen: dict) -> tuple[str | None, str | None, dict]:
     tok_json = (d / "tokenizer.json").read_text() if (d / "tokenizer.json").is_file() else None
     tcfg = _json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
     tmpl = tcfg.get("chat_template")
     if (d / "chat_template.jinja").is_file():
         tmpl = (d / "chat_template.jinja").read_text()
-    gen = _json(d / "generation_config.json") if (d / "generation_config.json").is_file() else {}
     ids = {}
     if tok_json:
         from tokenizers import Tokenizer
@@ -112,8 +112,10 @@ def load_hf(path) -> Checkpoint:
         tensors.pop("output", None)
     elif "output" not in tensors:
         cfg = dataclasses.replace(cfg, tie_embeddings=True)
-    tok_json, tmpl, special = _tokenizer(d, arch.add_bos)
+    gen = _json(d / "generation_config.json") if (d / "generation_config.json").is_file() else {}
+    tok_json, tmpl, special = _tokenizer(d, arch.add_bos, gen)
     ckpt = Checkpoint(cfg, fuse_layers(cfg, tensors), tok_json, tmpl, special,
-                      {"source": os.path.basename(os.path.abspath(d)), "source_format": "hf"})
+                      {"source": os.path.basename(os.path.abspath(d)), "source_format": "hf"},
+                      generation_fields(gen))
     check_tensors(ckpt)
     return ckpt

@@ -41,7 +41,7 @@ def write_cflow(ckpt: Checkpoint, out: str | os.PathLike, *, progress: bool = Tr
     names = decode_order(list(ckpt.tensors))
     total = sum(np.asarray(t.data).nbytes for t in ckpt.tensors.values())
     with CflowWriter(out, ckpt.config, tokenizer_json=ckpt.tokenizer_json, chat_template=ckpt.chat_template,
-                     special_tokens=ckpt.special_tokens, metadata=ckpt.metadata) as w, \
+                     special_tokens=ckpt.special_tokens, metadata=ckpt.metadata, generation=ckpt.generation) as w, \
             tqdm(total=total, desc=f"convert {os.path.basename(os.fspath(out))}"[:40], unit="B", unit_scale=True,
                  disable=not progress, leave=False) as bar:
         for name in names:

@@ -2,6 +2,7 @@
 
     with CflowFile("model.cflow") as f:
         f.config                       # ModelConfig
+        f.generation                   # the source's sampling defaults, e.g. {"temperature": 0.7}; may be {}
         f.tensors["blk.0.attn_qkv"]    # spec.Tensor: type, shape, tile, interleave, offset, nbytes, parts
         f.tensor_bytes("blk.0.ffn_down")   # uint8 view of the tiled payload (no copy)
         f.dequantize("blk.0.ffn_down")     # float32 (rows, cols), the GGUF dequantization
@@ -63,6 +64,7 @@ class CflowFile:
         self.chat_template: str | None = h.get("chat_template")
         self.special_tokens: dict = h.get("special_tokens") or {}
         self.metadata: dict = h.get("metadata") or {}
+        self.generation: dict = h.get("generation") or {}  # the source's sampling defaults; {} in older files
         if verify:
             self.verify()
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r", shape=(size,))

@@ -369,6 +369,35 @@ def check_special_tokens(sp: dict) -> None:
         _fail(where, f"bos_token_id={bos} is outside 0..2^31-1")
 
 
+# header.generation: the sampling defaults a source gives (docs/FORMAT.md 3.4); key -> (type, check, range)
+GENERATION_FIELDS = {
+    "do_sample": (bool, lambda v: True, "true or false"),
+    "temperature": ((int, float), lambda v: 0.0 <= v <= 100.0, "0..100"),
+    "top_k": (int, lambda v: 0 <= v < 1 << 31, "0..2^31-1"),
+    "top_p": ((int, float), lambda v: 0.0 < v <= 1.0, "(0, 1]"),
+    "min_p": ((int, float), lambda v: 0.0 <= v <= 1.0, "[0, 1]"),
+    "repetition_penalty": ((int, float), lambda v: 0.0 < v <= 100.0, "(0, 100]"),
+}
+
+
+def generation_error(key: str, v: Any) -> str | None:
+    """Why `v` is not a valid value of header.generation[key], or None (unknown keys are free)."""
+    if key not in GENERATION_FIELDS:
+        return None
+    types, ok, span = GENERATION_FIELDS[key]
+    if not isinstance(v, types) or (isinstance(v, bool) and types is not bool):
+        kind = {bool: "a boolean", int: "an integer"}.get(types, "a number")
+        return f"{key}={v!r} must be {kind} in {span}"
+    return None if ok(v) else f"{key}={v!r} is outside {span}"
+
+
+def check_generation(gen: dict) -> None:
+    """The sampling keys readers act on have fixed types and ranges; other keys are free."""
+    for key, v in gen.items():
+        if err := generation_error(key, v):
+            _fail("header.generation", err)
+
+
 def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
     """Check and decode the header bytes. Returns the JSON dict with three added keys:
     "_sections" {name: Section}, "_tensors" {name: Tensor}, "_experts" {(layer, expert): Expert}."""
@@ -385,9 +414,10 @@ def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
     _get(h, "config", "header", dict)
     for key in ("tokenizer", "chat_template"):
         _get(h, key, "header", str, optional=True)
-    for key in ("special_tokens", "metadata"):
+    for key in ("special_tokens", "metadata", "generation"):
         _get(h, key, "header", dict, optional=True)
     check_special_tokens(h.get("special_tokens") or {})
+    check_generation(h.get("generation") or {})
 
     sections = _table(_get(h, "sections", "header", list), lambda d, i: parse_section(d, i, pre),
                       lambda s: s.name, lambda s: f"section {s.name!r}", lambda s: (s.offset, s.end))

@@ -24,6 +24,8 @@ def summary_lines(f: CflowFile) -> list[str]:
         f"tokenizer {'yes (%d bytes)' % len(f.tokenizer_json) if f.tokenizer_json else 'none'}; "
         f"chat template {'yes' if f.chat_template else 'none'}",
     ]
+    if f.generation:
+        lines.append("generation " + ", ".join(f"{k}={v}" for k, v in f.generation.items()))
     for s in f.sections.values():
         n = sum(1 for t in f.tensors.values() if t.section == s.name)
         lines.append(f"section   {s.name}: offset {s.offset}, {_mb(s.length)}, {n} tensors, crc32 {s.crc32:08x}")

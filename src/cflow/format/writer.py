@@ -1,6 +1,7 @@
 """CflowWriter: streams tensors into a `.cflow` file, atomically (temp file + fsync + rename).
 
-    with CflowWriter("model.cflow", config, tokenizer_json=tok, chat_template=tpl) as w:
+    with CflowWriter("model.cflow", config, tokenizer_json=tok, chat_template=tpl,
+                     generation={"temperature": 0.7, "top_p": 0.9}) as w:
         w.add_tensor("tok_embd", "q8_0", emb)                      # float (R, C): quantized here
         w.add_tensor("blk.0.attn_norm", "f32", norm)                # 1-D: stored as one row
         w.add_fused("blk.0.attn_qkv", "q4_0", [("blk.0.attn_q", wq), ("blk.0.attn_k", wk),
@@ -28,7 +29,7 @@ from cflow.config import ModelConfig
 from cflow.errors import CflowError, CflowFormatError
 from cflow.format import quant
 from cflow.format.spec import (ALIGN, FUSE_MODES, MAX_DIM, MAX_TILE, TENSOR_ALIGN, VERSION, Expert, Part, Preamble,
-                               Section, Tensor, check_special_tokens, align_up, crc32, fuse_rows)
+                               Section, Tensor, check_generation, check_special_tokens, align_up, crc32, fuse_rows)
 from cflow.format.tiles import DEFAULT_TILE, BlockType, block_type, check_pack, pack_tiles
 
 CHUNK_BYTES = 32 << 20  # encode and write at most about this much at once (bounded RAM)
@@ -60,7 +61,8 @@ class CflowWriter:
 
     def __init__(self, path: str | os.PathLike, config: ModelConfig | dict, *, tokenizer_json: str | None = None,
                  chat_template: str | None = None, special_tokens: dict | None = None,
-                 metadata: dict | None = None, tile: tuple[int, int] = DEFAULT_TILE, interleave: int = 1):
+                 metadata: dict | None = None, generation: dict | None = None,
+                 tile: tuple[int, int] = DEFAULT_TILE, interleave: int = 1):
         if isinstance(config, dict):
             config = ModelConfig.from_dict(config)
         if not isinstance(config, ModelConfig):
@@ -71,9 +73,10 @@ class CflowWriter:
         self.config = config
         self._head = {"format": "cflow", "version": VERSION, "config": config.to_dict(), "tokenizer": tokenizer_json,
                       "chat_template": chat_template, "special_tokens": dict(special_tokens or {}),
-                      "metadata": dict(metadata or {})}
+                      "metadata": dict(metadata or {}), "generation": dict(generation or {})}
         json.dumps(self._head)  # fail now, not after the payload, on values JSON cannot hold
         check_special_tokens(self._head["special_tokens"])
+        check_generation(self._head["generation"])
         self.tile, self.interleave = tuple(tile), interleave
         d = os.path.dirname(os.path.abspath(self.path))
         fd, self._tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".tmp-", dir=d)
