@@ -50,8 +50,9 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
     }
     return _mm256_cvtepi32_ps(s);
   };
-  const block_q8a* xr[NT][2];
+  const block_q8a* xr[NT];
   token_rows<NT>(x, k0, xr);
+  const size_t l2 = level_bytes(x);
   for (int cb = 0; cb < bpr; ++cb) {
     const uint8_t* c = chunk(cb);
     const uint8_t* pl = c + kPlanesMaxG * kHdr;
@@ -70,13 +71,16 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
       __m256 m = _mm256_setzero_ps();
       if constexpr (TYPE == BlockType::Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h)));
       for (int t = 0; t < NT; ++t) {
-        float sx;
-        const __m256 f = over_levels<TWO>(xr[t], cb, sx, [&](const block_q8a& a) {
-          return _mm256_mul_ps(dot(u, a.qs), _mm256_set1_ps(a.d));
-        });
-        const __m256 fo = TYPE == BlockType::Q4_0 ? _mm256_add_ps(f, _mm256_set1_ps(-8.f * sx)) : f;
-        acc[t][h] = _mm256_fmadd_ps(d, fo, acc[t][h]);
-        if constexpr (TYPE == BlockType::Q4_1) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[t][h]);
+        const block_q8a* a = xr[t] + cb;
+        const block_q8a* a2 = level2(a, l2);
+        __m256 f = _mm256_mul_ps(dot(u, a->qs), _mm256_set1_ps(a->d));
+        if constexpr (TWO) f = _mm256_fmadd_ps(dot(u, a2->qs), _mm256_set1_ps(a2->d), f);
+        if constexpr (TYPE == BlockType::Q4_0) f = _mm256_add_ps(f, _mm256_set1_ps(-8.f * (TWO ? a->s + a2->s : a->s)));
+        acc[t][h] = _mm256_fmadd_ps(d, f, acc[t][h]);
+        if constexpr (TYPE == BlockType::Q4_1) {
+          acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s), acc[t][h]);
+          if constexpr (TWO) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a2->s), acc[t][h]);
+        }
       }
     }
   }
