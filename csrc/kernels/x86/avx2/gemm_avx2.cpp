@@ -35,17 +35,21 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   // The int32 dots of one token's activation block q with the 8 rows of a half, as floats.
+  // Each 4-byte slice is broadcast straight from the activation block (no copy through the stack).
   auto dot = [&](const __m256i* u, const int8_t* q) {
-    int32_t xs[8];
-    std::memcpy(xs, q, 32);
+    auto xs = [q](int j) {
+      int32_t v;
+      std::memcpy(&v, q + 4 * j, 4);
+      return v;
+    };
     __m256i s = _mm256_setzero_si256();
     if constexpr (TYPE == BlockType::Q8_0) {
       for (int j = 0; j < 8; ++j) {
-        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(_mm256_set1_epi32(xs[j]), u[j]));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(_mm256_set1_epi32(xs(j)), u[j]));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
       }
     } else {
-      for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xs[j])));
+      for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xs(j))));
       s = _mm256_madd_epi16(s, ones);
     }
     return _mm256_cvtepi32_ps(s);
