@@ -40,28 +40,15 @@ inline KernelTable make_table(Isa isa, std::initializer_list<void (*)(KernelTabl
   return t;
 }
 
-// The activation rows of tokens k0 .. k0+NT-1 of x: rows[t][l] = x.row(k0 + t, l), l < levels.
+// The level-1 activation rows of tokens k0 .. k0+NT-1 of x: rows[t] = x.row(k0 + t). A token's
+// level 2 follows its level 1 by level_bytes(x) (QActs), the same offset for every token, so a
+// kernel holds one pointer per token and reaches level 2 through level2(a, l2).
 template <int NT>
-inline void token_rows(const QActs& x, int k0, const block_q8a* (&rows)[NT][2]) {
-  for (int t = 0; t < NT; ++t)
-    for (int l = 0; l < 2; ++l) rows[t][l] = l < x.levels ? x.row(k0 + t, l) : nullptr;
+inline void token_rows(const QActs& x, int k0, const block_q8a* (&rows)[NT]) {
+  for (int t = 0; t < NT; ++t) rows[t] = x.row(k0 + t);
 }
-
-// The activation side of an int8 GEMM kernel at column block cb of one token (rows: its
-// token_rows), summed over the levels (TWO: both): returns the sum of scaled(a) over its blocks
-// a (scaled: the ISA's d_x * the int32 dots with a) and sets sx to the sum of their s_x.
-template <bool TWO, class Scaled>
-inline auto over_levels(const block_q8a* const* rows, int cb, float& sx, Scaled&& scaled) {
-  const block_q8a& a = rows[0][cb];
-  auto f = scaled(a);
-  sx = a.s;
-  if constexpr (TWO) {
-    const block_q8a& a2 = rows[1][cb];
-    f = f + scaled(a2);
-    sx += a2.s;
-  }
-  return f;
-}
+inline size_t level_bytes(const QActs& x) { return q8a_row_bytes(x.cols); }
+inline const block_q8a* level2(const block_q8a* a, size_t l2) { return (const block_q8a*)((const uint8_t*)a + l2); }
 
 // Table entries of block type bt: the fp32 GEMV F of whole blocks (and, for a type with a planes
 // pack, F after unpacking); the int8 GEMV Q of `pack` with its two-level form (two passes).

@@ -35,23 +35,28 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   // The int32 dots of one token's activation block q with the 8 rows of a half, as floats.
+  // Each 4-byte slice is broadcast straight from the activation block (no copy through the stack).
   auto dot = [&](const __m256i* u, const int8_t* q) {
-    int32_t xs[8];
-    std::memcpy(xs, q, 32);
+    auto xs = [q](int j) {
+      int32_t v;
+      std::memcpy(&v, q + 4 * j, 4);
+      return v;
+    };
     __m256i s = _mm256_setzero_si256();
     if constexpr (TYPE == BlockType::Q8_0) {
       for (int j = 0; j < 8; ++j) {
-        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(_mm256_set1_epi32(xs[j]), u[j]));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(_mm256_set1_epi32(xs(j)), u[j]));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
       }
     } else {
-      for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xs[j])));
+      for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xs(j))));
       s = _mm256_madd_epi16(s, ones);
     }
     return _mm256_cvtepi32_ps(s);
   };
-  const block_q8a* xr[NT][2];
+  const block_q8a* xr[NT];
   token_rows<NT>(x, k0, xr);
+  const size_t l2 = level_bytes(x);
   for (int cb = 0; cb < bpr; ++cb) {
     const uint8_t* c = chunk(cb);
     const uint8_t* pl = c + kPlanesMaxG * kHdr;
@@ -70,13 +75,16 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
       __m256 m = _mm256_setzero_ps();
       if constexpr (TYPE == BlockType::Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h)));
       for (int t = 0; t < NT; ++t) {
-        float sx;
-        const __m256 f = over_levels<TWO>(xr[t], cb, sx, [&](const block_q8a& a) {
-          return _mm256_mul_ps(dot(u, a.qs), _mm256_set1_ps(a.d));
-        });
-        const __m256 fo = TYPE == BlockType::Q4_0 ? _mm256_add_ps(f, _mm256_set1_ps(-8.f * sx)) : f;
-        acc[t][h] = _mm256_fmadd_ps(d, fo, acc[t][h]);
-        if constexpr (TYPE == BlockType::Q4_1) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[t][h]);
+        const block_q8a* a = xr[t] + cb;
+        const block_q8a* a2 = level2(a, l2);
+        __m256 f = _mm256_mul_ps(dot(u, a->qs), _mm256_set1_ps(a->d));
+        if constexpr (TWO) f = _mm256_fmadd_ps(dot(u, a2->qs), _mm256_set1_ps(a2->d), f);
+        if constexpr (TYPE == BlockType::Q4_0) f = _mm256_add_ps(f, _mm256_set1_ps(-8.f * (TWO ? a->s + a2->s : a->s)));
+        acc[t][h] = _mm256_fmadd_ps(d, f, acc[t][h]);
+        if constexpr (TYPE == BlockType::Q4_1) {
+          acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s), acc[t][h]);
+          if constexpr (TWO) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a2->s), acc[t][h]);
+        }
       }
     }
   }
