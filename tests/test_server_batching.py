@@ -134,3 +134,18 @@ def test_kv_caches_that_do_not_fit_fail_at_start(tiny_cflow, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "--parallel 100000000 sequences x n_ctx 4096" in err and "lower --n-ctx or --parallel" in err
+
+
+def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_path, capsys):
+    from cflow.cli import main
+
+    png = tmp_path / "load.png"
+    rc = main(["bench", "load", "-m", str(tiny_cflow), "--parallel", "1,2", "--clients", "3", "--requests", "4",
+               "--max-tokens", "8", "--stream", "--disconnect", "0.5", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("errors      0 server (5xx or dropped), 0 other") == 2
+    assert "abandoned mid-stream by their client" in out and "first token p50" in out and "inter-token p50" in out
+    table = out.split("parallel   tok/s")[1].splitlines()[1:3]
+    assert [row.split()[0] for row in table] == ["1", "2"]
+    assert png.stat().st_size > 0
