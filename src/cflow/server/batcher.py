@@ -19,6 +19,7 @@ finished or cancelled sequence leaves at the next step; its state keeps its toke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections import deque
@@ -75,6 +76,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _put_all(pairs) -> None:
+    for queue, item in pairs:
+        queue.put_nowait(item)
+
+
+def _deliver(items: list) -> None:
+    """Hand a step's (job, item) pairs to their handlers: one wake-up of each event loop a step."""
+    by_loop: dict = {}
+    for job, item in items:
+        by_loop.setdefault(job._loop, []).append((job.queue, item))
+    for loop, pairs in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is left to read it
+            loop.call_soon_threadsafe(_put_all, pairs)
+
+
 class Job:
     """One request's generation, made on the event loop. Iterate with `await next()`; each item
     is a Chunk, an Exception (raised by the model) or END."""
@@ -90,7 +106,7 @@ class Job:
 
     def put(self, item) -> None:
         """From the batcher thread: hand an item to the request's handler."""
-        self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        _deliver([(self, item)])
 
     async def next(self):
         return await self.queue.get()
@@ -201,7 +217,14 @@ class Batcher:
                 if self._stopping:
                     return
                 jobs = sorted((s.job for s in self.slots if s.job is not None), key=lambda j: j.slot.used)
-            self._step(jobs)
+            try:
+                self._step(jobs)
+            except Exception as e:  # a fault outside any one request: fail these, keep serving
+                with self._cv:
+                    for job in jobs:
+                        if job.slot is not None and job.slot.job is job:
+                            job.put(e)
+                            self._release(job.slot)
 
     def _compose(self, jobs: list[Job]) -> tuple[list[Job], list[list[int]]]:
         """This step's rows: every decoding sequence's next token, then prompt pieces of
@@ -227,20 +250,21 @@ class Batcher:
         except Exception as e:  # the step's requests fail, the batcher and the server live on
             outs = [e] * len(batch)
         self.steps += 1
-        ended = []
+        ended, items = [], []
         for job, logits in zip(batch, outs):
             try:
                 if isinstance(logits, Exception):
                     raise logits
                 chunk = job.decoder.feed(logits)
             except Exception as e:
-                job.put(e)
+                items.append((job, e))
                 ended.append(job)
                 continue
             if chunk is not None:
-                job.put(chunk)
+                items.append((job, chunk))
             if job.decoder.done:
                 ended.append(job)
+        _deliver(items)
         if ended:
             with self._cv:
                 for job in ended:
