@@ -1,6 +1,6 @@
 """`cflow bench load`: many concurrent clients against `cflow serve` on loopback.
 
-Starts a server (unless --url is given), warms it with one request per sequence slot, then runs
+Starts a server (unless --url is given), warms it with one request per slot or client, then runs
 --clients concurrent clients that each send --requests chat completions one after another (or,
 with --duration, until that time is up). Reports server errors, p50/p95 latency, total
 completion tokens/s, time to first token and inter-token latency (streamed requests), and the
@@ -181,7 +181,8 @@ async def _load(url, args) -> tuple[list[Result], float]:
 
 
 async def _warm(url, headers, n: int, max_tokens: int) -> None:
-    """n requests at once: every sequence slot of the server has run before memory is measured."""
+    """n requests at once (a slot's worth and a client's worth): every sequence slot and as many
+    connections as the load will hold have run before memory is measured."""
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as http:
@@ -209,7 +210,7 @@ def _phase(args, parallel: int | None) -> dict:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
         slots = httpx.get(url + "/health", timeout=10).json().get("slots", 1)
-        asyncio.run(_warm(url, headers, slots, args.max_tokens))
+        asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens))
         rss0 = _rss(pid)
         results, wall = asyncio.run(_load(url, args))
         rss1 = _rss(pid)
@@ -260,14 +261,15 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(xs, [r["tok_s"] for r in rows], "o-")
     a.set(xlabel="--parallel", ylabel="aggregate completion tokens/s", title="throughput", xscale="log", xticks=xs)
-    a.set_xticklabels([str(x) for x in xs])
     a.set_ylim(bottom=0)
     for key, label in (("ttft50", "first token p50"), ("ttft95", "first token p95"),
                        ("itl50", "inter-token p50"), ("itl95", "inter-token p95")):
         b.plot(xs, [1e3 * r[key] for r in rows], "o-" if "50" in key else "o--", label=label)
     b.set(xlabel="--parallel", ylabel="ms", title="latency", xscale="log", yscale="log", xticks=xs)
-    b.set_xticklabels([str(x) for x in xs])
     b.legend()
+    for ax in (a, b):
+        ax.minorticks_off()
+        ax.set_xticks(xs, [str(x) for x in xs])
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
