@@ -1,4 +1,5 @@
-"""The one generator: prefill, decode, sample, stop, detokenize (CLI, API and server share it)."""
+"""The one generator: prefill, decode, sample, stop, detokenize (CLI, API and server share it:
+LLM.complete drives one Decoder with its own forwards, the server's batcher many in one step)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV was already in the state (prompt reuse)
 
 
 @dataclass
@@ -24,6 +26,7 @@ class Timings:
     decode_s: float
     prompt_tok_s: float
     decode_tok_s: float
+    prompt_n: int = 0  # prompt tokens prefilled (the prompt less its cached prefix)
 
 
 @dataclass
@@ -60,53 +63,125 @@ def check_budget(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
                          f"exceeds the context of {n_ctx} tokens")
 
 
+PREFILL_CHUNK = 64
+"""Prompt tokens per prefill step. A sequence's rows are exact whatever else shares its step as
+long as its own steps keep their sizes (1 row: the decode kernel, >= 2: the prefill GEMM), so
+every prompt is cut the same way whether it runs alone (LLM.complete) or joins a batch (the
+server): pieces of this size, a last piece of 1 token folded into the one before."""
+
+
+def prefill_chunks(ids: list[int], size: int = PREFILL_CHUNK) -> list[list[int]]:
+    """ids in pieces of `size` tokens; never a last piece of 1 token after a longer one."""
+    pieces = [ids[i:i + size] for i in range(0, len(ids), size)]
+    if len(pieces) > 1 and len(pieces[-1]) == 1:
+        pieces[-2:] = [pieces[-2] + pieces[-1]]
+    return pieces
+
+
+class Decoder:
+    """One sequence's generation, step by step, without the engine: it says what to feed next
+    (`next_input`: a prefill piece, then the sampled token) and turns the logits of each step
+    into a Chunk (`feed`). LLM.complete drives one with its own forwards; the server's batcher
+    drives many, all advanced by one forward per step.
+
+    Text that could be the start of a stop string is held back; stop strings are never emitted.
+    ignore_eos: the end-of-sequence token does not end the generation (it is sampled like any
+    other: fixed-length runs and benchmarks).
+    """
+
+    def __init__(self, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
+                 stop: list[str] | None = None, ignore_eos: bool = False, **sampling):
+        self.sample = make_sampler(**sampling)  # bad settings fail here, before any step
+        self.tok, self.prompt, self.max_tokens, self.ignore_eos = tok, list(prompt_ids), max_tokens, ignore_eos
+        self.stops = [s for s in (stop or []) if s]
+        self.history = list(prompt_ids)
+        self.dec = StreamDecoder(tok)
+        self.held, self.out_ids, self.pending = "", [], []
+        self.finish: str | None = None
+        self.cached, self.n_fwd = 0, 0
+        self._todo: list[list[int]] = []
+        self.t0 = self.t1 = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self._todo)
+
+    def begin(self, state, cached: int = 0) -> None:
+        """Start on `state`, whose first `cached` tokens are the prompt's. At least the last two
+        prompt tokens are computed again (one if the prompt has one): the last one's logits start
+        the generation, and a piece of two or more rows takes the same prefill path as a fresh
+        prompt, so a cached prefix gives the tokens of an uncached run."""
+        self.cached = max(0, min(cached, len(self.prompt) - min(2, len(self.prompt))))
+        state.truncate(self.cached)
+        self._todo = prefill_chunks(self.prompt[self.cached:])
+        self.t0 = time.perf_counter()
+
+    def next_input(self) -> list[int]:
+        """The tokens the next step appends to this sequence's state."""
+        return self._todo[0] if self._todo else [self.history[-1]]
+
+    def feed(self, logits) -> Chunk | None:
+        """The logits of the step that appended next_input(): None while the prompt is still
+        being prefilled, else the Chunk of the sampled token (the last one, with finish_reason,
+        usage and timings, when the generation ends)."""
+        if self._todo:
+            self._todo.pop(0)
+            if self._todo:
+                return None
+            self.t1 = time.perf_counter()
+        else:
+            self.n_fwd += 1
+        t = self.sample(logits, self.history)
+        if t in self.tok.eos_token_ids and not self.ignore_eos:
+            return self._end("stop")
+        self.out_ids.append(t)
+        self.history.append(t)
+        self.pending.append(t)
+        self.held += self.dec.push(t)
+        hit = self._stop_hit()
+        if hit >= 0:
+            self.held = self.held[:hit]
+            return self._end("stop", flush=False)
+        if len(self.out_ids) == self.max_tokens:
+            return self._end("length")
+        keep = _held_back(self.held, self.stops)
+        emit, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        chunk, self.pending = Chunk(emit, self.pending), []
+        return chunk
+
+    def _stop_hit(self) -> int:
+        return min((self.held.find(s) for s in self.stops if s in self.held), default=-1)
+
+    def _end(self, finish: str, flush: bool = True) -> Chunk:
+        self.finish = finish
+        if flush:  # release held-back text and any incomplete character
+            self.held += self.dec.flush()
+            hit = self._stop_hit()
+            if hit >= 0:
+                self.held, self.finish = self.held[:hit], "stop"
+        t2 = time.perf_counter()
+        n_prompt, n_out = len(self.prompt), len(self.out_ids)
+        n_new = n_prompt - self.cached
+        usage = Usage(n_prompt, n_out, n_prompt + n_out, self.cached)
+        timings = Timings(self.t1 - self.t0, t2 - self.t1, _rate(n_new, self.t1 - self.t0), _rate(self.n_fwd, t2 - self.t1),
+                          n_new)
+        return Chunk(self.held, self.pending, self.finish, usage, timings)
+
+
 def generate_step(engine, state, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
                   stop: list[str] | None = None, cached: int = 0, ignore_eos: bool = False,
                   **sampling) -> Iterator[Chunk]:
     """Yield one Chunk per generated token; the last one has finish_reason, usage and timings.
 
     cached: tokens of prompt_ids already in `state` (prompt-cache reuse); the rest is prefilled.
-    Text that could be the start of a stop string is held back; stop strings are never emitted.
-    ignore_eos: the end-of-sequence token does not end the generation (it is sampled like any
-    other: fixed-length runs and benchmarks).
     """
-    sample = make_sampler(**sampling)
-    stops = [s for s in (stop or []) if s]
-    t0 = time.perf_counter()
-    state.truncate(min(cached, len(prompt_ids) - 1))
-    logits = engine.forward(state, prompt_ids[state.pos :])
-    t1 = time.perf_counter()
-    history = list(prompt_ids)
-    dec = StreamDecoder(tok)
-    held, out_ids, pending, finish, n_fwd, stopped = "", [], [], "length", 0, False
-    for i in range(max_tokens):
-        t = sample(logits, history)
-        if t in tok.eos_token_ids and not ignore_eos:
-            finish = "stop"
-            break
-        out_ids.append(t)
-        history.append(t)
-        pending.append(t)
-        held += dec.push(t)
-        hit = min((held.find(s) for s in stops if s in held), default=-1)
-        if hit >= 0:
-            held, finish, stopped = held[:hit], "stop", True
-            break
-        if i + 1 == max_tokens:
-            break
-        keep = _held_back(held, stops)
-        emit, held = held[: len(held) - keep], held[len(held) - keep :]
-        yield Chunk(emit, pending)
-        pending = []
-        logits = engine.forward(state, [t])
-        n_fwd += 1
-    if not stopped:  # the end: release held-back text and any incomplete character
-        held += dec.flush()
-        hit = min((held.find(s) for s in stops if s in held), default=-1)
-        if hit >= 0:
-            held, finish = held[:hit], "stop"
-    t2 = time.perf_counter()
-    usage = Usage(len(prompt_ids), len(out_ids), len(prompt_ids) + len(out_ids))
-    n_new = len(prompt_ids) - min(cached, len(prompt_ids) - 1)
-    timings = Timings(t1 - t0, t2 - t1, _rate(n_new, t1 - t0), _rate(n_fwd, t2 - t1))
-    yield Chunk(held, pending, finish, usage, timings)
+    d = Decoder(tok, prompt_ids, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, **sampling)
+    d.begin(state, cached)
+    while not d.done:
+        chunk = d.feed(engine.forward(state, d.next_input()))
+        if chunk is not None:
+            yield chunk

@@ -78,6 +78,15 @@ def min_p_filter(p: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(p >= min_p * p.max(), p, 0.0)
 
 
+def draw(rng: np.random.Generator, p: np.ndarray) -> int:
+    """A token drawn from the (unnormalised) probabilities p: the draw of rng.choice(p.size, p=p/sum),
+    the same for the same generator state, without choice's checks of p (they cost as much as the
+    draw, and the server samples every sequence of a step in turn)."""
+    cdf = np.cumsum(p)
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
+
+
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, seed: int | None = None) -> Sampler:
     """A sampler with these settings (checked here, so bad values fail before generation)."""
@@ -94,11 +103,18 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     rng = np.random.default_rng(seed)
 
     def sample(logits: np.ndarray, history: list[int]) -> int:
+        if temperature == 0.0 and repetition_penalty == 1.0:
+            return int(np.argmax(logits))  # the argmax of the float64 copy, without the copy
         x = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, repetition_penalty)
         if temperature == 0.0:
             return int(np.argmax(x))
-        p = softmax(x / temperature)
+        # softmax(x / temperature) computed in place: the same numbers, one array instead of four
+        # (a vocabulary-sized temporary costs page faults on every token)
+        p = np.divide(x, temperature)
+        p -= p.max()
+        np.exp(p, out=p)
+        p /= p.sum()
         p = min_p_filter(top_p_filter(top_k_filter(p, top_k), top_p), min_p)
-        return int(rng.choice(p.size, p=p / p.sum()))
+        return draw(rng, p)
 
     return sample

@@ -1,13 +1,17 @@
 """`cflow bench load`: many concurrent clients against `cflow serve` on loopback.
 
-Starts a server (unless --url is given), warms it with one request, then runs --clients
-concurrent clients that each send --requests chat completions one after another. Reports server
-errors, p50/p95 latency, total completion tokens/s, and the server's resident memory before and
-after the run (growth should stay small: requests must not leak)."""
+Starts a server (unless --url is given), warms it with one request per slot or client, then runs
+--clients concurrent clients that each send --requests chat completions one after another (or,
+with --duration, until that time is up). Reports server errors, p50/p95 latency, total
+completion tokens/s, time to first token and inter-token latency (streamed requests), and the
+server's resident memory before and after the run (growth should stay small: requests must not
+leak). --parallel 1,2,4,8 runs one phase per value, a server each, and plots throughput and
+latency against parallelism. --disconnect makes clients abandon streams mid-way (a soak)."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import subprocess
 import sys
@@ -31,11 +35,23 @@ def add_arguments(p):
     p.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for its memory")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients (default %(default)s)")
     p.add_argument("--requests", type=int, default=50, help="requests per client (default %(default)s)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds: each client sends requests until this time is up (a soak; instead of --requests)")
+    p.add_argument("--disconnect", type=float, default=0.0,
+                   help="fraction of streamed requests a client abandons mid-stream, at a random token (default 0)")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default %(default)s)")
-    p.add_argument("--stream", action="store_true", help="streamed requests (server-sent events)")
-    p.add_argument("--max-concurrency", type=int, default=1, help="slots of the started server (default %(default)s)")
+    p.add_argument("--stream", action="store_true", help="streamed requests (server-sent events): also "
+                   "time to first token and inter-token latency")
+    p.add_argument("--parallel", "--max-concurrency", dest="parallel", default="1",
+                   help="sequences the started server decodes together; a list (1,2,4,8) runs one phase per "
+                        "value, a server each, and plots them (default %(default)s)")
+    p.add_argument("--plot", default=None,
+                   help="PNG of throughput and latency against parallelism (default with several --parallel "
+                        "values: bench-load.png; needs matplotlib)")
     p.add_argument("--threads", type=int, default=None, help="engine threads of the started server")
+    p.add_argument("--n-ctx", type=int, default=None, help="context of the started server")
     p.add_argument("--api-key", default=None, help="API key to send (and to start the server with)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the clients' choices (disconnects)")
 
 
 def _free_port() -> int:
@@ -52,13 +68,14 @@ def _rss(pid: int | None) -> int | None:
     return psutil.Process(pid).memory_info().rss
 
 
-def _start_server(args):
+def _start_server(args, parallel: int):
     from cflow.errors import CflowError
 
     port = _free_port()
     cmd = [sys.executable, "-m", "cflow", "serve", "--port", str(port), "--log-level", "warning",
-           "--max-concurrency", str(args.max_concurrency), "--max-queue", str(max(256, args.clients))]
-    for flag, value in (("-m", args.model), ("--threads", args.threads), ("--api-key", args.api_key)):
+           "--parallel", str(parallel), "--max-queue", str(max(256, args.clients))]
+    for flag, value in (("-m", args.model), ("--threads", args.threads), ("--n-ctx", args.n_ctx),
+                        ("--api-key", args.api_key)):
         if value is not None:
             cmd += [flag, str(value)]
     proc = subprocess.Popen(cmd)
@@ -79,75 +96,121 @@ def _start_server(args):
     raise CflowError("the server did not answer /health within 600 s")
 
 
-async def _client(http, url, headers, args, k, results, bar):
+class Result:
+    """One request: status (-1: connection failed or dropped), completion tokens, seconds to the
+    end, to the first token and between tokens (streamed), whether the client left mid-stream."""
+
+    def __init__(self):
+        self.status, self.tokens, self.latency, self.ttft = 0, 0, 0.0, None
+        self.gaps: list[float] = []
+        self.abandoned = self.stream_error = False
+
+    @property
+    def server_error(self) -> bool:
+        return self.status >= 500 or self.status == -1 or self.stream_error
+
+
+async def _stream(http, url, body, headers, res: Result, cut: int | None, t0: float) -> None:
+    import json
+
+    async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+        res.status, last, seen = r.status_code, None, 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                res.stream_error = True
+            elif event.get("choices"):
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.gaps.append(now - last)
+                last, seen = now, seen + 1
+                if cut is not None and seen >= cut:
+                    res.abandoned = True  # leave mid-stream: the server must cancel and carry on
+                    return
+            if event.get("usage"):
+                res.tokens = int(event["usage"].get("completion_tokens", 0))
+
+
+async def _client(http, url, headers, args, k, results, bar, deadline):
     import httpx
 
-    for i in range(args.requests):
+    rng = random.Random(args.seed * 7919 + k)
+    i = 0
+    while (time.perf_counter() < deadline) if deadline is not None else (i < args.requests):
         body = {"messages": [{"role": "user", "content": QUESTIONS[(k + i) % len(QUESTIONS)]}],
                 "max_tokens": args.max_tokens, "temperature": 0.7, "seed": k * 1000 + i, "stream": args.stream}
-        if args.stream:
-            body["stream_options"] = {"include_usage": True}
-        t0 = time.perf_counter()
-        status, tokens = 0, 0
+        i += 1
+        res, t0 = Result(), time.perf_counter()
         try:
             if args.stream:
-                async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
-                    status = r.status_code
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {") and '"usage"' in line:
-                            tokens = _usage_tokens(line[6:])
+                body["stream_options"] = {"include_usage": True}
+                cut = rng.randint(1, max(1, args.max_tokens - 1)) if rng.random() < args.disconnect else None
+                await _stream(http, url, body, headers, res, cut, t0)
             else:
                 r = await http.post(url + "/v1/chat/completions", json=body, headers=headers)
-                status = r.status_code
-                if status == 200:
-                    tokens = r.json()["usage"]["completion_tokens"]
+                res.status = r.status_code
+                if res.status == 200:
+                    res.tokens = r.json()["usage"]["completion_tokens"]
         except httpx.HTTPError:
-            status = -1  # connection failed or dropped: counted with the server errors
-        results.append((time.perf_counter() - t0, status, tokens))
+            res.status = -1
+        res.latency = time.perf_counter() - t0
+        results.append(res)
         bar.update(1)
 
 
-def _usage_tokens(data: str) -> int:
-    import json
-
-    usage = json.loads(data).get("usage") or {}
-    return int(usage.get("completion_tokens", 0))
-
-
-async def _load(url, args) -> tuple[list, float]:
+async def _load(url, args) -> tuple[list[Result], float]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    results: list = []
+    results: list[Result] = []
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
     from tqdm import tqdm
 
-    with tqdm(total=args.clients * args.requests, desc="requests", unit="req", file=sys.stderr,
-              mininterval=1.0) as bar:
+    total = None if args.duration else args.clients * args.requests
+    with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, mininterval=1.0) as bar:
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(3600.0)) as http:
             t0 = time.perf_counter()
-            await asyncio.gather(*(_client(http, url, headers, args, k, results, bar) for k in range(args.clients)))
+            deadline = t0 + args.duration if args.duration else None
+            await asyncio.gather(*(_client(http, url, headers, args, k, results, bar, deadline)
+                                   for k in range(args.clients)))
             return results, time.perf_counter() - t0
 
 
+async def _warm(url, headers, n: int, max_tokens: int) -> None:
+    """n requests at once (a slot's worth and a client's worth): every sequence slot and as many
+    connections as the load will hold have run before memory is measured."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        rs = await asyncio.gather(*(http.post(url + "/v1/chat/completions", headers=headers, json={
+            "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": max_tokens})
+            for i in range(n)))
+    for r in rs:
+        r.raise_for_status()
+
+
 def _pct(sorted_xs: list[float], q: float) -> float:
-    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))] if sorted_xs else float("nan")
 
 
-def main(args) -> int:
+def _phase(args, parallel: int | None) -> dict:
+    """One run against one server (started here with `parallel` slots, or args.url)."""
     import httpx
 
     proc, url, pid = None, args.url, args.pid
     if url is None:
-        proc, url = _start_server(args)
+        proc, url = _start_server(args, parallel)
         pid = proc.pid
     try:
         url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
-        warm = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=600, json={
-            "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": args.max_tokens})
-        warm.raise_for_status()
+        slots = httpx.get(url + "/health", timeout=10).json().get("slots", 1)
+        asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens))
         rss0 = _rss(pid)
         results, wall = asyncio.run(_load(url, args))
         rss1 = _rss(pid)
@@ -155,18 +218,92 @@ def main(args) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    return _report(args, model, url, slots, results, wall, rss0, rss1)
 
-    lat = sorted(r[0] for r in results)
-    server_err = sum(1 for r in results if r[1] >= 500 or r[1] == -1)
-    other_err = sum(1 for r in results if 0 <= r[1] < 500 and r[1] != 200)
-    tokens = sum(r[2] for r in results)
-    print(f"load: {model} at {url}, {args.clients} clients x {args.requests} requests = {len(results)}, "
+
+def _report(args, model, url, slots, results, wall, rss0, rss1) -> dict:
+    lat = sorted(r.latency for r in results)
+    ttft = sorted(r.ttft for r in results if r.ttft is not None)
+    gaps = sorted(g for r in results for g in r.gaps)
+    server_err = sum(1 for r in results if r.server_error)
+    other_err = sum(1 for r in results if not r.server_error and r.status != 200)
+    abandoned = sum(1 for r in results if r.abandoned)
+    tokens = sum(r.tokens for r in results)
+    runs = f"for {args.duration:.0f} s" if args.duration else f"x {args.requests} requests"
+    print(f"load: {model} at {url}, parallel {slots}, {args.clients} clients {runs} = {len(results)}, "
           f"max_tokens {args.max_tokens}{', streamed' if args.stream else ''}")
-    print(f"  errors      {server_err} server (5xx or dropped), {other_err} other")
+    print(f"  errors      {server_err} server (5xx or dropped), {other_err} other"
+          + (f"; {abandoned} abandoned mid-stream by their client" if abandoned else ""))
     print(f"  latency     p50 {_pct(lat, 0.50):.3f} s   p95 {_pct(lat, 0.95):.3f} s   max {lat[-1]:.3f} s")
+    if ttft:
+        print(f"  first token p50 {_pct(ttft, 0.50):.3f} s   p95 {_pct(ttft, 0.95):.3f} s")
+        print(f"  inter-token p50 {1e3 * _pct(gaps, 0.50):.1f} ms   p95 {1e3 * _pct(gaps, 0.95):.1f} ms")
     print(f"  throughput  {tokens} completion tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s, "
-          f"{len(results) / wall:.2f} requests/s")
+          f"{len(results) / wall:.2f} requests/s"
+          + ("" if not abandoned else " (abandoned requests' tokens not counted)"))
+    growth = None
     if rss0 is not None and rss1 is not None:
-        print(f"  server RSS  before {rss0 / 2**20:.1f} MiB, after {rss1 / 2**20:.1f} MiB "
-              f"({100 * (rss1 - rss0) / rss0:+.2f}%)")
-    return 0 if server_err == 0 else 1
+        growth = 100 * (rss1 - rss0) / rss0
+        print(f"  server RSS  before {rss0 / 2**20:.1f} MiB, after {rss1 / 2**20:.1f} MiB ({growth:+.2f}%)")
+    sys.stdout.flush()
+    return dict(parallel=slots, tok_s=tokens / wall, server_errors=server_err, other_errors=other_err,
+                ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95), itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
+                rss_growth=growth)
+
+
+def _plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["parallel"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(xs, [r["tok_s"] for r in rows], "o-")
+    a.set(xlabel="--parallel", ylabel="aggregate completion tokens/s", title="throughput", xscale="log", xticks=xs)
+    a.set_ylim(bottom=0)
+    for key, label in (("ttft50", "first token p50"), ("ttft95", "first token p95"),
+                       ("itl50", "inter-token p50"), ("itl95", "inter-token p95")):
+        b.plot(xs, [1e3 * r[key] for r in rows], "o-" if "50" in key else "o--", label=label)
+    b.set(xlabel="--parallel", ylabel="ms", title="latency", xscale="log", yscale="log", xticks=xs)
+    b.legend()
+    for ax in (a, b):
+        ax.minorticks_off()
+        ax.set_xticks(xs, [str(x) for x in xs])
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from cflow.errors import CflowError
+
+    try:
+        values = [int(v) for v in str(args.parallel).split(",") if v.strip()]
+    except ValueError:
+        raise CflowError(f"--parallel takes a number or a list such as 1,2,4,8, got {args.parallel!r}") from None
+    if not values or min(values) < 1:
+        raise CflowError("--parallel values must be >= 1")
+    if args.url is not None and len(values) > 1:
+        raise CflowError("several --parallel values start a server each: leave out --url")
+    if args.disconnect and not args.stream:
+        raise CflowError("--disconnect abandons streams: add --stream")
+    plot = args.plot or ("bench-load.png" if len(values) > 1 else None)
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CflowError("the plot needs matplotlib: pip install 'cflow[train]' (or matplotlib)") from None
+    rows = [_phase(args, None if args.url else p) for p in values]
+    if len(rows) > 1:
+        base = rows[0]["tok_s"]
+        print("\nparallel   tok/s  x first  first token p50/p95 s   inter-token p50/p95 ms   errors")
+        for r in rows:
+            print(f"{r['parallel']:>8} {r['tok_s']:7.1f} {r['tok_s'] / base:8.2f}  {r['ttft50']:10.3f} {r['ttft95']:7.3f}"
+                  f"   {1e3 * r['itl50']:13.1f} {1e3 * r['itl95']:7.1f}   {r['server_errors']:6d}")
+    if plot:
+        _plot(rows, plot, f"cflow bench load: {args.model or 'default model'}, {args.clients} clients, "
+                          f"max_tokens {args.max_tokens}")
+        print(f"plot: {plot}")
+    return 0 if all(r["server_errors"] == 0 for r in rows) else 1

@@ -14,8 +14,10 @@ def add_arguments(p):
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     add_activation_arguments(p)
     p.add_argument("--n-ctx", type=int, default=None, help=f"context length (default: the model's, at most {DEFAULT_MAX_CTX})")
-    p.add_argument("--max-concurrency", type=int, default=1,
-                   help="generations that run at once; later requests queue in arrival order (default %(default)s)")
+    p.add_argument("--parallel", "--max-concurrency", dest="parallel", type=int, default=1,
+                   help="sequences decoded together, one engine step for all (continuous batching); later "
+                        "requests queue in arrival order. Their KV caches (parallel x n_ctx tokens) must fit "
+                        "in memory (default %(default)s)")
     p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait; more get 503 (default %(default)s)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $CFLOW_API_KEY, else open)")
@@ -35,15 +37,15 @@ def main(args) -> int:
         raise CflowError(f"the server needs the serve extra: pip install 'cflow[serve]' ({e})") from e
     from cflow.llm import LLM
 
-    if args.max_concurrency < 1:
-        raise CflowError("--max-concurrency must be at least 1")
+    if args.parallel < 1:
+        raise CflowError("--parallel must be at least 1")
     from cflow.commands.generate import activation_kwargs
 
     kw = dict(threads=args.threads, n_ctx=args.n_ctx, **activation_kwargs(args))
     llm = LLM(args.model, **kw) if args.model else LLM(**kw)
     api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None
-    app = create_app(llm, max_concurrency=args.max_concurrency, api_key=api_key, max_queue=args.max_queue)
+    app = create_app(llm, parallel=args.parallel, api_key=api_key, max_queue=args.max_queue)
     print(f"cflow serve: {llm.name} (n_ctx {llm.n_ctx}) on http://{args.host}:{args.port}/  "
-          f"[{args.max_concurrency} slot(s){', API key required' if api_key else ''}]", flush=True)
+          f"[{args.parallel} parallel sequence(s){', API key required' if api_key else ''}]", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

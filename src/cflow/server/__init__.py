@@ -2,7 +2,7 @@
 
   app.py       create_app(llm, ...): the Starlette app (endpoints, errors, streaming)
   schemas.py   request bodies, their checks, the OpenAI-style error object
-  slots.py     first-come-first-served generation slots; worker threads run LLM.complete
+  batcher.py   continuous batching: N sequence slots, one engine step for all of them
   metrics.py   Prometheus metrics
   static/      the chat page (plain HTML, CSS, JavaScript)
 Needs the `serve` extra (starlette via fastapi, uvicorn, prometheus_client); never imports torch.

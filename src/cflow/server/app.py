@@ -28,9 +28,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from cflow.errors import CflowError
+from cflow.generate import Decoder
+from cflow.server.batcher import END, Batcher, Job, QueueFull
 from cflow.server.metrics import Metrics
 from cflow.server.schemas import ApiError, ChatRequest, CompletionRequest, from_validation
-from cflow.server.slots import END, Generation, QueueFull, Slots
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 1 << 20  # bytes; a full context of text is far below this
@@ -64,6 +65,15 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _usage(u) -> dict | None:
+    """OpenAI's usage object; the prompt tokens served from the prompt cache as
+    prompt_tokens_details.cached_tokens."""
+    if u is None:
+        return None
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
 def _plain(obj) -> dict | None:
     if obj is None:
         return None
@@ -78,7 +88,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _next(gen: Generation, watch: asyncio.Task):
+async def _next(gen: Job, watch: asyncio.Task):
     """The generation's next item, or ClientGone as soon as the client leaves."""
     if not gen.queue.empty():
         return gen.queue.get_nowait()
@@ -138,14 +148,14 @@ class _Text:
 
 
 class Server:
-    """State of one app: the model, its slots and metrics."""
+    """State of one app: the model, its batcher and metrics."""
 
-    def __init__(self, llm, *, max_concurrency: int, api_key: str | None, max_body: int, max_queue: int,
+    def __init__(self, llm, *, parallel: int, api_key: str | None, max_body: int, max_queue: int,
                  default_max_tokens: int):
         self.llm, self.api_key, self.max_body, self.default_max_tokens = llm, api_key, max_body, default_max_tokens
         self.name = _display_name(llm.name)
-        self.slots = Slots(max_concurrency, max_queue)
-        self.metrics = Metrics(self.slots)
+        self.batcher = Batcher(llm.engine, parallel, max_queue)
+        self.metrics = Metrics(self.batcher)
         self.created = int(time.time())
 
     # ---- request checks
@@ -183,14 +193,20 @@ class Server:
         if n >= n_ctx:
             raise ApiError(400, f"prompt of {n} tokens leaves no room in the context of {n_ctx} tokens",
                            param="messages" if isinstance(req, ChatRequest) else "prompt", code="context_length_exceeded")
-        kw = req.to_llm(min(self.default_max_tokens, n_ctx - n))
-        return kw
+        return req.to_llm(min(self.default_max_tokens, n_ctx - n), getattr(self.llm, "generation_defaults", None))
 
     # ---- generation
     async def run(self, request: Request, req, prompt: list[int], fmt):
         sampling = self.sampling(req, prompt)
         t0 = time.perf_counter()
-        gen = Generation(self.slots, self.llm, prompt, sampling)
+        try:
+            gen = Job(self.batcher, Decoder(self.llm.tokenizer, prompt, **sampling))
+        except CflowError as e:
+            raise _model_error(e) from None
+        try:
+            self.batcher.submit(gen)
+        except QueueFull as e:
+            raise _model_error(e) from None
         watch = asyncio.create_task(_disconnected(request))
         handed_off = False
         try:
@@ -211,7 +227,7 @@ class Server:
             self.done(last, t0)
             body = self.head(fmt, fmt.obj)
             body["choices"] = [fmt.choice("".join(text), last.finish_reason)]
-            body["usage"] = _plain(last.usage)
+            body["usage"] = _usage(last.usage)
             body["timings"] = _plain(last.timings)
             return JSONResponse(body)
         except ClientGone:
@@ -224,7 +240,7 @@ class Server:
             if not handed_off:
                 gen.cancel()
 
-    async def events(self, gen: Generation, item, fmt, include_usage: bool, t0: float):
+    async def events(self, gen: Job, item, fmt, include_usage: bool, t0: float):
         head, last, first = self.head(fmt, fmt.chunk_obj), None, True
         try:
             while item is not END:
@@ -242,7 +258,7 @@ class Server:
             if last is not None and last.finish_reason:
                 self.done(last, t0)
                 if include_usage:
-                    yield _sse(dict(head, choices=[], usage=_plain(last.usage)))
+                    yield _sse(dict(head, choices=[], usage=_usage(last.usage)))
             yield "data: [DONE]\n\n"
         finally:
             if last is None or not last.finish_reason:
@@ -298,7 +314,7 @@ class Server:
         return JSONResponse(self.model_card())
 
     async def health(self, request: Request):
-        s = self.slots
+        s = self.batcher
         return JSONResponse({"status": "ok", "model": self.name, "slots": s.n, "active": s.active, "queued": s.queued})
 
     async def prometheus(self, request: Request):
@@ -309,16 +325,17 @@ class Server:
         return FileResponse(STATIC / "index.html")
 
 
-def create_app(llm, *, max_concurrency: int = 1, api_key: str | None = None, max_body: int = MAX_BODY,
-               max_queue: int = 256, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Starlette:
+def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None = None, api_key: str | None = None,
+               max_body: int = MAX_BODY, max_queue: int = 256, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Starlette:
     """The ASGI app serving `llm` (a cflow.LLM, or anything with its interface).
 
-    max_concurrency: generations that run at once; later requests wait in arrival order (at most
-    max_queue of them, then 503). api_key: if set, /v1/* and /metrics need `Authorization: Bearer KEY`.
+    parallel (max_concurrency: its former name): sequences decoded together, one engine step for
+    all of them (server/batcher.py); their KV caches are made now, and a CflowError says so when
+    they would not fit in memory. Later requests wait in arrival order (at most max_queue of them,
+    then 503). api_key: if set, /v1/* and /metrics need `Authorization: Bearer KEY`.
     """
-    if max_concurrency < 1 or max_queue < 0:
-        raise CflowError("max_concurrency must be >= 1 and max_queue >= 0")
-    srv = Server(llm, max_concurrency=max_concurrency, api_key=api_key, max_body=max_body, max_queue=max_queue,
+    n = parallel if parallel is not None else max_concurrency if max_concurrency is not None else 1
+    srv = Server(llm, parallel=n, api_key=api_key, max_body=max_body, max_queue=max_queue,
                  default_max_tokens=default_max_tokens)
 
     def endpoint(name, fn):
@@ -352,6 +369,15 @@ def create_app(llm, *, max_concurrency: int = 1, api_key: str | None = None, max
         err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
         return JSONResponse(err.body(), status_code=500)
 
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        srv.batcher.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(srv.batcher.stop)
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
+                    lifespan=lifespan)
     app.state.server = srv
     return app

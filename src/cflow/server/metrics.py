@@ -15,21 +15,25 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("cflow_prompt_tokens", "prompt tokens processed", registry=r)
         self.completion_tokens = Counter("cflow_completion_tokens", "tokens generated", registry=r)
+        self.cached_tokens = Counter("cflow_prompt_cached_tokens", "prompt tokens found in a slot's KV cache (not recomputed)",
+                                     registry=r)
         self.cancelled = Counter("cflow_generations_cancelled", "generations stopped by a client leaving", registry=r)
         self.decode_tok_s = Gauge("cflow_last_decode_tokens_per_second", "decode speed of the last finished generation", registry=r)
         self.decode_hist = Histogram("cflow_decode_tokens_per_second", "decode speed of finished generations",
                                      buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
         self.latency = Histogram("cflow_request_seconds", "time from request to last byte of a generation",
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
-        Gauge("cflow_queue_length", "requests waiting for a generation slot", registry=r).set_function(lambda: slots.queued)
-        Gauge("cflow_active_generations", "generations running now", registry=r).set_function(lambda: slots.active)
-        Gauge("cflow_slots", "concurrent generations allowed", registry=r).set_function(lambda: slots.n)
+        Gauge("cflow_queue_length", "requests waiting for a sequence slot", registry=r).set_function(lambda: slots.queued)
+        Gauge("cflow_active_generations", "sequences running now (prefilling or decoding)", registry=r).set_function(lambda: slots.active)
+        Gauge("cflow_batcher_steps", "engine steps run by the batcher", registry=r).set_function(lambda: slots.steps)
+        Gauge("cflow_slots", "sequences decoded together (--parallel)", registry=r).set_function(lambda: slots.n)
 
     def finished(self, usage, timings) -> None:
         """Count one completed generation."""
         if usage is not None:
             self.prompt_tokens.inc(usage.prompt_tokens)
             self.completion_tokens.inc(usage.completion_tokens)
+            self.cached_tokens.inc(usage.cached_tokens)
         if timings is not None and timings.decode_tok_s:
             self.decode_tok_s.set(timings.decode_tok_s)
             self.decode_hist.observe(timings.decode_tok_s)

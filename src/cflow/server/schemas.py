@@ -78,17 +78,22 @@ class Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
-    def to_llm(self, default_max_tokens: int) -> dict:
-        """Keyword arguments for LLM.complete (docs/SERVER.md, "Parameter mapping")."""
+    def to_llm(self, default_max_tokens: int, defaults: dict | None = None) -> dict:
+        """Keyword arguments for LLM.complete (docs/SERVER.md, "Parameter mapping"); `defaults`
+        (the model's sampling defaults, when it has them) fill the fields the request omits."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if self.repetition_penalty is not None:
             rp = self.repetition_penalty
         else:
             # OpenAI's additive penalties in [-2, 2] -> a multiplicative one in [0.5, 2]
             rp = 2.0 ** (max(-2.0, min(2.0, (self.frequency_penalty or 0.0) + (self.presence_penalty or 0.0))) / 2)
-        return dict(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                    top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
-                    seed=self.seed, stop=[s for s in stop if s] or None)
+        kw = dict(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+                  top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
+                  seed=self.seed, stop=[s for s in stop if s] or None)
+        if isinstance(defaults, dict):
+            given = self.model_fields_set | ({"repetition_penalty"} if self.frequency_penalty or self.presence_penalty else set())
+            kw.update({k: v for k, v in defaults.items() if k in kw and k not in given})
+        return kw
 
 
 class TextPart(BaseModel):

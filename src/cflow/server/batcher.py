@@ -1,0 +1,271 @@
+"""Continuous batching: N sequence slots, one thread that owns the engine, one forward per step.
+
+Each step advances every decoding sequence by one token and prefills the next piece of the
+prompts of joining requests (pieces of generate.PREFILL_CHUNK tokens, at most `prefill_budget`
+prompt tokens a step, and always at least one piece), all in ONE `engine.forward(states, ids)`:
+the rows share every weight read, attention runs per sequence over its own KV cache. The
+logits of each row go to that request's Decoder (its own sampler, seed, stop strings,
+penalties); the resulting Chunk is handed to the request's asyncio queue on the event loop
+(`loop.call_soon_threadsafe`). The event loop never runs model code.
+
+Requests beyond N wait first come, first served (at most max_queue of them, then QueueFull).
+A request takes a free slot when it arrives or when one frees; the slot whose state shares the
+longest prefix with its prompt (a system prompt, the earlier turns of a chat) is preferred, as
+long as that prefix is at least half of what the slot holds; otherwise the least recently used
+slot. The shared prefix is kept (truncate) and only the rest of the prompt is computed. A
+finished or cancelled sequence leaves at the next step; its state keeps its tokens for reuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from collections import deque
+
+from cflow import plan as P
+from cflow.errors import CflowError
+from cflow.generate import PREFILL_CHUNK, Decoder
+
+END = object()  # put on a Job's queue after its last chunk (or its error)
+
+
+class QueueFull(Exception):
+    pass
+
+
+def kv_bytes_per_token(engine) -> int:
+    """Bytes of KV cache one token takes in one state: K and V, fp32, of every attention layer."""
+    return sum(2 * h * d * 4 for h, d in P.kv_slots(engine.plan))
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo, else psutil's figure, in bytes (None if neither is known)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return None
+
+
+def check_kv_memory(engine, n: int) -> None:
+    """Fail with advice when the KV caches of n full sequences would not fit in memory."""
+    per_token = kv_bytes_per_token(engine)
+    need, avail = n * engine.n_ctx * per_token, available_memory()
+    if avail is not None and need > avail:
+        raise CflowError(f"the KV cache of --parallel {n} sequences x n_ctx {engine.n_ctx} tokens x "
+                         f"{per_token / 1024:.1f} KiB per token needs {need / 2**30:.2f} GiB, but only "
+                         f"{avail / 2**30:.2f} GiB of memory is available: lower --n-ctx or --parallel")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _put_all(pairs) -> None:
+    for queue, item in pairs:
+        queue.put_nowait(item)
+
+
+def _deliver(items: list) -> None:
+    """Hand a step's (job, item) pairs to their handlers: one wake-up of each event loop a step."""
+    by_loop: dict = {}
+    for job, item in items:
+        by_loop.setdefault(job._loop, []).append((job.queue, item))
+    for loop, pairs in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is left to read it
+            loop.call_soon_threadsafe(_put_all, pairs)
+
+
+class Job:
+    """One request's generation, made on the event loop. Iterate with `await next()`; each item
+    is a Chunk, an Exception (raised by the model) or END."""
+
+    def __init__(self, batcher: Batcher, decoder: Decoder):
+        self.batcher, self.decoder = batcher, decoder
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.slot: Slot | None = None
+        self.cached = 0
+        self.begun = False
+        self._loop = asyncio.get_running_loop()
+
+    def put(self, item) -> None:
+        """From the batcher thread: hand an item to the request's handler."""
+        _deliver([(self, item)])
+
+    async def next(self):
+        return await self.queue.get()
+
+    def cancel(self) -> None:
+        """Stop generating (client gone, or answer no longer wanted): a queued request leaves
+        the queue now, a running one its slot at the next step."""
+        self.batcher.cancel(self)
+
+
+class Slot:
+    """A sequence state of the batcher and the job it runs (None: free)."""
+
+    def __init__(self, state):
+        self.state = state
+        self.job: Job | None = None
+        self.used = 0  # when it was last given a job (least recently used is reused first)
+
+
+class Batcher:
+    """N slots over one engine and the thread that runs their steps (module docstring)."""
+
+    def __init__(self, engine, n: int, max_queue: int, prefill_budget: int = PREFILL_CHUNK):
+        if n < 1 or max_queue < 0:
+            raise CflowError("parallel must be >= 1 and max_queue >= 0")
+        check_kv_memory(engine, n)
+        self.engine, self.n, self.max_queue, self.prefill_budget = engine, n, max_queue, prefill_budget
+        self.slots = [Slot(engine.new_state()) for _ in range(n)]
+        self._waiting: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._clock = itertools.count(1)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # forwards run (a step per token of the longest running sequence)
+
+    # ---- what /health and /metrics read
+    @property
+    def active(self) -> int:
+        return sum(1 for s in self.slots if s.job is not None)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    # ---- the event loop's side
+    def submit(self, job: Job) -> None:
+        """Give the job a slot now, or queue it; QueueFull when max_queue are already waiting."""
+        with self._cv:
+            if not self._waiting and any(s.job is None for s in self.slots):
+                self._assign(job)
+            elif len(self._waiting) >= self.max_queue:
+                raise QueueFull
+            else:
+                self._waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._cv:
+            job.cancelled = True
+            if job.slot is None and job in self._waiting:
+                self._waiting.remove(job)
+                job.put(END)
+            self._cv.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="cflow-batcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cv:  # whoever still waits gets its end
+            for job in [s.job for s in self.slots if s.job is not None] + list(self._waiting):
+                job.put(END)
+            self._waiting.clear()
+            for s in self.slots:
+                s.job = None
+
+    # ---- slots (under the lock)
+    def _assign(self, job: Job) -> None:
+        free = [s for s in self.slots if s.job is None]
+        prompt = job.decoder.prompt
+        reuse = [(common_prefix(s.state.tokens, prompt), s) for s in free]
+        best = max(((c, s) for c, s in reuse if c > 0 and 2 * c >= s.state.pos),
+                   key=lambda cs: (cs[0], -cs[1].used), default=None)
+        cached, slot = best if best else min(reuse, key=lambda cs: cs[1].used)
+        slot.job, slot.used = job, next(self._clock)
+        job.slot, job.cached = slot, cached
+
+    def _release(self, slot: Slot) -> None:
+        slot.job.put(END)
+        slot.job = None
+        while self._waiting and any(s.job is None for s in self.slots):
+            self._assign(self._waiting.popleft())
+
+    # ---- the batcher thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                for s in self.slots:
+                    if s.job is not None and s.job.cancelled:
+                        self._release(s)
+                while not self._stopping and all(s.job is None for s in self.slots):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                jobs = sorted((s.job for s in self.slots if s.job is not None), key=lambda j: j.slot.used)
+            try:
+                self._step(jobs)
+            except Exception as e:  # a fault outside any one request: fail these, keep serving
+                with self._cv:
+                    for job in jobs:
+                        if job.slot is not None and job.slot.job is job:
+                            job.put(e)
+                            self._release(job.slot)
+
+    def _compose(self, jobs: list[Job]) -> tuple[list[Job], list[list[int]]]:
+        """This step's rows: every decoding sequence's next token, then prompt pieces of
+        joining sequences in arrival order while they fit the budget (at least one piece)."""
+        batch, ids, budget = [], [], self.prefill_budget
+        for job in jobs:
+            if not job.begun:
+                job.decoder.begin(job.slot.state, job.cached)
+                job.begun = True
+            piece = job.decoder.next_input()
+            if job.decoder.prefilling:
+                if budget < len(piece) and budget < self.prefill_budget:
+                    continue
+                budget -= len(piece)
+            batch.append(job)
+            ids.append(piece)
+        return batch, ids
+
+    def _step(self, jobs: list[Job]) -> None:
+        batch, ids = self._compose(jobs)
+        try:
+            outs = self.engine.forward([j.slot.state for j in batch], ids)
+        except Exception as e:  # the step's requests fail, the batcher and the server live on
+            outs = [e] * len(batch)
+        self.steps += 1
+        ended, items = [], []
+        for job, logits in zip(batch, outs):
+            try:
+                if isinstance(logits, Exception):
+                    raise logits
+                chunk = job.decoder.feed(logits)
+            except Exception as e:
+                items.append((job, e))
+                ended.append(job)
+                continue
+            if chunk is not None:
+                items.append((job, chunk))
+            if job.decoder.done:
+                ended.append(job)
+        _deliver(items)
+        if ended:
+            with self._cv:
+                for job in ended:
+                    self._release(job.slot)

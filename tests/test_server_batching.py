@@ -1,0 +1,151 @@
+"""Continuous batching in `cflow serve` over real HTTP (the tiny real model of conftest): batched
+greedy requests give exactly the tokens they give alone, a request can join running streams, a
+chat's next turn starts from the KV of the turn before, and KV caches that cannot fit fail at
+start-up."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+from server_util import serving, wait_for
+
+PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "In the beginning God created",
+    "1, 2, 3, 4,",
+    "Dear Sir or Madam, I am writing",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Q: What is a CPU cache?\nA:",
+]
+
+
+def complete(url, prompt, max_tokens, **kw):
+    r = httpx.post(url + "/v1/completions", timeout=300,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def at_once(fn, args_list):
+    """fn(*args) for every args in args_list, each on its own thread, all started together."""
+    out = [None] * len(args_list)
+
+    def run(i, args):
+        out[i] = fn(*args)
+
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return out
+
+
+@pytest.fixture(scope="module")
+def url8(tiny_llm):
+    with serving(tiny_llm, parallel=8) as u:
+        yield u
+
+
+def test_eight_prompts_at_once_give_their_alone_tokens(url8):
+    alone = [complete(url8, p, 48)["choices"][0]["text"] for p in PROMPTS]
+    steps0 = httpx.get(url8 + "/metrics").text
+    together = at_once(lambda p: complete(url8, p, 48), [(p,) for p in PROMPTS])
+    assert [r["choices"][0]["text"] for r in together] == alone
+    assert all(r["usage"]["completion_tokens"] == 48 for r in together)
+    # the eight ran side by side: far fewer engine steps than 8 x 48 tokens
+    steps = lambda text: float(next(x for x in text.splitlines() if x.startswith("cflow_batcher_steps ")).split()[1])  # noqa: E731
+    assert steps(httpx.get(url8 + "/metrics").text) - steps(steps0) < 4 * 48
+
+
+class Stream:
+    """A streamed completion read on its own thread: its text so far and whether it has ended."""
+
+    def __init__(self, url, prompt, max_tokens):
+        self.text, self.pieces, self.done = "", 0, False
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        self.thread = threading.Thread(target=self._read, args=(url, body))
+        self.thread.start()
+
+    def _read(self, url, body):
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.text += json.loads(line[6:])["choices"][0]["text"]
+                    self.pieces += 1
+        self.done = True
+
+
+def test_a_request_joining_running_streams_gets_its_alone_tokens(url8):
+    long_prompts, joiner = PROMPTS[:3], "A long question, prefilled in several pieces: " + "la " * 150
+    alone = [complete(url8, p, 600)["choices"][0]["text"] for p in long_prompts]
+    streams = [Stream(url8, p, 600) for p in long_prompts]
+    wait_for(lambda: all(s.pieces >= 20 for s in streams), what="the streams to be under way")
+    joined = complete(url8, joiner, 40)
+    assert not any(s.done for s in streams), "the joiner should have run while the streams were running"
+    # its prompt was in no slot: prefilled in three pieces or more, each in a step with the streams' tokens
+    assert joined["timings"]["prompt_n"] == joined["usage"]["prompt_tokens"] > 128
+    for s in streams:
+        s.thread.join(300)
+    assert [s.text for s in streams] == alone
+    alone_joiner = complete(url8, joiner, 40)  # from its cached prompt, alone
+    assert joined["choices"][0]["text"] == alone_joiner["choices"][0]["text"]
+
+
+def chat(url, messages, **kw):
+    r = httpx.post(url + "/v1/chat/completions", timeout=300,
+                   json={"messages": messages, "max_tokens": 24, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_chats_second_turn_reuses_the_first_turns_kv(tiny_llm):
+    with serving(tiny_llm, parallel=2) as u:
+        turn1 = [{"role": "system", "content": "You are a terse assistant. " * 8},
+                 {"role": "user", "content": "Name three rivers."}]
+        first = chat(u, turn1)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert first["timings"]["prompt_n"] == first["usage"]["prompt_tokens"]
+        chat(u, [{"role": "user", "content": "Something else entirely, in the other slot."}])
+        turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And three mountains?"}]
+        second = chat(u, turn2)
+        n1, u2 = first["usage"]["prompt_tokens"], second["usage"]
+        cached = u2["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= n1  # the whole first prompt, and what of the answer tokenizes the same
+        assert second["timings"]["prompt_n"] == u2["prompt_tokens"] - cached  # only the new tokens prefilled
+        # streamed answers carry it in their usage chunk too
+        body = {"messages": turn2, "max_tokens": 4, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", u + "/v1/chat/completions", json=body, timeout=300) as r:
+            usage = [json.loads(x[6:])["usage"] for x in r.iter_lines() if x.startswith("data: {") and '"usage"' in x]
+        assert usage[-1]["prompt_tokens_details"]["cached_tokens"] >= cached
+
+
+def test_kv_caches_that_do_not_fit_fail_at_start(tiny_cflow, capsys):
+    from cflow.cli import main
+
+    rc = main(["serve", "-m", str(tiny_cflow), "--parallel", "100000000", "--n-ctx", "4096", "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--parallel 100000000 sequences x n_ctx 4096" in err and "lower --n-ctx or --parallel" in err
+
+
+def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_path, capsys):
+    from cflow.cli import main
+
+    png = tmp_path / "load.png"
+    rc = main(["bench", "load", "-m", str(tiny_cflow), "--parallel", "1,2", "--clients", "3", "--requests", "4",
+               "--max-tokens", "8", "--stream", "--disconnect", "0.5", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("errors      0 server (5xx or dropped), 0 other") == 2
+    assert "abandoned mid-stream by their client" in out and "first token p50" in out and "inter-token p50" in out
+    table = out.split("parallel   tok/s")[1].splitlines()[1:3]
+    assert [row.split()[0] for row in table] == ["1", "2"]
+    assert png.stat().st_size > 0
