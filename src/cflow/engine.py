@@ -27,11 +27,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from cflow import plan as P
 from cflow.config import ModelConfig
 from cflow.errors import CflowError, CflowFormatError
 
-ROLES = P.ROLES
+# Weight roles whose int8 activations may be two-level (Engine's `precise`; an op's two_level).
+# The plan (cflow.plan, which needs the native core) is imported where it is used, so the CLI
+# and the training path import this module without the core.
+ROLES = ("qkv", "attn_output", "gate_up", "down", "head")
 MAX_BATCH = 512  # rows per native call when prefilling (bounds the scratch)
 DEFAULT_MAX_CTX = 8192  # default context: the model's, at most this (KV pages and RoPE tables grow with it)
 
@@ -79,9 +81,10 @@ def open_weights(src):
     return load_source(src)
 
 
-def build_plan(weights, cfg: ModelConfig, precise=()) -> P.Plan:
-    """The step plan of a model: its architecture module describes its forward pass."""
+def build_plan(weights, cfg: ModelConfig, precise=()):
+    """The step plan of a model (a cflow.plan.Plan): its architecture module describes its forward pass."""
     from cflow import models
+    from cflow import plan as P
 
     return models.get(cfg.arch).build(P.PlanBuilder(weights, precise), cfg)
 
@@ -113,6 +116,8 @@ class EngineBase:
         self.precise_roles = roles if self.fast else ()
         self.precise = bool(self.precise_roles)
         self.activations = activations_name(self.fast, self.precise_roles)
+        from cflow import plan as P
+
         self.plan = build_plan(self.file, cfg, self.precise_roles)
         self.bytes_per_token = P.bytes_per_token(self.plan)
         self.vocab = self.plan.buffers[self.plan.logits].width
@@ -221,5 +226,7 @@ class Engine(EngineBase):
 
     def profile(self) -> dict[str, float]:
         """Seconds spent per op kind since creation (needs CFLOW_PROFILE=1)."""
+        from cflow import plan as P
+
         return {k.__name__: t for k, t in zip(P.OP_KINDS, self._core.profile())}
 

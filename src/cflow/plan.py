@@ -20,6 +20,7 @@ tensor name, which the builder turns into an index of plan.tensors.
 from __future__ import annotations
 
 from cflow._native import core
+from cflow.engine import ROLES
 from cflow.errors import CflowError, CflowFormatError
 
 Barrier, Embed, Matmul, GateUp, ActMul, Attention, NormAdd = (core.Barrier, core.Embed, core.Matmul, core.GateUp,
@@ -27,8 +28,6 @@ Barrier, Embed, Matmul, GateUp, ActMul, Attention, NormAdd = (core.Barrier, core
 OP_KINDS = core.OP_KINDS
 Plan, TensorRef, BufferSpec = core.Plan, core.TensorRef, core.BufferSpec
 
-# Weight roles whose int8 activations may be two-level (Engine's `precise`; the op's two_level).
-ROLES = ("qkv", "attn_output", "gate_up", "down", "head")
 TENSOR_FIELDS = ("table", "weight", "bias", "norm", "q_norm", "k_norm")
 ACTS = {"silu": 0, "gelu_tanh": 1}  # GateUp / ActMul `act`
 PACK_CODES = {"blocks": 0, "planes": 1}
