@@ -364,6 +364,19 @@ void Engine::run_op(const Embed& op, Workspace& ws, int tid) {
 //    from cache for the other rows.
 constexpr size_t kVisitBytes = 192 << 10;
 
+// Where a thread's outputs for rows [r0, r1) of W, m tokens, go: dst itself, or its scratch
+// when the op accumulates into dst (the epilogue adds them).
+static float* output_rows(bool accumulate, std::vector<float>& scratch, float* dst, int ldd, int m, int r0, int r1,
+                          int* ldy) {
+  if (!accumulate) {
+    *ldy = ldd;
+    return dst + r0;
+  }
+  grow(scratch, (size_t)m * (r1 - r0));
+  *ldy = r1 - r0;
+  return scratch.data();
+}
+
 // y (+ epilogue) for rows [r0, r1) of W of m rows: bias, scale, softcap, then dst (+)= y.
 void Engine::epilogue(const Matmul& op, float* y, int ldy, int m, int r0, int r1, float* dst, int ldd) const {
   const float* b = op.bias >= 0 ? vec(op.bias) : nullptr;
@@ -415,14 +428,8 @@ void Engine::matmul_gemm(const Matmul& op, Workspace& ws, const float* src, int 
   int r0, r1;
   row_share(L, tid, ws.pool.size(), &r0, &r1);
   if (r0 >= r1) return;
-  Scratch& s = *ws.priv[tid];
-  float* y = dst + r0;
-  int ldy = ldd;
-  if (op.accumulate) {
-    grow(s.y, (size_t)n * (r1 - r0));
-    y = s.y.data();
-    ldy = r1 - r0;
-  }
+  int ldy;
+  float* y = output_rows(op.accumulate, ws.priv[tid]->y, dst, ldd, n, r0, r1, &ldy);
   if (q8) gemm_q8(L, W.data, r0, r1, in.qa, y, ldy);
   else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, y, ldy);
   epilogue(op, y, ldy, n, r0, r1, dst, ldd);
@@ -449,13 +456,8 @@ void Engine::matmul_single(const Matmul& op, Workspace& ws, const float* src, in
     else std::memcpy(s.xa.data() + k * ab, in.x, ab);
   }
   if (r0 >= r1) return;
-  float* y = dst + r0;
-  int ldy = ldd;
-  if (op.accumulate) {
-    grow(s.y, (size_t)m * (r1 - r0));
-    y = s.y.data();
-    ldy = r1 - r0;
-  }
+  int ldy;
+  float* y = output_rows(op.accumulate, s.y, dst, ldd, m, r0, r1, &ldy);
   if (gemv) {
     const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
     const int run = m == 1 ? r1 - r0 : L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
