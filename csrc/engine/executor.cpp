@@ -96,8 +96,7 @@ Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threa
         keep_vec(o.q_norm);
         keep_vec(o.k_norm);
         // RoPE tables per distinct (theta, head_dim): (n_ctx, hd/2) cos and sin, angles in fp32 like HF.
-        for (const RopeTable& t : rope_)
-          if (t.theta == o.rope_theta && t.head_dim == o.head_dim) return;
+        if (rope_table(o.rope_theta, o.head_dim)) return;
         const int half = o.head_dim / 2;
         RopeTable t{o.rope_theta, o.head_dim, std::vector<float>((size_t)n_ctx_ * half),
                     std::vector<float>((size_t)n_ctx_ * half)};
@@ -261,14 +260,17 @@ void Engine::rmsnorm(const float* x, const float* w, int cols, float* out) const
   ops().rmsnorm(out, x, w, 1, cols, plan_.norm_eps, plan_.norm_offset);
 }
 
+const Engine::RopeTable* Engine::rope_table(float theta, int head_dim) const {
+  for (const RopeTable& t : rope_)
+    if (t.theta == theta && t.head_dim == head_dim) return &t;
+  return nullptr;
+}
+
 // The one RoPE of the engine, neox style (rotate halves): x (head_dim,) at position pos.
-void Engine::rope(float* x, int head_dim, float theta, int pos) const {
-  const RopeTable* t = &rope_[0];
-  for (const RopeTable& r : rope_)
-    if (r.theta == theta && r.head_dim == head_dim) t = &r;
-  const int half = head_dim / 2;
-  const float* c = t->cos.data() + (size_t)pos * half;
-  const float* s = t->sin.data() + (size_t)pos * half;
+void Engine::rope(float* x, const RopeTable& t, int pos) const {
+  const int half = t.head_dim / 2;
+  const float* c = t.cos.data() + (size_t)pos * half;
+  const float* s = t.sin.data() + (size_t)pos * half;
   for (int i = 0; i < half; ++i) {
     const float a = x[i], b = x[i + half];
     x[i] = a * c[i] - b * s[i];
@@ -544,13 +546,14 @@ void Engine::run_op(const Attention& op, Workspace& ws, int tid) {
   float* qkv = ws.bufs[op.src].data();
   const float* qn = op.q_norm >= 0 ? vec(op.q_norm) : nullptr;
   const float* kn = op.k_norm >= 0 ? vec(op.k_norm) : nullptr;
+  const RopeTable& table = *rope_table(op.rope_theta, hd);  // built for every Attention op
   float tmp[1024];
   auto norm_rope = [&](float* x, const float* nw, int p) {
     if (nw) {
       rmsnorm(x, nw, hd, tmp);
       std::memcpy(x, tmp, sizeof(float) * hd);
     }
-    rope(x, hd, op.rope_theta, p);
+    rope(x, table, p);
   };
   // Phase A: norms + rope of q and k heads, k and v into the row's cache.
   const int items = n * (nh + nkv);

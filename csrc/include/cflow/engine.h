@@ -99,7 +99,13 @@ class Engine {
   void epilogue(const Matmul& op, float* y, int ldy, int m, int r0, int r1, float* dst, int ldd) const;
   void rmsnorm(const float* x, const float* w, int cols, float* out) const;
   const float* vec(int tensor) const { return vecs_[tensor].data(); }  // norms, biases
-  void rope(float* x, int head_dim, float theta, int pos) const;
+  struct RopeTable {
+    float theta;
+    int head_dim;
+    std::vector<float> cos, sin;  // (n_ctx, head_dim / 2)
+  };
+  const RopeTable* rope_table(float theta, int head_dim) const;  // nullptr: not built
+  void rope(float* x, const RopeTable& t, int pos) const;
   std::unique_ptr<Workspace> take_workspace();
   void give_workspace(std::unique_ptr<Workspace> ws);
 
@@ -113,11 +119,6 @@ class Engine {
   std::vector<Weight> W_;
   std::vector<std::vector<float>> vecs_;  // per tensor: dequantized when used as a norm or bias
   std::vector<int> kv_width_;             // per KV slot
-  struct RopeTable {
-    float theta;
-    int head_dim;
-    std::vector<float> cos, sin;  // (n_ctx, head_dim / 2)
-  };
   std::vector<RopeTable> rope_;
   bool profile_on_ = false;
   mutable std::mutex mu_;  // guards free_ and prof_ only
