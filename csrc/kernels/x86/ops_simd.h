@@ -144,6 +144,19 @@ void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* 
 }
 
 void mix_rows(const float* p, const float* Vm, size_t ldv, int n, int hd, float* out) {
+  constexpr int kRegs = 8;
+  if (hd % W == 0 && hd <= kRegs * W) {  // a whole head in registers: one pass over the rows, the
+    reg a[kRegs];                        // chunks' chains independent (each lane sums j in order)
+    const int nc = hd / W;
+    for (int c = 0; c < nc; ++c) a[c] = V::load(out + c * W);
+    for (int j = 0; j < n; ++j) {
+      const float* v = Vm + (size_t)j * ldv;
+      const reg pj = V::set1(p[j]);
+      for (int c = 0; c < nc; ++c) a[c] = V::fmadd(pj, V::load(v + c * W), a[c]);
+    }
+    for (int c = 0; c < nc; ++c) V::store(out + c * W, a[c]);
+    return;
+  }
   for (int i = 0; i < hd; i += W) {
     const int m = hd - i < W ? hd - i : W;
     reg a = m == W ? V::load(out + i) : V::load_n(out + i, m);
