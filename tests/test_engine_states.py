@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cflow import plan as P
-from cflow.engine import Engine
+from cflow.engine import ACTIVATIONS, Engine
 from cflow.engine_ref import RefEngine
 from cflow.errors import CflowError, CflowFormatError
 from engine_util import tiny_hf, to_cflow
@@ -43,14 +43,17 @@ def test_states_advanced_together_match_one_by_one(qwen3_q4, engine):
     assert [s.pos for s in together] == [9, 6, 18]
 
 
-@pytest.mark.parametrize("layout", [dict(wtype="q4_1", interleave=16, stripe_rows=16, pack="planes"),
-                                    dict(wtype="q8_0", interleave=4, stripe_rows=16), dict(wtype="f32")])
-def test_each_row_gets_exactly_what_its_sequence_gets_alone(layout):
-    # bit for bit, on the default (two-level int8) path: decode rows of 8 sequences in one step,
-    # a prompt split into chunks, and a chunk sharing its step with decoding sequences
+@pytest.mark.parametrize("layout,acts", [
+    (dict(wtype="q4_1", interleave=16, stripe_rows=16, pack="planes"), "int8x2"),
+    (dict(wtype="q4_0", interleave=8, stripe_rows=16, pack="planes"), "int8x2"),  # ragged groups
+    (dict(wtype="q8_0", interleave=16, stripe_rows=16, pack="planes"), "int8"),
+    (dict(wtype="q8_0", interleave=4, stripe_rows=16), "int8x2"), (dict(wtype="f32"), "int8x2")])
+def test_each_row_gets_exactly_what_its_sequence_gets_alone(layout, acts):
+    # bit for bit: decode rows of 11 sequences in one step (more than one batched kernel's tile
+    # of tokens), a prompt split into chunks, and a chunk sharing its step with decoding sequences
     f = to_cflow(tiny_hf("llama"), embtype="q8_0", tile=(32, 64), **layout)
-    eng = Engine(f, threads=2)
-    prompts = [IDS[i:i + 3 + 4 * i] for i in range(8)]
+    eng = Engine(f, threads=2, **ACTIVATIONS[acts])
+    prompts = [IDS[i:i + 3 + 3 * i] for i in range(11)]
     batch = [eng.new_state() for _ in prompts]
     for st, p in zip(batch, prompts):
         eng.forward(st, p)
@@ -59,7 +62,7 @@ def test_each_row_gets_exactly_what_its_sequence_gets_alone(layout):
         st = eng.new_state()
         eng.forward(st, p)
         alone.append(eng.forward(st, [7]))
-    assert all(np.array_equal(a, b) for a, b in zip(alone, eng.forward(batch, [[7]] * 8)))
+    assert all(np.array_equal(a, b) for a, b in zip(alone, eng.forward(batch, [[7]] * len(prompts))))
     whole = eng.forward(eng.new_state(), IDS[:45])
     chunked = eng.new_state()
     eng.forward(chunked, IDS[:20])

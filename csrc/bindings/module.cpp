@@ -16,6 +16,8 @@ NB_MODULE(_core, m) {
   m.doc() = "cflow native core: tile kernels, thread pool and decode engine";
   m.def("best_isa", [] { return std::string(cflow::isa_name(cflow::best_isa())); },
         "Name of the ISA path the kernels dispatch to on this CPU (scalar|avx2|avx512).");
+  m.def("amx_usable", [] { return cflow::amx_usable() && cflow::best_isa() == cflow::Isa::Avx512; },
+        "Whether batched decode steps run on the AMX tile unit (CPU, OS and CFLOW_AMX allowing).");
   m.def("isa_supported", [](const std::string& name) {
     for (auto isa : {cflow::Isa::Scalar, cflow::Isa::Avx2, cflow::Isa::Avx512})
       if (name == cflow::isa_name(isa)) return cflow::isa_supported(isa);

@@ -460,7 +460,9 @@ void Engine::matmul_single(const Matmul& op, Workspace& ws, const float* src, in
   if (r0 >= r1) return;
   int ldy;
   float* y = output_rows(op.accumulate, s.y, dst, ldd, m, r0, r1, &ldy);
-  if (gemv) {
+  if (GemvBatchFn batch = m > 1 && gemv ? gemv_batch_fn(L.bt(), L.packing(), at, isa_) : nullptr) {
+    batch(y, ldy, s.xa.data(), m, W.data, L, r0, r1);
+  } else if (gemv) {
     const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
     const int run = m == 1 ? r1 - r0 : L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
     for (int c0 = r0; c0 < r1; c0 += run) {
@@ -517,12 +519,19 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
     Input in = prepare(ws, src + (size_t)(ws.n_pre + k) * lds, lds, 1, C, op.norm, false, false, tid);
     prepare_act(L.bt(), at, s.xa.data() + k * ab, in.x, C);
   }
-  grow(s.y, (size_t)2 * std::min(c, F));
+  // the thread's pieces are rows [2 * p0 * c, rows_end) of W: in one batched call where there is
+  // a batched kernel (y: (m, those rows)), else piece by piece, row by row
+  const GemvBatchFn batch = m > 1 ? gemv_batch_fn(L.bt(), L.packing(), at, isa_) : nullptr;
+  const int rows0 = 2 * p0 * c, rows_end = std::min(2 * p1 * c, L.rows), ly = batch ? rows_end - rows0 : 2 * c;
+  if (p0 >= p1) return;
+  grow(s.y, (size_t)(batch ? m : 1) * ly);
+  if (batch) batch(s.y.data(), ly, s.xa.data(), m, W.data, L, rows0, rows_end);
   for (int p = p0; p < p1; ++p) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
     for (int k = 0; k < m; ++k) {
-      gemv(s.y.data(), s.xa.data() + k * ab, W.data, L, r0, r1);
-      act_mul(op.act, s.y.data(), s.y.data() + cp, h + (size_t)(ws.n_pre + k) * F + (size_t)p * c, cp);
+      const float* g = s.y.data() + (batch ? (size_t)k * ly + (r0 - rows0) : 0);
+      if (!batch) gemv(s.y.data(), s.xa.data() + k * ab, W.data, L, r0, r1);
+      act_mul(op.act, g, g + cp, h + (size_t)(ws.n_pre + k) * F + (size_t)p * c, cp);
     }
   }
 }

@@ -3,6 +3,12 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(CFLOW_X86) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace cflow {
 
 const CpuFeatures& cpu_features() {
@@ -57,6 +63,24 @@ const char* isa_name(Isa isa) {
     case Isa::Avx512: return "avx512";
   }
   return "?";
+}
+
+bool amx_usable() {
+  static const bool ok = [] {
+    if (const char* v = std::getenv("CFLOW_AMX"))
+      if (!std::strcmp(v, "0")) return false;
+#if defined(CFLOW_X86) && defined(__linux__)
+    if (!isa_supported(Isa::Avx512)) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
+    // Linux enables tile data per process on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
 }
 
 }  // namespace cflow

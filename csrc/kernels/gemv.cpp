@@ -187,6 +187,16 @@ GemvFn gemv_fn(BlockType bt, Pack pack, AType at, Isa isa, Isa* used) {
   return lookup(isa, used, [&](const KernelTable& t) { return t.gemv[i][p][a]; });
 }
 
+GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa) {
+#if defined(CFLOW_X86) && defined(CFLOW_AMX)
+  Isa used;
+  // the batched kernels match the AVX-512 GEMV: only where that is the one a token alone gets
+  if (isa == Isa::Avx512 && amx_usable() && gemv_fn(bt, pack, at, isa, &used) && used == Isa::Avx512)
+    return avx512::amx_gemv_batch(bt, pack, at);
+#endif
+  return nullptr;
+}
+
 void unpack_planes(const TileLayout& L, const uint8_t* src, uint8_t* dst, int nr) {
   const int hdr = planes_header(L.bt()), nbr = L.cols / L.qk, bpt = L.tc / L.qk, bb = L.bb;
   size_t off = 0;  // chunks follow one another in payload order: tile, group, column block

@@ -16,6 +16,9 @@ const KernelTable& kernel_table_avx512();  // x86/avx512/gemv_avx512.cpp
 // The GEMM entries of an ISA's table (x86/<isa>/gemm_<isa>.cpp, from x86/gemm_simd.h).
 namespace avx2 { void fill_gemm(KernelTable& t); }
 namespace avx512 { void fill_gemm(KernelTable& t); }
+// The AMX batched GEMV of (bt, pack, at) matching the AVX-512 GEMV (x86/avx512/gemv_amx.cpp),
+// nullptr for other types; call only when amx_usable().
+namespace avx512 { GemvBatchFn amx_gemv_batch(BlockType bt, Pack pack, AType at); }
 
 // get(table) of the best ISA at or below `isa` that this CPU runs and whose entry is set;
 // *used (optional) receives that ISA. nullptr when none has one.

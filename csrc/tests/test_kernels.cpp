@@ -201,3 +201,44 @@ TEST(simd_paths_match_scalar_on_ragged_shapes) {
     }
   }
 }
+
+// The batched GEMV gives every token exactly (bitwise) what the GEMV gives it alone, for batches
+// of one to more than one A tile of tokens, full and ragged groups, several column tiles.
+TEST(batched_gemv_is_bitwise_the_gemv_of_each_token) {
+  bool any = false;
+  std::uniform_int_distribution<int> ri(1, 300);
+  for (BlockType wt : {BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0})
+    for (AType at : {AType::Q8, AType::Q8x2})
+      for (int g : {16, 12, 4}) {
+        const Tiling ts{96, 256, g, Pack::Planes};
+        GemvBatchFn batch = gemv_batch_fn(wt, ts.pack, at, best_isa());
+        if (!batch) continue;
+        any = true;
+        GemvFn one = gemv_fn(wt, ts.pack, at, best_isa());
+        const int rows = 16 + ri(rng()), cols = 32 * (1 + ri(rng()) % 24);
+        const TileLayout L = layout(wt, rows, cols, ts);
+        const auto tiled = pack(wt, random_rows(wt, rows, cols), rows, cols, ts);
+        for (int m : {1, 2, 3, 8, 9, 16, 17, 33}) {
+          const size_t ab = act_bytes(wt, at, cols);
+          std::vector<uint8_t> xa(m * ab);
+          for (int k = 0; k < m; ++k) prepare_act(wt, at, xa.data() + k * ab, random_x(cols).data(), cols);
+          const int r0 = ts.tr, r1 = rows;  // from the second stripe on (rows < tr: nothing)
+          const int ldy = rows + 5;
+          std::vector<float> yb((size_t)m * ldy, NAN), y1((size_t)m * ldy, NAN);
+          batch(yb.data(), ldy, xa.data(), m, tiled.data(), L, 0, r0);
+          batch(yb.data() + r0, ldy, xa.data(), m, tiled.data(), L, r0, r1);
+          for (int k = 0; k < m; ++k) {
+            one(y1.data() + (size_t)k * ldy, xa.data() + k * ab, tiled.data(), L, 0, r0);
+            one(y1.data() + (size_t)k * ldy + r0, xa.data() + k * ab, tiled.data(), L, r0, r1);
+          }
+          bool same = true;
+          for (int k = 0; k < m; ++k)
+            same &= std::memcmp(yb.data() + (size_t)k * ldy, y1.data() + (size_t)k * ldy, sizeof(float) * std::min(rows, r1)) == 0;
+          if (!same)
+            std::fprintf(stderr, "batched != alone: %s %s m=%d rows=%d cols=%d g=%d\n", block_name(wt),
+                         at == AType::Q8 ? "q8" : "q8x2", m, rows, cols, g);
+          CHECK(same);
+        }
+      }
+  if (!any) std::fprintf(stderr, "  (no batched GEMV on this CPU: nothing to compare)\n");
+}

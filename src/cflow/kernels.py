@@ -79,6 +79,12 @@ def best_isa() -> str:
     return core.best_isa()
 
 
+def kernels_name() -> str:
+    """The kernel path decode runs here: the ISA, and "+amx" where batched decode steps (several
+    sequences) use the AMX tile unit (CFLOW_AMX=0 turns it off)."""
+    return core.best_isa() + ("+amx" if core.amx_usable() else "")
+
+
 def set_num_threads(n: int) -> None:
     _call(core.set_num_threads, int(n))
 

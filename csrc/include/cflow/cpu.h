@@ -18,5 +18,9 @@ Isa best_isa();
 const char* isa_name(Isa isa);
 // True when `isa` can run on this CPU.
 bool isa_supported(Isa isa);
+// True when the AMX int8 tile unit can be used: the CPU has AMX-TILE and AMX-INT8, the OS
+// saves tile state and granted this process the tile data (asked once, on the first call), and
+// CFLOW_AMX is not 0. The batched decode kernels use it on top of the AVX-512 path.
+bool amx_usable();
 
 }  // namespace cflow

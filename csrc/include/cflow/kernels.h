@@ -70,6 +70,19 @@ const KernelTable& kernel_table(Isa isa);
 // combination.
 GemvFn gemv_fn(BlockType bt, Pack pack, AType at, Isa isa, Isa* used = nullptr);
 
+// m tokens through one GEMV at once: token k's prepared activation at x + k * act_bytes(bt, at,
+// cols), its outputs at y + k * ldy (rows as for GemvFn). Each token's outputs are bit-identical
+// to a GemvFn call of the same (bt, pack, at, isa) on its activation alone: the kernel forms the
+// exact integer dot products another way (several tokens per pass over the weights) and then
+// runs the same float operations in the same order, so a token's result does not depend on the
+// batch it rides in.
+using GemvBatchFn = void (*)(float* y, int ldy, const void* x, int m, const uint8_t* w, const TileLayout& L,
+                             int row_begin, int row_end);
+// The batched kernel matching gemv_fn(bt, pack, at, isa), or nullptr where there is none (the
+// caller then runs the GEMV token by token). Today: planes-packed Q4_0/Q4_1/Q8_0 with int8
+// activations, on the AVX-512 path of a CPU with AMX (amx_usable()).
+GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa);
+
 // Scalar references outside the table.
 namespace ref {
 void quantize_q8a(block_q8a* xq, const float* x, int cols);     // a row and its sums; cols % 32 == 0

@@ -230,8 +230,10 @@ def _report(args, model, url, slots, results, wall, rss0, rss1) -> dict:
     abandoned = sum(1 for r in results if r.abandoned)
     tokens = sum(r.tokens for r in results)
     runs = f"for {args.duration:.0f} s" if args.duration else f"x {args.requests} requests"
+    from cflow.kernels import kernels_name
+
     print(f"load: {model} at {url}, parallel {slots}, {args.clients} clients {runs} = {len(results)}, "
-          f"max_tokens {args.max_tokens}{', streamed' if args.stream else ''}")
+          f"max_tokens {args.max_tokens}{', streamed' if args.stream else ''}, {kernels_name()} kernels")
     print(f"  errors      {server_err} server (5xx or dropped), {other_err} other"
           + (f"; {abandoned} abandoned mid-stream by their client" if abandoned else ""))
     print(f"  latency     p50 {_pct(lat, 0.50):.3f} s   p95 {_pct(lat, 0.95):.3f} s   max {lat[-1]:.3f} s")

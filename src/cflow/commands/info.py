@@ -15,4 +15,5 @@ def main(args) -> int:
     print(f"kernel path: {core.best_isa()}")
     for isa in ("scalar", "avx2", "avx512"):
         print(f"  {isa:7s} {'yes' if core.isa_supported(isa) else 'no'}")
+    print(f"  amx     {'yes' if core.amx_usable() else 'no'} (batched decode steps; CFLOW_AMX=0 turns it off)")
     return 0

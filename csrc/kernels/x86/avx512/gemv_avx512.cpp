@@ -229,6 +229,7 @@ inline float quantize_block(const float* x, block_q8a& o) {
 
 #include "../gemv_simd.h"
 #include "../planes_simd.h"
+#include "planes_finish.h"
 
 // K-quants at 512 bits: 64 weights per maddubs + vpdpwssd (the shared kinds take 32).
 inline __m256i fold(__m512i s) { return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)); }
@@ -320,18 +321,7 @@ inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums&
     for (int k = 0; k < 8; k += 2)
       dot(_mm512_xor_si512(_mm512_loadu_si512(pl + k), flip), k, _mm512_xor_si512(_mm512_loadu_si512(pl + k + 1), flip), k + 1);
   }
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
-  if (TWO) {
-    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), _mm512_set1_ps(a2->d),
-                                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(a.d)));
-    acc = _mm512_fmadd_ps(d, f, acc);
-  } else {
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc);
-  }
-  if (WT == BlockType::Q4_1)
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))),
-                          _mm512_set1_ps(TWO ? a.s + a2->s : a.s), acc);
-  return acc;
+  return planes_finish<WT, TWO>(c, _mm512_add_epi32(s0, s1), _mm512_add_epi32(t0, t1), a, a2, acc);
 }
 
 // TWO: x holds the cols/32 blocks of the first level, then those of the second (AType::Q8x2).
@@ -343,8 +333,7 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) acc = planes_block<WT, TWO>(chunk(b), x[cb0 + b], xs[cb0 + b], x2 + cb0 + b, xs2 + cb0 + b, acc);
-    const __mmask16 m = (__mmask16)((1u << gg) - 1);
-    _mm512_mask_storeu_ps(y + r, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + r), acc));
+    planes_store(y + r, gg, acc);
   });
 }
 

@@ -1,0 +1,196 @@
+// The batched GEMV (kernels.h GemvBatchFn) of the planes pack on AMX: several tokens' int8 dot
+// products per pass over the weights, each token's result bit-identical to the AVX-512 GEMV's.
+//
+// Why it matches: the one-token kernel (gemv_avx512.cpp) forms, per 16-row chunk of a column
+// block, every row's exact integer dot product with the token's activation block, then runs
+// planes_finish (float). Integer sums do not depend on their order, so here one AMX dot product
+// forms them for up to 16 (token, level) activation rows at once, and planes_finish then runs per
+// token exactly as the one-token kernel runs it, over the same walk (walk_planes) and into y in
+// the same order.
+//
+// Tiles, per column block b of a 16-row group (chunk c):
+//   B (tile 1): 8 rows x 64 bytes, row k = slice k of the 16 weight rows (4 weights each), as
+//       signed bytes. Q8_0 planes are that already; Q4_0/Q4_1 unpack plane k's low nibbles
+//       into slice k and its high nibbles into slice 4 + k (Q4_0 minus 8: the offset inside).
+//   A (tile 0, or 3 for the last few tokens): one row per (token, level): the 32 activation
+//       bytes of block b; the rows of a token's levels and of consecutive tokens are one
+//       q8a row apart, so one strided load takes them all.
+//   C (tile 2, or 4): C[(t, l)][i] = row i's dot product with token t's level l (tdpbssd).
+#include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "../../isa_kernels.h"
+#include "../../tile_walk.h"
+#include "cflow/planes.h"
+
+namespace cflow {
+namespace avx512 {
+namespace {
+
+#include "../planes_simd.h"
+#include "planes_finish.h"
+
+// The tile configuration (palette 1): rows and bytes per row of tiles 0..7.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int kSlices = 8;  // 4-byte slices of a 32-weight block: B's rows
+constexpr int kARows = 16;  // (token, level) rows of an A tile
+
+// Two sets of tiles, so that two column blocks are in flight: set s is A = tile 3s, B = 3s + 1,
+// C = 3s + 2.
+inline void configure() {
+  TileConfig t;
+  for (int s = 0; s < 2; ++s) {
+    t.rows[3 * s] = kARows, t.colsb[3 * s] = QK;          // A: (token, level) x 32 activation bytes
+    t.rows[3 * s + 1] = kSlices, t.colsb[3 * s + 1] = 64;  // B: 8 slices x 16 rows x 4 bytes
+    t.rows[3 * s + 2] = kARows, t.colsb[3 * s + 2] = 64;   // C: (token, level) x 16 int32
+  }
+  _tile_loadconfig(&t);
+}
+
+// Chunk c's 16 x 32 weights as B (signed bytes, slice-major): the Q8_0 planes themselves, or the
+// 4-bit planes unpacked into buf.
+template <BlockType WT>
+inline const int8_t* weights_b(const uint8_t* c, int8_t* buf) {
+  using K = PlanesKind<WT>;
+  const uint8_t* planes = c + 16 * K::kHdr;
+  if (!K::kNib) return (const int8_t*)planes;
+  const __m512i lo = _mm512_set1_epi8(0x0F), off = _mm512_set1_epi8(WT == BlockType::Q4_0 ? 8 : 0);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i q = _mm512_loadu_si512(planes + 64 * k);
+    _mm512_store_si512(buf + 64 * k, _mm512_sub_epi8(_mm512_and_si512(q, lo), off));
+    _mm512_store_si512(buf + 64 * (4 + k), _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo), off));
+  }
+  return buf;
+}
+
+// C = A . B on tile set S: A at a (kARows rows of 32 bytes), B at b; C stored to c. (The tile
+// intrinsics take literal tile numbers.)
+template <int S>
+inline void dot_tiles(const int8_t* a, const int8_t* b, int32_t* c) {
+  if constexpr (S == 0) {
+    _tile_loadd(0, a, QK);
+    _tile_loadd(1, b, 64);
+    _tile_zero(2);
+    _tile_dpbssd(2, 0, 1);
+    _tile_stored(2, c, 64);
+  } else {
+    _tile_loadd(3, a, QK);
+    _tile_loadd(4, b, 64);
+    _tile_zero(5);
+    _tile_dpbssd(5, 3, 4);
+    _tile_stored(5, c, 64);
+  }
+}
+
+constexpr int kBatch = 8;  // column blocks per stage (see token_group)
+
+// A call's scratch: per block of a batch, its B, its C and (widened groups) its chunk.
+template <BlockType WT>
+struct Scratch {
+  alignas(64) int8_t b[kBatch][kSlices * 64];
+  alignas(64) int32_t c[kBatch][kARows * 16];
+  alignas(64) uint8_t chunk[kBatch][kPlanesMaxG * PlanesKind<WT>::kBB];
+};
+
+// NT tokens (one A tile) over rows [row_begin, row_end): token t's level l is the q8a row
+// x[t * LV + l], its outputs y + t * ldy; apad holds the A tile of every column block.
+template <BlockType WT, bool TWO, int NT>
+void token_group(float* y, int ldy, const block_q8a* const* x, const int8_t* apad, const uint8_t* w,
+                 const TileLayout& L, int row_begin, int row_end, Scratch<WT>& sc) {
+  constexpr int LV = TWO ? 2 : 1;
+  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+    __m512 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    const int8_t* ab = apad + (size_t)cb0 * kARows * QK;
+    // kBatch blocks at a time, each stage over all of them before the next, so that no load
+    // waits on a store just issued (a tile load cannot take data from pending vector stores, nor
+    // a vector load from a pending tile store): B for every block, then every dot product (the
+    // two tile sets alternating), then every block's float part.
+    for (int b0 = 0; b0 < nb; b0 += kBatch) {
+      const int nk = std::min(kBatch, nb - b0);
+      const uint8_t* c[kBatch];
+      const int8_t* bw[kBatch];
+      for (int j = 0; j < nk; ++j) {
+        c[j] = chunk(b0 + j);
+        if (gg < kPlanesMaxG) c[j] = (const uint8_t*)std::memcpy(sc.chunk[j], c[j], sizeof sc.chunk[j]);  // chunk() reuses its buffer
+        bw[j] = weights_b<WT>(c[j], sc.b[j]);
+      }
+      for (int j = 0; j < nk; ++j) {
+        const int8_t* a = ab + (size_t)(b0 + j) * kARows * QK;
+        if (j % 2) dot_tiles<1>(a, bw[j], sc.c[j]);
+        else dot_tiles<0>(a, bw[j], sc.c[j]);
+      }
+      for (int j = 0; j < nk; ++j) {
+        const int cb = cb0 + b0 + j;
+        for (int t = 0; t < NT; ++t) {
+          const __m512i S = _mm512_load_si512(sc.c[j] + 16 * (t * LV));
+          const __m512i T = TWO ? _mm512_load_si512(sc.c[j] + 16 * (t * LV + 1)) : S;
+          acc[t] = planes_finish<WT, TWO>(c[j], S, T, x[t * LV][cb], TWO ? x[t * LV + 1] + cb : nullptr, acc[t]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) planes_store(y + (size_t)t * ldy + r, gg, acc[t]);
+  });
+}
+
+// f(std::integral_constant<int, n>) for 1 <= n <= N.
+template <int N, class F>
+inline void with_count(int n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) return f(std::integral_constant<int, N>{});
+    with_count<N - 1>(n, f);
+  }
+}
+
+template <BlockType WT, bool TWO>
+void gemv_batch_planes(float* y, int ldy, const void* xv, int m, const uint8_t* w, const TileLayout& L,
+                       int row_begin, int row_end) {
+  constexpr int LV = TWO ? 2 : 1, kGroup = kARows / LV;  // tokens per A tile
+  const size_t lrow = q8a_row_bytes(L.cols);  // one level's row; a token's LV rows are adjacent
+  const int n = std::min(row_end, L.rows) - row_begin, nbr = L.cols / QK;
+  if (n <= 0 || m <= 0) return;
+  for (int k = 0; k < m; ++k) std::memset(y + (size_t)k * ldy, 0, sizeof(float) * n);
+  thread_local std::vector<int8_t> apad;  // per column block: the A tile, missing rows zero
+  apad.resize((size_t)nbr * kARows * QK);
+  Scratch<WT> sc;
+  configure();
+  for (int t0 = 0; t0 < m; t0 += kGroup) {
+    const int nt = std::min(kGroup, m - t0);
+    const block_q8a* x[kARows];
+    for (int i = 0; i < nt * LV; ++i) x[i] = (const block_q8a*)((const uint8_t*)xv + (size_t)(t0 * LV + i) * lrow);
+    for (int b = 0; b < nbr; ++b)
+      for (int i = 0; i < kARows; ++i) {
+        int8_t* row = apad.data() + ((size_t)b * kARows + i) * QK;
+        if (i < nt * LV) std::memcpy(row, x[i][b].qs, QK);
+        else std::memset(row, 0, QK);
+      }
+    with_count<kGroup>(nt, [&](auto NT) {
+      token_group<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, apad.data(), w, L, row_begin, row_end, sc);
+    });
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+GemvBatchFn amx_gemv_batch(BlockType bt, Pack pack, AType at) {
+  if (pack != Pack::Planes || (at != AType::Q8 && at != AType::Q8x2)) return nullptr;
+  const bool two = at == AType::Q8x2;
+  switch (bt) {
+    case BlockType::Q4_0: return two ? gemv_batch_planes<BlockType::Q4_0, true> : gemv_batch_planes<BlockType::Q4_0, false>;
+    case BlockType::Q4_1: return two ? gemv_batch_planes<BlockType::Q4_1, true> : gemv_batch_planes<BlockType::Q4_1, false>;
+    case BlockType::Q8_0: return two ? gemv_batch_planes<BlockType::Q8_0, true> : gemv_batch_planes<BlockType::Q8_0, false>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace avx512
+}  // namespace cflow

@@ -1,0 +1,32 @@
+// The float part of a planes-packed block's int8 dot product at 512 bits, shared by the GEMV
+// (gemv_avx512.cpp) and the batched GEMV (gemv_amx.cpp), so that both run the same float
+// operations in the same order on the same exact integers: a token's result is then the same
+// whichever kernel formed its integer dot products. Included inside namespace cflow::avx512
+// (anonymous), after <immintrin.h> and cflow/planes.h.
+//
+// One chunk c (cflow/planes.h) of 16 rows: S holds row i's exact integer dot product with the
+// activation block a in lane i (the weight offset included: Q4_0 (q - 8), Q8_0 signed); T the
+// same with the second level a2 (TWO: AType::Q8x2). Returns acc + d_w * (d_a S + d_a2 T)
+// (+ m_w * (s_a + s_a2) for Q4_1).
+template <BlockType WT, bool TWO>
+inline __m512 planes_finish(const uint8_t* c, __m512i S, __m512i T, const block_q8a& a, const block_q8a* a2,
+                            __m512 acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
+  if (TWO) {
+    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T), _mm512_set1_ps(a2->d),
+                                     _mm512_mul_ps(_mm512_cvtepi32_ps(S), _mm512_set1_ps(a.d)));
+    acc = _mm512_fmadd_ps(d, f, acc);
+  } else {
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(S), acc);
+  }
+  if (WT == BlockType::Q4_1)
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))),
+                          _mm512_set1_ps(TWO ? a.s + a2->s : a.s), acc);
+  return acc;
+}
+
+// y[0 .. gg) += acc[0 .. gg): a group's outputs, the rows past gg (a widened group) dropped.
+inline void planes_store(float* y, int gg, __m512 acc) {
+  const __mmask16 m = (__mmask16)((1u << gg) - 1);
+  _mm512_mask_storeu_ps(y, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y), acc));
+}
