@@ -198,7 +198,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
             lpre.append(theirs.prefill(long_))
         log(f"  run {r + 1}/{runs}: cflow decode {dec[-1]:.1f} tok/s, prefill {pre[-1]:.1f} tok/s"
             + (f" | llama.cpp decode {ldec[-1]:.1f} tok/s, prefill {lpre[-1]:.1f} tok/s" if theirs else ""))
-    from cflow.kernels import kernels_name
+    from cflow.kernels import best_isa
 
     probe = statistics.median(probe_read(PROBE_MIB, threads, 5))
     probe_model = statistics.median(probe_read(max(16.0, engine.bytes_per_token / 2**20), threads, 5))
@@ -208,7 +208,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
     rec = {"model": name, "threads": threads, "decode_tok_s": round(d, 2), "prefill_tok_s": round(p, 2),
            "bytes_per_token": int(engine.bytes_per_token), "gbps": round(gbps, 2), "probe_gbps": round(probe, 2),
            "pct_of_probe": round(100 * gbps / probe, 1), "probe_model_gbps": round(probe_model, 2),
-           "pct_of_probe_model": round(100 * gbps / probe_model, 1), "isa": kernels_name(),
+           "pct_of_probe_model": round(100 * gbps / probe_model, 1), "isa": best_isa(),
            "activations": getattr(engine, "activations", "fp32"), "decode_runs": rnd(dec), "prefill_runs": rnd(pre),
            # a host that stalls the VM for a second now and then drags a whole run's average;
            # the median single step is what the engine does when it runs
