@@ -56,6 +56,21 @@ def test_sampler_greedy_seeded_and_penalised():
         make_sampler(temperature=-1)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 40, 0.95), (0.7, 0, 0.9), (0.3, 0, 0.9), (1.0, 0, 1.0),
+                                                     (1.3, 0, 0.999),
+                                                     (0.5, 3000, 0.5)])
+def test_sampling_on_candidates_is_the_whole_vocabulary_distribution(temperature, top_k, top_p):
+    # the sampler filters only the tokens that can survive top-k / top-p; what it draws from must
+    # be the distribution the filters give over the whole vocabulary
+    from cflow.sampling import _top_k_top_p, softmax
+
+    x = (np.random.default_rng(top_k).standard_normal(32000) * 4).astype(np.float32)
+    full = top_p_filter(top_k_filter(softmax(x.astype(np.float64) / temperature), top_k), top_p)
+    ids, p = _top_k_top_p(x, temperature, top_k, top_p)
+    assert ids.tolist() == np.flatnonzero(full).tolist()
+    assert np.allclose(p / p.sum(), full[ids] / full.sum(), rtol=1e-9, atol=0)
+
+
 # ------------------------------------------------------------------ sampling defaults
 LLAMA_CPP = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
 

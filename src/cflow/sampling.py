@@ -105,16 +105,48 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     def sample(logits: np.ndarray, history: list[int]) -> int:
         if temperature == 0.0 and repetition_penalty == 1.0:
             return int(np.argmax(logits))  # the argmax of the float64 copy, without the copy
-        x = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, repetition_penalty)
+        x = np.asarray(logits)
+        if repetition_penalty != 1.0:
+            x = apply_repetition_penalty(x.astype(np.float64), history, repetition_penalty)
         if temperature == 0.0:
             return int(np.argmax(x))
-        # softmax(x / temperature) computed in place: the same numbers, one array instead of four
-        # (a vocabulary-sized temporary costs page faults on every token)
-        p = np.divide(x, temperature)
-        p -= p.max()
-        np.exp(p, out=p)
-        p /= p.sum()
-        p = min_p_filter(top_p_filter(top_k_filter(p, top_k), top_p), min_p)
-        return draw(rng, p)
+        ids, p = _top_k_top_p(x, temperature, top_k, top_p)
+        return int(ids[draw(rng, min_p_filter(p, min_p))])
 
     return sample
+
+
+# A top-p set is searched among this many most likely tokens first (the whole vocabulary only
+# when they hold less than top_p of the mass).
+TOP_P_SHORTLIST = 256
+
+
+def _top_k_top_p(x: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, p): the tokens softmax(x / temperature) keeps through top_k_filter then top_p_filter,
+    in id order, and their (unnormalised) probabilities: what those filters give over the whole
+    vocabulary, found without sorting it. A step of the server samples every sequence in turn,
+    and sorting a 50k-token vocabulary per token cost more than the engine's batched step."""
+    v = x.size
+    if 0 < top_k < v:  # the k largest, then top-p among them (relative to their mass, as the filters)
+        ids = np.sort(np.argpartition(x, v - top_k)[v - top_k:])
+        z = x[ids].astype(np.float64) / temperature
+        z -= z.max()
+        np.exp(z, out=z)
+        p = top_p_filter(z / z.sum(), top_p)
+        keep = np.flatnonzero(p)
+        return ids[keep], p[keep]
+    z = np.divide(x, temperature, dtype=np.float64)  # softmax in place: one vocabulary-sized array
+    z -= z.max()
+    np.exp(z, out=z)
+    z /= z.sum()
+    if top_p < 1.0 and v > TOP_P_SHORTLIST:
+        short = np.argpartition(z, v - TOP_P_SHORTLIST)[v - TOP_P_SHORTLIST:]
+        ids = np.flatnonzero(z >= z[short].min())  # the shortlist, ties of its last value too, in id order
+        order = np.argsort(-z[ids], kind="stable")
+        cum = np.cumsum(z[ids][order])
+        if cum[-1] >= top_p:  # the top-p set ends inside: the same cut as top_p_filter's
+            keep = np.sort(ids[order[: int(np.searchsorted(cum, top_p)) + 1]])
+            return keep, z[keep]
+    p = top_p_filter(z, top_p)
+    keep = np.flatnonzero(p)
+    return keep, p[keep]
