@@ -134,7 +134,18 @@ void geglu(float* h, const float* g, const float* u, int n) {
 // Attention inner loops (ops.h): out (n,) = K @ q; out (hd,) += p @ V. Any hd (masked tail).
 void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* out) {
   const int hw = hd / W * W;
-  for (int j = 0; j < n; ++j) {
+  int j = 0;
+  if (hw == hd)  // 4 rows at a time: independent chains, one reduction for the four
+    for (; j + 4 <= n; j += 4) {
+      const float* k = K + (size_t)j * ldk;
+      reg a[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
+      for (int i = 0; i < hd; i += W) {
+        const reg qi = V::load(q + i);
+        for (int r = 0; r < 4; ++r) a[r] = V::fmadd(qi, V::load(k + r * ldk + i), a[r]);
+      }
+      _mm_storeu_ps(out + j, V::hsum4(a[0], a[1], a[2], a[3]));
+    }
+  for (; j < n; ++j) {
     const float* k = K + (size_t)j * ldk;
     reg a = V::zero();
     for (int i = 0; i < hw; i += W) a = V::fmadd(V::load(q + i), V::load(k + i), a);

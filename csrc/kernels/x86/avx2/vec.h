@@ -40,6 +40,11 @@ struct Vec {
     return _mm_cvtss_f32(s);
   }
   static float hsum8(__m256 a) { return hsum(a); }
+  // The sums of a, b, c, d as the 4 lanes of one __m128 (the dot products of 4 rows at once).
+  static __m128 hsum4(reg a, reg b, reg c, reg d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+  }
   static float hmax(reg a) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));

@@ -31,6 +31,13 @@ struct Vec {
   static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
   static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
   static float hsum8(__m256 a) { return _mm512_reduce_add_ps(_mm512_zextps256_ps512(a)); }
+  // The sums of a, b, c, d as the 4 lanes of one __m128 (the dot products of 4 rows at once).
+  static __m128 hsum4(reg a, reg b, reg c, reg d) {
+    auto half = [](reg v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); };
+    const __m256 ab = _mm256_hadd_ps(half(a), half(b)), cd = _mm256_hadd_ps(half(c), half(d));
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);  // lane j (and 4 + j): halves of the sum of row j
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+  }
   static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
   static reg round(reg a) {
     return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
