@@ -379,6 +379,22 @@ static float* output_rows(bool accumulate, std::vector<float>& scratch, float* d
   return scratch.data();
 }
 
+// Rows [r0, r1) of L (r0 on a stripe) for n tokens through a batched GEMV, in runs of about
+// kVisitBytes of weights, each run passed over by all the tokens while it is in cache:
+// y (n, ldy) from row r0; x: the tokens' prepared activations, adjacent.
+static void batched_runs(GemvBatchFn batch, const TileLayout& L, const uint8_t* w, const void* x, int n, int r0,
+                         int r1, float* y, int ldy) {
+  const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
+  const int run = L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
+  for (int c0 = r0; c0 < r1; c0 += run) batch(y + (c0 - r0), ldy, x, n, w, L, c0, std::min(r1, c0 + run));
+}
+
+// The batched GEMV for L with activation `at` where the engine uses one (int8 activations; the
+// kernel exists for the type and this CPU), else nullptr.
+GemvBatchFn Engine::batch_kernel(const TileLayout& L, AType at) const {
+  return fast_ && at != AType::F32 ? gemv_batch_fn(L.bt(), L.packing(), at, isa_) : nullptr;
+}
+
 // y (+ epilogue) for rows [r0, r1) of W of m rows: bias, scale, softcap, then dst (+)= y.
 void Engine::epilogue(const Matmul& op, float* y, int ldy, int m, int r0, int r1, float* dst, int ldd) const {
   const float* b = op.bias >= 0 ? vec(op.bias) : nullptr;
@@ -427,12 +443,17 @@ void Engine::matmul_gemm(const Matmul& op, Workspace& ws, const float* src, int 
   const TileLayout& L = W.L;
   const bool q8 = fast_ && has_int8_path(L.bt(), true);
   Input in = prepare(ws, src, lds, n, L.cols, op.norm, q8, q8 && op.two_level, tid);
+  // where decode has a batched kernel, prompt rows take it too (by whole stripes): each token
+  // then gets what it gets as a single row, and faster than from the GEMM
+  const GemvBatchFn batch = q8 ? batch_kernel(L, in.qa.levels == 2 ? AType::Q8x2 : AType::Q8) : nullptr;
   int r0, r1;
-  row_share(L, tid, ws.pool.size(), &r0, &r1);
+  if (batch) stripe_share(L, tid, ws.pool.size(), &r0, &r1);
+  else row_share(L, tid, ws.pool.size(), &r0, &r1);
   if (r0 >= r1) return;
   int ldy;
   float* y = output_rows(op.accumulate, ws.priv[tid]->y, dst, ldd, n, r0, r1, &ldy);
-  if (q8) gemm_q8(L, W.data, r0, r1, in.qa, y, ldy);
+  if (batch) batched_runs(batch, L, W.data, in.qa.data, n, r0, r1, y, ldy);
+  else if (q8) gemm_q8(L, W.data, r0, r1, in.qa, y, ldy);
   else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, y, ldy);
   epilogue(op, y, ldy, n, r0, r1, dst, ldd);
 }
@@ -460,8 +481,8 @@ void Engine::matmul_single(const Matmul& op, Workspace& ws, const float* src, in
   if (r0 >= r1) return;
   int ldy;
   float* y = output_rows(op.accumulate, s.y, dst, ldd, m, r0, r1, &ldy);
-  if (GemvBatchFn batch = m > 1 && gemv ? gemv_batch_fn(L.bt(), L.packing(), at, isa_) : nullptr) {
-    batch(y, ldy, s.xa.data(), m, W.data, L, r0, r1);
+  if (GemvBatchFn batch = m > 1 && gemv ? batch_kernel(L, at) : nullptr) {
+    batched_runs(batch, L, W.data, s.xa.data(), m, r0, r1, y, ldy);
   } else if (gemv) {
     const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
     const int run = m == 1 ? r1 - r0 : L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
@@ -503,7 +524,33 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
       }
     }
   };
-  if (ws.n_pre) gemm_rows(prepare(ws, src, lds, ws.n_pre, C, op.norm, q8, q8 && precise, tid), 0, ws.n_pre);
+  // rows [k0, k0 + n), prepared for `at` at x, through the batched GEMV when a piece pair is one
+  // stripe and the kernel exists: the thread's pieces in runs of about kVisitBytes, all rows
+  // over each run. False where it does not apply.
+  auto batched_rows = [&](AType at, const void* x, int k0, int n) {
+    const GemvBatchFn batch = 2 * c == L.tr ? batch_kernel(L, at) : nullptr;
+    if (!batch) return false;
+    const size_t piece_bytes = layout_nbytes(L) / std::max(1, P);
+    const int per_run = (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, piece_bytes));
+    for (int pa = p0; pa < p1; pa += per_run) {
+      const int pb = std::min(p1, pa + per_run), ra = 2 * pa * c, rb = std::min(2 * pb * c, L.rows), ly = rb - ra;
+      grow(s.y, (size_t)n * ly);
+      batch(s.y.data(), ly, x, n, W.data, L, ra, rb);
+      for (int p = pa; p < pb; ++p) {
+        const int cp = std::min(c, F - p * c);
+        for (int k = 0; k < n; ++k) {
+          const float* g = s.y.data() + (size_t)k * ly + (2 * p * c - ra);
+          act_mul(op.act, g, g + cp, h + (size_t)(k0 + k) * F + (size_t)p * c, cp);
+        }
+      }
+    }
+    return true;
+  };
+  if (ws.n_pre) {
+    const Input in = prepare(ws, src, lds, ws.n_pre, C, op.norm, q8, q8 && precise, tid);
+    if (!q8 || !batched_rows(in.qa.levels == 2 ? AType::Q8x2 : AType::Q8, in.qa.data, 0, ws.n_pre))
+      gemm_rows(in, 0, ws.n_pre);
+  }
   const int m = ws.n - ws.n_pre;
   if (!m) return;
   AType at;
@@ -513,25 +560,20 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
       gemm_rows(prepare(ws, src + (size_t)k * lds, lds, 1, C, op.norm, q8, q8 && precise, tid), k, 1);
     return;
   }
+  if (p0 >= p1) return;
   const size_t ab = act_bytes(L.bt(), at, C);
   grow(s.xa, (size_t)m * ab);
   for (int k = 0; k < m; ++k) {
     Input in = prepare(ws, src + (size_t)(ws.n_pre + k) * lds, lds, 1, C, op.norm, false, false, tid);
     prepare_act(L.bt(), at, s.xa.data() + k * ab, in.x, C);
   }
-  // the thread's pieces are rows [2 * p0 * c, rows_end) of W: in one batched call where there is
-  // a batched kernel (y: (m, those rows)), else piece by piece, row by row
-  const GemvBatchFn batch = m > 1 ? gemv_batch_fn(L.bt(), L.packing(), at, isa_) : nullptr;
-  const int rows0 = 2 * p0 * c, rows_end = std::min(2 * p1 * c, L.rows), ly = batch ? rows_end - rows0 : 2 * c;
-  if (p0 >= p1) return;
-  grow(s.y, (size_t)(batch ? m : 1) * ly);
-  if (batch) batch(s.y.data(), ly, s.xa.data(), m, W.data, L, rows0, rows_end);
+  if (m > 1 && batched_rows(at, s.xa.data(), ws.n_pre, m)) return;
+  grow(s.y, (size_t)2 * std::min(c, F));
   for (int p = p0; p < p1; ++p) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
     for (int k = 0; k < m; ++k) {
-      const float* g = s.y.data() + (batch ? (size_t)k * ly + (r0 - rows0) : 0);
-      if (!batch) gemv(s.y.data(), s.xa.data() + k * ab, W.data, L, r0, r1);
-      act_mul(op.act, g, g + cp, h + (size_t)(ws.n_pre + k) * F + (size_t)p * c, cp);
+      gemv(s.y.data(), s.xa.data() + k * ab, W.data, L, r0, r1);
+      act_mul(op.act, s.y.data(), s.y.data() + cp, h + (size_t)(ws.n_pre + k) * F + (size_t)p * c, cp);
     }
   }
 }

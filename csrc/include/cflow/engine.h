@@ -94,6 +94,7 @@ class Engine {
   // The decode (one-token) GEMV kernel of W and the activation type it takes; nullptr when none
   // applies.
   GemvFn decode_kernel(const TileLayout& L, bool precise, AType* at) const;
+  GemvBatchFn batch_kernel(const TileLayout& L, AType at) const;
   void matmul_gemm(const Matmul& op, Workspace& ws, const float* src, int lds, int n, float* dst, int ldd, int tid);
   void matmul_single(const Matmul& op, Workspace& ws, const float* src, int lds, int m, float* dst, int ldd, int tid);
   void epilogue(const Matmul& op, float* y, int ldy, int m, int r0, int r1, float* dst, int ldd) const;
