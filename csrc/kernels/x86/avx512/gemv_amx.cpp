@@ -8,14 +8,13 @@
 // token exactly as the one-token kernel runs it, over the same walk (walk_planes) and into y in
 // the same order.
 //
-// Tiles, per column block b of a 16-row group (chunk c):
-//   B (tile 1): 8 rows x 64 bytes, row k = slice k of the 16 weight rows (4 weights each), as
-//       signed bytes. Q8_0 planes are that already; Q4_0/Q4_1 unpack plane k's low nibbles
-//       into slice k and its high nibbles into slice 4 + k (Q4_0 minus 8: the offset inside).
-//   A (tile 0, or 3 for the last few tokens): one row per (token, level): the 32 activation
-//       bytes of block b; the rows of a token's levels and of consecutive tokens are one
-//       q8a row apart, so one strided load takes them all.
-//   C (tile 2, or 4): C[(t, l)][i] = row i's dot product with token t's level l (tdpbssd).
+// Tiles, per column block b of a 16-row group (chunk c), on two alternating tile sets:
+//   A: 16 rows x 32 bytes, one row per (token, level) of up to 16 / levels tokens: the
+//       activation bytes of block b, copied once per call into a padded buffer (missing rows 0);
+//   B: 8 rows x 64 bytes, row k = slice k of the 16 weight rows (4 weights each), as signed
+//       bytes. Q8_0 planes are that already; Q4_0/Q4_1 unpack plane k's low nibbles into slice k
+//       and its high nibbles into slice 4 + k (Q4_0 minus 8: the offset inside);
+//   C = A . B (tdpbssd): C[(t, l)][i] = row i's dot product with token t's level l.
 #include <immintrin.h>
 
 #include <cstring>
