@@ -14,6 +14,7 @@ import os
 from cflow import models
 from cflow.convert import Checkpoint, Tensor, check_tensors, fuse_layers, generation_fields
 from cflow.convert.names import rename
+from cflow.convert.sentencepiece import CONTROL, USER_DEFINED, sentencepiece_tokenizer
 from cflow.errors import CflowFormatError, UnsupportedError
 from cflow.format.tiles import BLOCK_TYPES, BLOCK_TYPES_BY_CODE
 from cflow.models.base import unpermute_rope_rows as _unpermute  # noqa: F401 - the name tests use
@@ -60,7 +61,6 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
-CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
 def _byte_level_bpe(r, m: dict) -> "tokenizers.Tokenizer":
@@ -84,15 +84,13 @@ def _byte_level_bpe(r, m: dict) -> "tokenizers.Tokenizer":
     return tk
 
 
-def _sentencepiece(path) -> "tokenizers.Tokenizer":
-    """SentencePiece vocabularies (tokenizer.ggml.model == "llama": gemma, llama 2) through transformers."""
-    try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-    except ImportError as e:
-        raise UnsupportedError(f"converting this GGUF's SentencePiece tokenizer needs transformers>=5 "
-                               f"(pip install 'cflow[convert]'): {e}") from None
-    arch, tok_dict, _ = get_gguf_tokenizer(str(path))
-    return convert_gguf_tokenizer(arch, tok_dict)[0]
+def _sentencepiece(r, m: dict) -> "tokenizers.Tokenizer":
+    """SentencePiece vocabularies (tokenizer.ggml.model == "llama": gemma, llama 2, phi-3)."""
+    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+    if missing := [k for k in keys if k not in r.fields]:
+        raise CflowFormatError(f"GGUF SentencePiece vocabulary without {', '.join(missing)}")
+    tokens, scores, types = (r.fields[k].contents() for k in keys)
+    return sentencepiece_tokenizer(tokens, scores, types, m.get("general.architecture", ""))
 
 
 def gguf_tokenizer(path, r=None, m=None) -> tuple[str, dict]:
@@ -103,7 +101,7 @@ def gguf_tokenizer(path, r=None, m=None) -> tuple[str, dict]:
     if kind == "gpt2":
         tk = _byte_level_bpe(r, m)
     elif kind == "llama":
-        tk = _sentencepiece(path)
+        tk = _sentencepiece(r, m)
     else:
         raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
                                "llama (SentencePiece)")
