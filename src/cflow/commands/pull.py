@@ -1,6 +1,6 @@
 """`cflow pull NAME`: fetch a model into the cache; the last line printed is its local path."""
 
-HELP = "download a model into the cache (smollm2-135m, gemma3-270m, hf://owner/repo/file)"
+HELP = "download a model into the cache (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, hf://owner/repo/file)"
 
 
 def add_arguments(p):
