@@ -1,13 +1,19 @@
 // Planes-pack pieces shared by the AVX2 and AVX-512 kernel files (cflow/planes.h, docs/KERNELS.md):
 // included *inside* each ISA's namespace, like gemv_simd.h. PlanesKind describes a type's
-// block; fill_planes_table fills the planes table from the including file's gemv_planes_q8
-// (its own kernel) and gemv_f32 (gemv_simd.h) after unpacking.
+// chunk (the GEMVs and GEMMs); fill_planes_table fills the planes table from the including
+// file's gemv_planes_q8 (its own kernel) and gemv_f32 (gemv_simd.h) after unpacking.
 
 template <BlockType WT>
 struct PlanesKind {
   static constexpr int kHdr = planes_header(WT);  // header bytes: d (and m)
   static constexpr int kBB = block_bytes(WT);
   static constexpr bool kNib = WT != BlockType::Q8_0;  // 4-bit quants (two weights per byte)
+  static constexpr int kQs = kPlanesMaxG * kHdr;  // byte offset of the first quant plane in a 16-row chunk
+  // The kernels take weights as unsigned bytes u (x86/<isa>/planes_unpack.h); the block's
+  // integer weight is u - kZero: Q4_0 q - 8, Q8_0 (q ^ 0x80) - 128; Q4_1's offset is its m.
+  // kMaxU: the largest u.
+  static constexpr int kZero = WT == BlockType::Q4_0 ? 8 : WT == BlockType::Q8_0 ? 128 : 0;
+  static constexpr int kMaxU = kNib ? 15 : 255;
 };
 
 // Walks a planes payload by interleave group (walk_tiles): group(r, gg, cb0, nb, chunk), with

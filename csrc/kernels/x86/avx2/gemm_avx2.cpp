@@ -20,20 +20,25 @@ struct V : Vec, IVec {
   static constexpr int kPlanesNT = 8;  // tokens per planes chunk visit (16 accumulators, some in L1)
 };
 
+#include "../planes_simd.h"
+#include "planes_unpack.h"
+
 // ---- planes GEMM at 256 bits (gemm_simd.h: planes_tokens) ----
 // A chunk of 16 rows is two halves of 8 (int32 lane i = row 8h + i; half h is bytes 32h..32h+31
-// of every 64-byte plane). Per half the 8 slices are unpacked once into u[0..8) (slice j:
-// weights 4j..4j+3 of each row), then each token meets them with its 8 activation slices
-// broadcast. Q4: 8 maddubs whose pair sums (at most 2 * 15 * 127) add up in int16 to at most
-// 30480, no saturation, then one madd to int32. Q8_0: |w| times sign(x, w) per slice (pair
-// sums up to 32512), each widened by madd. Per (block, token): f = d_x * dot (+ -8 s_x for
-// Q4_0), summed over the levels; acc += d_w * f (+ m_w * s_x for Q4_1); s_x = d_x * sum(q_x).
+// of every 64-byte plane). Per half the 8 slices are unpacked once into u[0..8) (planes_unpack.h;
+// slice j: weights 4j..4j+3 of each row), then each token meets them with its 8 activation
+// slices broadcast. Q4: 8 maddubs whose pair sums (at most 2 * 15 * 127) add up in int16 to at most
+// 30480, no saturation, then one madd to int32 (kRun: fewer at a time for larger weights). Q8_0: |w| times sign(x, w) per slice (pair
+// sums up to 32512), each widened by madd. Per (block, token): f = d_x * dot (- kZero * s_x:
+// Q4_0 -8 s_x), summed over the levels; acc += d_w * f (+ m_w * s_x for Q4_1); s_x = d_x * sum(q_x).
 template <BlockType TYPE, int NT, bool TWO, class Chunk>
 void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int ldy, int g) {
-  constexpr int kHdr = planes_header(TYPE);
   __m256 acc[NT][2];
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
+  // Slices whose maddubs (pair sums up to 2 * kMaxU * 127) add up in int16 without saturating.
+  constexpr int kRun = 8 * 2 * PlanesKind<TYPE>::kMaxU * 127 <= 32767 ? 8 : 4;
+  static_assert(!PlanesKind<TYPE>::kNib || kRun * 2 * PlanesKind<TYPE>::kMaxU * 127 <= 32767);
   // The int32 dots of one token's activation block q with the 8 rows of a half, as floats.
   // Each 4-byte slice is broadcast straight from the activation block (no copy through the stack).
   auto dot = [&](const __m256i* u, const int8_t* q) {
@@ -48,9 +53,12 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
         const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(_mm256_set1_epi32(xs(j)), u[j]));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
       }
-    } else {
-      for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xs(j))));
-      s = _mm256_madd_epi16(s, ones);
+    } else {  // kRun slices summed in int16, then one madd
+      for (int j0 = 0; j0 < 8; j0 += kRun) {
+        __m256i p = _mm256_maddubs_epi16(u[j0], _mm256_set1_epi32(xs(j0)));
+        for (int j = j0 + 1; j < j0 + kRun; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xs(j))));
+        s = j0 ? _mm256_add_epi32(s, _mm256_madd_epi16(p, ones)) : _mm256_madd_epi16(p, ones);
+      }
     }
     return _mm256_cvtepi32_ps(s);
   };
@@ -59,18 +67,9 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
   const size_t l2 = level_bytes(x);
   for (int cb = 0; cb < bpr; ++cb) {
     const uint8_t* c = chunk(cb);
-    const uint8_t* pl = c + kPlanesMaxG * kHdr;
     for (int h = 0; h < 2; ++h) {
       __m256i u[8];
-      if constexpr (TYPE == BlockType::Q8_0) {
-        for (int j = 0; j < 8; ++j) u[j] = _mm256_loadu_si256((const __m256i*)(pl + 64 * j + 32 * h));
-      } else {
-        for (int j = 0; j < 4; ++j) {
-          const __m256i q = _mm256_loadu_si256((const __m256i*)(pl + 64 * j + 32 * h));
-          u[j] = _mm256_and_si256(q, lo);
-          u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo);
-        }
-      }
+      planes_unpack<TYPE>(c, h, u);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
       __m256 m = _mm256_setzero_ps();
       if constexpr (TYPE == BlockType::Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h)));
@@ -79,7 +78,8 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
         const block_q8a* a2 = level2(a, l2);
         __m256 f = _mm256_mul_ps(dot(u, a->qs), _mm256_set1_ps(a->d));
         if constexpr (TWO) f = _mm256_fmadd_ps(dot(u, a2->qs), _mm256_set1_ps(a2->d), f);
-        if constexpr (TYPE == BlockType::Q4_0) f = _mm256_add_ps(f, _mm256_set1_ps(-8.f * (TWO ? a->s + a2->s : a->s)));
+        if constexpr (PlanesKind<TYPE>::kNib && PlanesKind<TYPE>::kZero)
+          f = _mm256_add_ps(f, _mm256_set1_ps(-(float)PlanesKind<TYPE>::kZero * (TWO ? a->s + a2->s : a->s)));
         acc[t][h] = _mm256_fmadd_ps(d, f, acc[t][h]);
         if constexpr (TYPE == BlockType::Q4_1) {
           acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s), acc[t][h]);

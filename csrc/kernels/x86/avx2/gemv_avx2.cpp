@@ -67,35 +67,35 @@ inline float quantize_block(const float* x, block_q8a& o) {
 
 #include "../gemv_simd.h"
 #include "../planes_simd.h"
+#include "planes_unpack.h"
 
 // ---- planes-packed Q4_0 / Q4_1 / Q8_0, int8 activations (cflow/planes.h) ----
 // A group of 16 rows is two ymm of int32 lanes (rows 0..7, 8..15): each 64-byte plane is two
-// 32-byte halves, and slice k of the activation is broadcast to every lane. Nibbles: maddubs of
-// the low and the high nibbles, their int16 sums added (at most 2 * 2 * 15 * 127, no
-// saturation), one madd to int32. Q8_0: |w| times sign(x, w). Offsets as the AVX-512 kernel.
+// 32-byte halves (planes_unpack.h), and slice j of the activation is broadcast to every lane.
+// Nibbles: maddubs of slices k and 4 + k (a plane's low and high nibbles), their int16 sums
+// added (at most 2 * 2 * 15 * 127, no saturation), one madd to int32; the start value
+// -kZero * sum(x) as the AVX-512 kernel. Q8_0: |w| times sign(x, w).
 template <BlockType WT>
 inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, __m256& acc0, __m256& acc1) {
   using K = PlanesKind<WT>;
-  const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   int32_t xw[8];
   std::memcpy(xw, a.qs, 32);
   const int isum = la.lsum4[0] + la.lsum4[1] + la.lsum4[2] + la.lsum4[3];
-  const uint8_t* pl = c + 16 * K::kHdr;
   __m256i s[2];
-  s[0] = s[1] = _mm256_set1_epi32(WT == BlockType::Q4_0 ? -8 * isum : 0);
+  s[0] = s[1] = _mm256_set1_epi32(K::kNib ? -K::kZero * isum : 0);
   for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h+7
-    if (WT != BlockType::Q8_0) {
+    __m256i u[8];
+    planes_unpack<WT>(c, h, u);
+    if (K::kNib) {
       for (int k = 0; k < 4; ++k) {
-        const __m256i q = load32(pl + 64 * k + 32 * h);
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(q, lo), _mm256_set1_epi32(xw[k])),
-                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), lo),
-                                                                _mm256_set1_epi32(xw[4 + k])));
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[k], _mm256_set1_epi32(xw[k])),
+                                           _mm256_maddubs_epi16(u[4 + k], _mm256_set1_epi32(xw[4 + k])));
         s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(p, ones));
       }
     } else {
       for (int k = 0; k < 8; ++k) {
-        const __m256i q = load32(pl + 64 * k + 32 * h);
-        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(_mm256_set1_epi32(xw[k]), q));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[k]), _mm256_sign_epi8(_mm256_set1_epi32(xw[k]), u[k]));
         s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(p, ones));
       }
     }

@@ -20,14 +20,17 @@ struct V : Vec, IVec {
   static constexpr int kPlanesNT = 8;  // tokens per planes_tokens call: 8 zmm accumulate
 };
 
+#include "../planes_simd.h"
+#include "planes_unpack.h"
+
 // ---- planes GEMM at 512 bits (gemm_simd.h: planes_tokens) ----
 // An interleave group of 16 rows is one zmm (lane i = row i). Per column block, the chunk's
-// planes are unpacked once into 8 registers of unsigned weights, u[j] holding slice j (weights
-// 4j..4j+3 of every row; for Q4 the high nibbles are slices 4..7); then each of NT tokens meets
-// them with its own 8 activation slices, broadcast: 8 vpdpbusd give the 16 rows' int32 dots.
-// Per (block, token), f = d_x * dot summed over the levels (level 2 by one fma), s_x = d_x *
-// sum(q_x) of each level: acc += d_w * (f + off * s_x), off = -8 (Q4_0) or -128 (Q8_0, made
-// unsigned by ^ 0x80), or acc += d_w * f + m_w * s_x (Q4_1). No shuffles, no horizontal sums.
+// planes are unpacked once into 8 registers of unsigned weights (planes_unpack.h), u[j] holding
+// slice j (weights 4j..4j+3 of every row; for Q4 the high nibbles are slices 4..7); then each of
+// NT tokens meets them with its own 8 activation slices, broadcast: 8 vpdpbusd give the 16 rows'
+// int32 dots. Per (block, token), f = d_x * dot summed over the levels (level 2 by one fma),
+// s_x = d_x * sum(q_x) of each level: acc += d_w * (f + off * s_x), off = -kZero (Q4_0 -8,
+// Q8_0 -128), or acc += d_w * f + m_w * s_x (Q4_1). No shuffles, no horizontal sums.
 // Port 0 is the limit: it alone runs the 512-bit vpdpbusd, so nothing else that only it runs
 // (vcvtdq2ps) is in the token loop: a dot starts from the bits of 1.5 * 2^23, and as a float the
 // sum is 1.5 * 2^23 + dot exactly (|dot| <= 32 * 255 * 127 < 2^22), one subtraction away. The
@@ -35,13 +38,11 @@ struct V : Vec, IVec {
 // so acc[] and the token pointers stay in registers.
 template <BlockType TYPE, int NT, bool TWO, class Chunk>
 void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int ldy, int g) {
-  constexpr int kHdr = planes_header(TYPE);
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  const __m512i lo = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
   const __m512i magic = _mm512_set1_epi32(0x4B400000);  // the bits of 1.5 * 2^23
   const __m512 magic_f = _mm512_set1_ps(12582912.f);
-  const __m512 off = _mm512_set1_ps(TYPE == BlockType::Q4_0 ? -8.f : TYPE == BlockType::Q8_0 ? -128.f : 0.f);
+  const __m512 off = _mm512_set1_ps(-(float)PlanesKind<TYPE>::kZero);
   // The int32 dots of one token's activation block with the 16 rows, as floats; two chains.
   auto dot = [&](const __m512i* u, const block_q8a* a) {
     const int32_t* xs = (const int32_t*)a->qs;
@@ -57,17 +58,8 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
   const size_t l2 = level_bytes(x);
   for (int cb = 0; cb < bpr; ++cb) {
     const uint8_t* c = chunk(cb);
-    const __m512i* pl = (const __m512i*)(c + kPlanesMaxG * kHdr);
     __m512i u[8];
-    if constexpr (TYPE == BlockType::Q8_0) {
-      for (int j = 0; j < 8; ++j) u[j] = _mm512_xor_si512(_mm512_loadu_si512(pl + j), flip);
-    } else {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i q = _mm512_loadu_si512(pl + j);
-        u[j] = _mm512_and_si512(q, lo);
-        u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo);
-      }
-    }
+    planes_unpack<TYPE>(c, u);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
     __m512 m = _mm512_setzero_ps();
     if constexpr (TYPE == BlockType::Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32)));

@@ -13,7 +13,8 @@
 //       activation bytes of block b, copied once per call into a padded buffer (missing rows 0);
 //   B: 8 rows x 64 bytes, row k = slice k of the 16 weight rows (4 weights each), as signed
 //       bytes. Q8_0 planes are that already; Q4_0/Q4_1 unpack plane k's low nibbles into slice k
-//       and its high nibbles into slice 4 + k (Q4_0 minus 8: the offset inside);
+//       and its high nibbles into slice 4 + k (planes_unpack.h), minus their zero point (Q4_0
+//       8: the offset inside);
 //   C = A . B (tdpbssd): C[(t, l)][i] = row i's dot product with token t's level l.
 #include <immintrin.h>
 
@@ -31,6 +32,7 @@ namespace {
 
 #include "../planes_simd.h"
 #include "planes_finish.h"
+#include "planes_unpack.h"
 
 // The tile configuration (palette 1): rows and bytes per row of tiles 0..7.
 struct alignas(64) TileConfig {
@@ -55,18 +57,14 @@ inline void configure() {
 }
 
 // Chunk c's 16 x 32 weights as B (signed bytes, slice-major): the Q8_0 planes themselves, or the
-// 4-bit planes unpacked into buf.
+// 4-bit planes unpacked (planes_unpack.h) into buf, minus their zero point.
 template <BlockType WT>
 inline const int8_t* weights_b(const uint8_t* c, int8_t* buf) {
   using K = PlanesKind<WT>;
-  const uint8_t* planes = c + 16 * K::kHdr;
-  if (!K::kNib) return (const int8_t*)planes;
-  const __m512i lo = _mm512_set1_epi8(0x0F), off = _mm512_set1_epi8(WT == BlockType::Q4_0 ? 8 : 0);
-  for (int k = 0; k < 4; ++k) {
-    const __m512i q = _mm512_loadu_si512(planes + 64 * k);
-    _mm512_store_si512(buf + 64 * k, _mm512_sub_epi8(_mm512_and_si512(q, lo), off));
-    _mm512_store_si512(buf + 64 * (4 + k), _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo), off));
-  }
+  if (!K::kNib) return (const int8_t*)(c + K::kQs);
+  __m512i u[8];
+  planes_unpack<WT>(c, u);
+  for (int j = 0; j < kSlices; ++j) _mm512_store_si512(buf + 64 * j, _mm512_sub_epi8(u[j], _mm512_set1_epi8(K::kZero)));
   return buf;
 }
 

@@ -230,6 +230,7 @@ inline float quantize_block(const float* x, block_q8a& o) {
 #include "../gemv_simd.h"
 #include "../planes_simd.h"
 #include "planes_finish.h"
+#include "planes_unpack.h"
 
 // K-quants at 512 bits: 64 weights per maddubs + vpdpwssd (the shared kinds take 32).
 inline __m256i fold(__m512i s) { return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)); }
@@ -282,44 +283,32 @@ struct KQ6_K512 : BlkQ6_K {
 // One interleave group of 16 rows is one zmm of int32 lanes, lane i = row i. Per column block:
 // the 16 scales are one fp16 load; each 64-byte plane holds slice k (4 quant bytes) of every
 // row, and one vpdpbusd against the 4 activation bytes of slice k, broadcast, adds every row's
-// partial dot product. No shuffles. The weight offsets enter the int32 accumulator exactly, as
-// its start value: Q4_0 -8 * sum(x), Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x);
-// Q4_1 adds m * d_x * sum(x) in float. A group of fewer rows is widened to 16 (planes_widen).
+// partial dot product. No shuffles. The weights are unsigned (planes_unpack.h), their offsets
+// enter the int32 accumulator exactly, as its start value -kZero * sum(x): Q4_0 -8 * sum(x),
+// Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x); Q4_1 adds m * d_x * sum(x) in float.
+// A group of fewer rows is widened to 16 (planes_widen).
 // TWO (AType::Q8x2): a second int8 activation (the residual level, a2) is dotted with the same
 // unpacked planes, so the second level costs arithmetic, not a second pass over the weights.
 template <BlockType WT, bool TWO>
 inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
                            const q8a_sums* la2, __m512 acc) {
-  using K = PlanesKind<WT>;
-  const __m512i lo = _mm512_set1_epi8(0x0F);
   auto start = [](const q8a_sums& l) {  // the exact integer offset term
-    const int isum = l.lsum4[0] + l.lsum4[1] + l.lsum4[2] + l.lsum4[3];
-    return _mm512_set1_epi32(WT == BlockType::Q4_0 ? -8 * isum : WT == BlockType::Q8_0 ? -128 * isum : 0);
+    return _mm512_set1_epi32(-PlanesKind<WT>::kZero * (l.lsum4[0] + l.lsum4[1] + l.lsum4[2] + l.lsum4[3]));
   };
   int32_t xw[8], xw2[8];  // the activations' 4-byte slices
   std::memcpy(xw, a.qs, 32);
   if (TWO) std::memcpy(xw2, a2->qs, 32);
-  const __m512i* pl = (const __m512i*)(c + 16 * K::kHdr);
+  __m512i u[8];  // slice j of the 16 rows meets the activation's slice j
+  planes_unpack<WT>(c, u);
   __m512i s0 = start(la), s1 = _mm512_setzero_si512();
   __m512i t0 = TWO ? start(*la2) : s1, t1 = s1;
-  // u: the unsigned weights of plane slot j; xj: the activation slice index it meets
-  auto dot = [&](__m512i u0, int j0, __m512i u1, int j1) {
-    s0 = _mm512_dpbusd_epi32(s0, u0, _mm512_set1_epi32(xw[j0]));
-    s1 = _mm512_dpbusd_epi32(s1, u1, _mm512_set1_epi32(xw[j1]));
+  for (int j = 0; j < 8; j += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(xw[j]));
+    s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(xw[j + 1]));
     if (TWO) {
-      t0 = _mm512_dpbusd_epi32(t0, u0, _mm512_set1_epi32(xw2[j0]));
-      t1 = _mm512_dpbusd_epi32(t1, u1, _mm512_set1_epi32(xw2[j1]));
+      t0 = _mm512_dpbusd_epi32(t0, u[j], _mm512_set1_epi32(xw2[j]));
+      t1 = _mm512_dpbusd_epi32(t1, u[j + 1], _mm512_set1_epi32(xw2[j + 1]));
     }
-  };
-  if (K::kNib) {
-    for (int k = 0; k < 4; ++k) {
-      const __m512i q = _mm512_loadu_si512(pl + k);
-      dot(_mm512_and_si512(q, lo), k, _mm512_and_si512(_mm512_srli_epi16(q, 4), lo), 4 + k);
-    }
-  } else {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int k = 0; k < 8; k += 2)
-      dot(_mm512_xor_si512(_mm512_loadu_si512(pl + k), flip), k, _mm512_xor_si512(_mm512_loadu_si512(pl + k + 1), flip), k + 1);
   }
   return planes_finish<WT, TWO>(c, _mm512_add_epi32(s0, s1), _mm512_add_epi32(t0, t1), a, a2, acc);
 }

@@ -1,0 +1,25 @@
+// A planes chunk's weights as bytes at 512 bits, the one decoder of the planes pack for the GEMV
+// (gemv_avx512.cpp), the batched GEMV (gemv_amx.cpp) and the GEMM (gemm_avx512.cpp). Included
+// inside namespace cflow::avx512 (anonymous), after <immintrin.h> and x86/planes_simd.h.
+//
+// planes_unpack<WT>(c, u): u[j], j = 0..7, is slice j of the 16 rows of chunk c (cflow/planes.h):
+// row i's weights 4j..4j+3 in int32 lane i, as unsigned bytes (the integer weight plus
+// PlanesKind<WT>::kZero):
+//   Q4_0, Q4_1  slice j < 4: the low nibbles of plane j; j >= 4: the high nibbles of plane j - 4;
+//   Q8_0        plane j, ^ 0x80.
+template <BlockType WT>
+inline void planes_unpack(const uint8_t* c, __m512i (&u)[8]) {
+  using K = PlanesKind<WT>;
+  const __m512i* pl = (const __m512i*)(c + K::kQs);
+  if constexpr (!K::kNib) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int j = 0; j < 8; ++j) u[j] = _mm512_xor_si512(_mm512_loadu_si512(pl + j), flip);
+  } else {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i q = _mm512_loadu_si512(pl + k);
+      u[k] = _mm512_and_si512(q, lo);
+      u[4 + k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo);
+    }
+  }
+}
