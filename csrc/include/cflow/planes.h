@@ -1,13 +1,16 @@
-// The planes pack of an interleave group (docs/FORMAT.md, 5.1), for Q4_0, Q4_1 and Q8_0.
+// The planes pack of an interleave group (docs/FORMAT.md, 5.1), for Q4_0, Q4_1, Q5_0 and Q8_0.
 //
 // A chunk is the g blocks of one column block of an interleave group (g rows, g <= 16): the
 // same g * bb bytes as g whole blocks, regrouped. A block is H header bytes (fp16 words: d, and
-// m for Q4_1) followed by Q quant bytes (qs, Q = 16 or 32). In the chunk:
+// m for Q4_1) followed by Q quant bytes (Q5_0: qh then qs, Q = 20; the others qs, Q = 16 or 32).
+// In the chunk:
 //   header word h of row i      at  2 * (h * g + i)                (all d, then all m)
 //   quant bytes 4k .. 4k+3 of i at  H * g + 4 * (k * g + i)        (slice k of every row)
 // So with g = 16, slice k of the 16 rows is one 64-byte plane: for Q4_0/Q4_1 its low nibbles
 // are weights 4k..4k+3 and its high nibbles 16+4k..16+4k+3 of each row, for Q8_0 weights
-// 4k..4k+3. The transform is a permutation of the chunk's bytes: lossless.
+// 4k..4k+3. Q5_0's plane 0 is the rows' qh (row i's 32 fifth bits in dword i, bit j for weight
+// j), and its planes 1..4 are nibbles as Q4_0's planes 0..3. The transform is a permutation of
+// the chunk's bytes: lossless.
 #pragma once
 #include <algorithm>
 #include <cstdint>

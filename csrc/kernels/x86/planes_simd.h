@@ -7,13 +7,16 @@ template <BlockType WT>
 struct PlanesKind {
   static constexpr int kHdr = planes_header(WT);  // header bytes: d (and m)
   static constexpr int kBB = block_bytes(WT);
-  static constexpr bool kNib = WT != BlockType::Q8_0;  // 4-bit quants (two weights per byte)
-  static constexpr int kQs = kPlanesMaxG * kHdr;  // byte offset of the first quant plane in a 16-row chunk
+  static constexpr bool kNib = WT != BlockType::Q8_0;  // packed nibbles (two weights per byte)
+  static constexpr bool kFifth = WT == BlockType::Q5_0;  // a plane of fifth bits (qh) before the nibbles
+  // Byte offsets in a 16-row chunk: the qh plane (Q5_0), the first plane of quants.
+  static constexpr int kQh = kPlanesMaxG * kHdr;
+  static constexpr int kQs = kQh + (kFifth ? 64 : 0);
   // The kernels take weights as unsigned bytes u (x86/<isa>/planes_unpack.h); the block's
-  // integer weight is u - kZero: Q4_0 q - 8, Q8_0 (q ^ 0x80) - 128; Q4_1's offset is its m.
-  // kMaxU: the largest u.
-  static constexpr int kZero = WT == BlockType::Q4_0 ? 8 : WT == BlockType::Q8_0 ? 128 : 0;
-  static constexpr int kMaxU = kNib ? 15 : 255;
+  // integer weight is u - kZero: Q4_0 q - 8, Q5_0 q - 16, Q8_0 (q ^ 0x80) - 128; Q4_1's offset
+  // is its m. kMaxU: the largest u.
+  static constexpr int kZero = WT == BlockType::Q4_0 ? 8 : WT == BlockType::Q5_0 ? 16 : WT == BlockType::Q8_0 ? 128 : 0;
+  static constexpr int kMaxU = kFifth ? 31 : kNib ? 15 : 255;
 };
 
 // Walks a planes payload by interleave group (walk_tiles): group(r, gg, cb0, nb, chunk), with
@@ -47,5 +50,6 @@ inline void fill_planes_table(KernelTable& t) {
   };
   set(BlockType::Q4_0, gemv_planes_q8<BlockType::Q4_0, false>, gemv_planes_q8<BlockType::Q4_0, true>);
   set(BlockType::Q4_1, gemv_planes_q8<BlockType::Q4_1, false>, gemv_planes_q8<BlockType::Q4_1, true>);
+  set(BlockType::Q5_0, gemv_planes_q8<BlockType::Q5_0, false>, gemv_planes_q8<BlockType::Q5_0, true>);
   set(BlockType::Q8_0, gemv_planes_q8<BlockType::Q8_0, false>, gemv_planes_q8<BlockType::Q8_0, true>);
 }

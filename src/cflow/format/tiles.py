@@ -16,9 +16,10 @@ Ragged edges: the last stripe and the last column tile are simply smaller. TC is
 of QK; for quantized types C must be a multiple of QK (as in GGUF).
 
 Pack (docs/FORMAT.md, 5.1): "blocks" stores each group's chunk (the g blocks of one column block)
-as g whole blocks, as above. "planes" (Q4_0, Q4_1, Q8_0 with G <= 16) regroups the same bytes of
-each chunk: header word h of row i at 2*(h*g + i), quant bytes 4k..4k+3 of row i at
-H*g + 4*(k*g + i) (H = header bytes). Same size, same chunk positions; lossless.
+as g whole blocks, as above. "planes" (Q4_0, Q4_1, Q5_0, Q8_0 with G <= 16) regroups the same
+bytes of each chunk: header word h of row i at 2*(h*g + i), quant bytes 4k..4k+3 of row i at
+H*g + 4*(k*g + i) (H = header bytes; Q5_0's qh is its slice 0). Same size, same chunk positions;
+lossless.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _tile_permutation(bt: BlockType, rows: int, cols: int, tile: tuple[int, int]
 
 PACKS = ("blocks", "planes")
 PACK_CODES = {"blocks": 0, "planes": 1}  # the engine's and kernels' Pack values
-PLANES_HEADER = {"q4_0": 2, "q4_1": 4, "q8_0": 2}  # header bytes (fp16 d, and m) of the types with planes
+PLANES_HEADER = {"q4_0": 2, "q4_1": 4, "q5_0": 2, "q8_0": 2}  # header bytes (fp16 d, and m) of the types with planes
 PLANES_MAX_G = 16
 
 

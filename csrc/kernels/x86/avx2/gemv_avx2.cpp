@@ -69,12 +69,12 @@ inline float quantize_block(const float* x, block_q8a& o) {
 #include "../planes_simd.h"
 #include "planes_unpack.h"
 
-// ---- planes-packed Q4_0 / Q4_1 / Q8_0, int8 activations (cflow/planes.h) ----
+// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0, int8 activations (cflow/planes.h) ----
 // A group of 16 rows is two ymm of int32 lanes (rows 0..7, 8..15): each 64-byte plane is two
 // 32-byte halves (planes_unpack.h), and slice j of the activation is broadcast to every lane.
 // Nibbles: maddubs of slices k and 4 + k (a plane's low and high nibbles), their int16 sums
-// added (at most 2 * 2 * 15 * 127, no saturation), one madd to int32; the start value
-// -kZero * sum(x) as the AVX-512 kernel. Q8_0: |w| times sign(x, w).
+// added (at most 2 * 2 * kMaxU * 127 = 15748 for Q5_0, no saturation), one madd to int32; the
+// start value -kZero * sum(x) as the AVX-512 kernel. Q8_0: |w| times sign(x, w).
 template <BlockType WT>
 inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, __m256& acc0, __m256& acc1) {
   using K = PlanesKind<WT>;

@@ -6,6 +6,11 @@
 // (cflow/planes.h; half h of each 64-byte plane): row 8h + i's weights 4j..4j+3 in int32 lane i.
 //   Q4_0, Q4_1  unsigned (the integer weight plus PlanesKind<WT>::kZero): slice j < 4 the low
 //               nibbles of plane j, j >= 4 the high nibbles of plane j - 4;
+//   Q5_0        the same, and as bit 4 each weight's fifth bit. Lane i of the qh plane is row
+//               i's 32 fifth bits, bit w for weight w, so slice j's are bits 4j..4j+3: nibble
+//               j % 2 of the lane's byte j / 2. vpshufb copies that byte to the lane's 4 bytes
+//               (for even j from qh << 4, so that the nibble is the high one either way); byte b
+//               keeps its bit 4 + b (and), and min(., 16) makes it 0 or 16;
 //   Q8_0        signed, as stored (its dot products take |w| and sign(x, w): no VNNI here).
 template <BlockType WT>
 inline void planes_unpack(const uint8_t* c, int h, __m256i (&u)[8]) {
@@ -19,6 +24,17 @@ inline void planes_unpack(const uint8_t* c, int h, __m256i (&u)[8]) {
       const __m256i q = _mm256_loadu_si256((const __m256i*)(pl + 64 * k));
       u[k] = _mm256_and_si256(q, lo);
       u[4 + k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo);
+    }
+    if constexpr (K::kFifth) {
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(c + K::kQh + 32 * h));
+      const __m256i qh4 = _mm256_slli_epi16(qh, 4);
+      const __m256i lane_byte0 = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808,
+                                                   0x0C0C0C0C);  // byte 0 of the lane, 4 times
+      const __m256i bit = _mm256_set1_epi32((int)0x80402010), sixteen = _mm256_set1_epi8(16);
+      for (int j = 0; j < 8; ++j) {
+        const __m256i rep = _mm256_shuffle_epi8(j % 2 ? qh : qh4, _mm256_add_epi8(lane_byte0, _mm256_set1_epi8((char)(j / 2))));
+        u[j] = _mm256_or_si256(u[j], _mm256_min_epu8(_mm256_and_si256(rep, bit), sixteen));
+      }
     }
   }
 }

@@ -279,13 +279,14 @@ struct KQ6_K512 : BlkQ6_K {
   }
 };
 
-// ---- planes-packed Q4_0 / Q4_1 / Q8_0, int8 activations (cflow/planes.h) ----
+// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0, int8 activations (cflow/planes.h) ----
 // One interleave group of 16 rows is one zmm of int32 lanes, lane i = row i. Per column block:
 // the 16 scales are one fp16 load; each 64-byte plane holds slice k (4 quant bytes) of every
 // row, and one vpdpbusd against the 4 activation bytes of slice k, broadcast, adds every row's
 // partial dot product. No shuffles. The weights are unsigned (planes_unpack.h), their offsets
 // enter the int32 accumulator exactly, as its start value -kZero * sum(x): Q4_0 -8 * sum(x),
-// Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x); Q4_1 adds m * d_x * sum(x) in float.
+// Q5_0 -16 * sum(x), Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x); Q4_1 adds
+// m * d_x * sum(x) in float.
 // A group of fewer rows is widened to 16 (planes_widen).
 // TWO (AType::Q8x2): a second int8 activation (the residual level, a2) is dotted with the same
 // unpacked planes, so the second level costs arithmetic, not a second pass over the weights.
