@@ -92,6 +92,7 @@ TEST(gemm_matches_reference) {
       // planes: full 16-row groups, ragged groups at stripe ends, interleave below 16
       {B::Q4_0, 77, 160, 32, 96, 16, true}, {B::Q4_1, 200, 96, 48, 64, 16, true},
       {B::Q8_0, 130, 64, 128, 256, 16, true}, {B::Q4_1, 100, 288, 64, 128, 8, true},
+      {B::Q5_0, 77, 160, 32, 96, 16, true}, {B::Q5_0, 100, 288, 64, 128, 8, true},
   };
   for (const Case& c : cases) {
     TileLayout L;
@@ -158,6 +159,44 @@ TEST(gemm_matches_reference) {
     for (int r = 0; r < L.rows; r += 7) {
       dequant_row(L, w.data(), r, row.data());
       CHECK(row[c0] == y[r]);
+    }
+  }
+}
+
+// The largest weights against the largest activations: int16 partial sums (AVX2's maddubs runs)
+// must not saturate or wrap. Every quant byte of the planes types at its extreme (nibbles and
+// fifth bits all ones, Q8_0 -128), x all equal (every activation byte 127); every ISA's planes
+// GEMM against the scalar one.
+TEST(planes_gemm_holds_extreme_weights) {
+  std::mt19937 rng(3);
+  for (const BlockTraits& t : kBlockTypes) {
+    if (!t.planes_header) continue;
+    TileLayout L;
+    L.type = (int)t.type; L.rows = 48; L.cols = 256; L.tr = 48; L.tc = 256; L.g = 16;
+    const char* err = nullptr;
+    CHECK(make_layout(L, &err));
+    auto w = random_matrix(L, rng);
+    for (size_t o = 0; o < w.size(); o += L.bb)
+      std::memset(&w[o + t.planes_header], t.type == BlockType::Q8_0 ? 0x80 : 0xFF, L.bb - t.planes_header);
+    w = to_planes(L, w);
+    L.pack = (int)Pack::Planes;
+    const int n = 9;
+    std::vector<float> x((size_t)n * L.cols, 1.f), a((size_t)n * L.rows), b(a.size());
+    for (int levels : {1, 2}) {
+      QActs q{n, L.cols, levels, nullptr};
+      std::vector<uint8_t> qb(q.bytes());
+      q.data = qb.data();
+      quantize_acts(x.data(), L.cols, n, L.cols, q);
+      ref::gemm_q8(L, w.data(), 0, L.rows, q, b.data(), L.rows);
+      for (const KernelTable* T : kernel_tables()) {
+        const GemmQ8Fn q8 = T->gemm_q8[block_index(t.type)][L.pack];
+        CHECK(q8 != nullptr);
+        if (!q8) continue;
+        q8(L, w.data(), 0, L.rows, q, a.data(), L.rows);
+        const bool ok = max_rel(a, b) < 1e-6f;
+        if (!ok) std::fprintf(stderr, "extreme weights: %s %s, %d level(s)\n", t.name, isa_name(T->isa), levels);
+        CHECK(ok);
+      }
     }
   }
 }

@@ -28,9 +28,10 @@ struct V : Vec, IVec {
 // of every 64-byte plane). Per half the 8 slices are unpacked once into u[0..8) (planes_unpack.h;
 // slice j: weights 4j..4j+3 of each row), then each token meets them with its 8 activation
 // slices broadcast. Q4: 8 maddubs whose pair sums (at most 2 * 15 * 127) add up in int16 to at most
-// 30480, no saturation, then one madd to int32 (kRun: fewer at a time for larger weights). Q8_0: |w| times sign(x, w) per slice (pair
+// 30480, no saturation, then one madd to int32; Q5_0 (pair sums up to 2 * 31 * 127): two runs of
+// 4 (31496), two madds (kRun). Q8_0: |w| times sign(x, w) per slice (pair
 // sums up to 32512), each widened by madd. Per (block, token): f = d_x * dot (- kZero * s_x:
-// Q4_0 -8 s_x), summed over the levels; acc += d_w * f (+ m_w * s_x for Q4_1); s_x = d_x * sum(q_x).
+// Q4_0 -8 s_x, Q5_0 -16 s_x), summed over the levels; acc += d_w * f (+ m_w * s_x for Q4_1); s_x = d_x * sum(q_x).
 template <BlockType TYPE, int NT, bool TWO, class Chunk>
 void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int ldy, int g) {
   __m256 acc[NT][2];

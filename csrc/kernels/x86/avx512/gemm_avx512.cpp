@@ -30,7 +30,7 @@ struct V : Vec, IVec {
 // NT tokens meets them with its own 8 activation slices, broadcast: 8 vpdpbusd give the 16 rows'
 // int32 dots. Per (block, token), f = d_x * dot summed over the levels (level 2 by one fma),
 // s_x = d_x * sum(q_x) of each level: acc += d_w * (f + off * s_x), off = -kZero (Q4_0 -8,
-// Q8_0 -128), or acc += d_w * f + m_w * s_x (Q4_1). No shuffles, no horizontal sums.
+// Q5_0 -16, Q8_0 -128), or acc += d_w * f + m_w * s_x (Q4_1). No shuffles, no horizontal sums.
 // Port 0 is the limit: it alone runs the 512-bit vpdpbusd, so nothing else that only it runs
 // (vcvtdq2ps) is in the token loop: a dot starts from the bits of 1.5 * 2^23, and as a float the
 // sum is 1.5 * 2^23 + dot exactly (|dot| <= 32 * 255 * 127 < 2^22), one subtraction away. The
