@@ -203,15 +203,17 @@ TEST(simd_paths_match_scalar_on_ragged_shapes) {
 }
 
 // The batched GEMV gives every token exactly (bitwise) what the GEMV gives it alone, for batches
-// of one to more than one A tile of tokens, full and ragged groups, several column tiles.
+// of one to more than one A tile of tokens, full and ragged groups, several column tiles; it
+// exists for every planes type wherever AMX runs.
 TEST(batched_gemv_is_bitwise_the_gemv_of_each_token) {
   bool any = false;
   std::uniform_int_distribution<int> ri(1, 300);
-  for (BlockType wt : {BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0})
+  for (BlockType wt : {BlockType::Q4_0, BlockType::Q4_1, BlockType::Q5_0, BlockType::Q8_0})
     for (AType at : {AType::Q8, AType::Q8x2})
       for (int g : {16, 12, 4}) {
         const Tiling ts{96, 256, g, Pack::Planes};
         GemvBatchFn batch = gemv_batch_fn(wt, ts.pack, at, best_isa());
+        CHECK(!batch == !(amx_usable() && best_isa() == Isa::Avx512));  // every planes type has one on AMX
         if (!batch) continue;
         any = true;
         GemvFn one = gemv_fn(wt, ts.pack, at, best_isa());

@@ -12,9 +12,9 @@
 //   A: 16 rows x 32 bytes, one row per (token, level) of up to 16 / levels tokens: the
 //       activation bytes of block b, copied once per call into a padded buffer (missing rows 0);
 //   B: 8 rows x 64 bytes, row k = slice k of the 16 weight rows (4 weights each), as signed
-//       bytes. Q8_0 planes are that already; Q4_0/Q4_1 unpack plane k's low nibbles into slice k
-//       and its high nibbles into slice 4 + k (planes_unpack.h), minus their zero point (Q4_0
-//       8: the offset inside);
+//       bytes. Q8_0 planes are that already; Q4_0/Q4_1/Q5_0 unpack plane k's low nibbles into
+//       slice k and its high nibbles into slice 4 + k (planes_unpack.h; Q5_0 with their fifth
+//       bits), minus their zero point (Q4_0 8, Q5_0 16: the offset inside);
 //   C = A . B (tdpbssd): C[(t, l)][i] = row i's dot product with token t's level l.
 #include <immintrin.h>
 
@@ -184,6 +184,7 @@ GemvBatchFn amx_gemv_batch(BlockType bt, Pack pack, AType at) {
   switch (bt) {
     case BlockType::Q4_0: return two ? gemv_batch_planes<BlockType::Q4_0, true> : gemv_batch_planes<BlockType::Q4_0, false>;
     case BlockType::Q4_1: return two ? gemv_batch_planes<BlockType::Q4_1, true> : gemv_batch_planes<BlockType::Q4_1, false>;
+    case BlockType::Q5_0: return two ? gemv_batch_planes<BlockType::Q5_0, true> : gemv_batch_planes<BlockType::Q5_0, false>;
     case BlockType::Q8_0: return two ? gemv_batch_planes<BlockType::Q8_0, true> : gemv_batch_planes<BlockType::Q8_0, false>;
     default: return nullptr;
   }
