@@ -14,7 +14,7 @@ def add_arguments(p):
     p.add_argument("--quant", default="keep", choices=("keep", "q4_0", "q4_1", "q8_0", "f16", "f32"),
                    help="block type of the matrices (keep: GGUF blocks unchanged, HF dtypes kept)")
     p.add_argument("--pack", default="planes", choices=("planes", "blocks"),
-                   help="q4_0/q4_1/q8_0 matrices: planes (16-row planes, the fast GEMV layout) or whole GGUF "
+                   help="q4_0/q4_1/q5_0/q8_0 matrices: planes (16-row planes, the fast GEMV layout) or whole GGUF "
                         "blocks (interleave 1); other types always keep whole blocks")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 

@@ -5,9 +5,10 @@ fuse="stripe" (gate and up rows interleaved by output stripe, so one kernel pass
 stripe yields matching gate and up outputs). Quantized data is passed as GGUF-encoded rows,
 so `keep` copies blocks unchanged.
 
-Layout: Q4_0, Q4_1 and Q8_0 matrices get interleave 16 and the planes pack (pack="planes", the
-default), which the fast int8 GEMV streams without shuffles (docs/KERNELS.md); pack="blocks"
-keeps whole blocks at interleave 1 for every tensor. Other types always take the latter.
+Layout: the matrices of the types with a planes pack (tiles.PLANES_HEADER: Q4_0, Q4_1, Q5_0,
+Q8_0) get interleave 16 and the planes pack (pack="planes", the default), which the fast int8
+GEMV streams without shuffles (docs/KERNELS.md); pack="blocks" keeps whole blocks at interleave
+1 for every tensor. Other types always take the latter.
 """
 
 from __future__ import annotations
