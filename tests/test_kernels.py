@@ -324,7 +324,7 @@ def test_probe_and_bench_json():
     runs = K.probe_read(16, threads=2, repeats=3)
     assert len(runs) == 3 and all(r > 0 for r in runs)
     out = subprocess.run(
-        [sys.executable, "-m", "cflow", "bench", "kernels", "--json", "--types", "q4_0,f16", "--repeats", "1",
+        [sys.executable, "-m", "cflow", "bench", "kernels", "--json", "--types", "q4_0,q5_0,f16", "--repeats", "1",
          "--probe-mib", "16", "--matrix-mb", "2", "--cols", "1024"],
         capture_output=True, text=True, check=True,
     )
@@ -333,10 +333,11 @@ def test_probe_and_bench_json():
     d = json.loads(lines[0])
     assert d["probe_gbps"] > 0
     got = {(k["type"], k["layout"], k["threads"]) for k in d["kernels"]}
-    assert got == {(t, l, n) for t in ("q4_0", "f16") for l in ("tiled", "row_major") for n in (1, 2)} | \
-        {("q4_0", "tiled_blocks", n) for n in (1, 2)}
+    assert got == {(t, l, n) for t in ("q4_0", "q5_0", "f16") for l in ("tiled", "row_major") for n in (1, 2)} | \
+        {(t, "tiled_blocks", n) for t in ("q4_0", "q5_0") for n in (1, 2)}
     tiled = {(k["type"], k["layout"]): (k["interleave"], k["pack"]) for k in d["kernels"]}
-    assert tiled[("q4_0", "tiled")] == (16, "planes") and tiled[("f16", "tiled")] == (1, "blocks")
+    assert tiled[("q4_0", "tiled")] == tiled[("q5_0", "tiled")] == (16, "planes")
+    assert tiled[("f16", "tiled")] == (1, "blocks")
     assert all(k["gbps"] > 0 and k["pct_of_probe"] > 0 for k in d["kernels"])
 
 
