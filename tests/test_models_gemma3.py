@@ -38,6 +38,19 @@ def test_writes_coherent_text(llm):
     assert sum(w.strip(".,!?\"'").isalpha() for w in words) > 0.8 * len(words)
 
 
+def test_chat_uses_gemmas_turns_when_the_file_has_no_template(llm):
+    # the GGUF carries no chat template: the family's (as llama.cpp picks it by architecture), not
+    # ChatML, which Gemma does not know; its end of turn ends a generation
+    assert not llm.file.chat_template
+    text = llm.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}])
+    assert text == ("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    assert llm.tokenizer.backend.token_to_id("<end_of_turn>") in llm.tokenizer.eos_token_ids
+    ids = llm.tokenizer.encode(text, add_special_tokens=True)
+    assert ids.count(llm.tokenizer.backend.token_to_id("<start_of_turn>")) == 4  # one token each, not text
+
+
 def test_top1_agrees_with_transformers(llm, gguf_path):
     ids = llm.tokenizer.encode(TEXT, add_special_tokens=True)[:128]
     ref_model = tf.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,

@@ -22,6 +22,19 @@ CHATML_TEMPLATE = (
 )
 
 
+def family_chat(arch: str, tok: Tokenizer) -> str | None:
+    """The chat template of the model's architecture family (None: ChatML), for a file that
+    carries none; the family's end-of-turn tokens join tok's end-of-sequence ids."""
+    from cflow import models
+
+    family = models.get(arch)
+    for text in family.end_of_turn:
+        i = tok.backend.token_to_id(text)
+        if i is not None:
+            tok.eos_token_ids.add(i)
+    return family.chat_template
+
+
 def _have_writer() -> bool:
     try:
         from cflow.format import CflowWriter  # noqa: F401
@@ -113,7 +126,7 @@ class LLM:
         self.file = load_model(model, cache=cache, quiet=quiet)
         self.config = self.file.config
         self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.special_tokens)
-        self.chat_template = self.file.chat_template
+        self.chat_template = self.file.chat_template or family_chat(self.config.arch, self.tokenizer)
         # what complete / generate / stream / chat sample with when a setting is not passed:
         # the source's generation_config.json, else llama.cpp's ("model" / "llama.cpp")
         self.generation_defaults, self.generation_defaults_source = generation_defaults(

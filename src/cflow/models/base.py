@@ -199,6 +199,11 @@ class Architecture:
     gguf_names: dict[str, str] = GGUF_NAMES
     fixed: dict[str, Any] = {}  # ModelConfig fields the family always sets (from every source)
     add_bos: bool = False  # an HF tokenizer_config without add_bos_token: prepend BOS?
+    # The family's chat template (jinja2, as HF's), for a source that carries none (GGUF files
+    # often do not); None: ChatML. end_of_turn: the tokens that close a turn in it, which end a
+    # generation as the end-of-sequence token does.
+    chat_template: str | None = None
+    end_of_turn: tuple[str, ...] = ()
     engines: tuple[str, ...] = ("native", "ref")  # the engines that run it
     config_class: type[ModelConfig] = ModelConfig
 

@@ -22,6 +22,19 @@ class Gemma3(Architecture):
     })
     fixed = dict(qk_norm=True, post_norms=True)
     add_bos = True
+    # Gemma's turns: user and model; a system message opens the first user turn (BOS comes from
+    # the tokenizer, not the template)
+    chat_template = (
+        "{% set ns = namespace(system='') %}"
+        "{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] + '\n\n' %}"
+        "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+        "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+        "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
+    end_of_turn = ("<end_of_turn>",)
 
     def hf_fields(self, c):
         import numpy as np
