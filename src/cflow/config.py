@@ -13,6 +13,7 @@ files still load, and document it here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,39 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # gated FFN: silu -> SwiGLU, gelu_tanh -> G
 MOVED_TO_FAMILY = {"delta_d": 0, "delta_e": 0, "routing_anchor": "post_dense", "combine": "delayed_sum", "n_iter": 1,
                    "variant": "", "residual": "single"}
 RECONVERT = "re-convert the model with this version of cflow (cflow convert SRC -o OUT.cflow)"
+MAX_SIZE = 1 << 24  # bound of every count and width: far above any model's, far below int32 overflow
+SIZES = ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "max_seq_len")  # 1..MAX_SIZE
+COUNTS = ("d_ff", "sliding_window", "n_expert", "top_k", "d_expert")  # 0..MAX_SIZE
+SWITCHES = ("tie_embeddings", "qkv_bias", "qk_norm", "post_norms")
+# The float fields' ranges: (low (excluded), high, whether 0 stands for the default or "off").
+# A value outside is no trained model's, and it turns every activation into inf, NaN or noise:
+# norm_eps <= 0 divides a zero row by zero, a huge attention scale overflows the scores, and a
+# NaN reaches the int8 activation quantizer, where converting NaN to an integer is undefined.
+FLOAT_RANGES = {
+    "norm_eps": (0.0, 1.0, False),
+    "norm_offset": (-10.0, 10.0, True),  # llama 0, gemma 1
+    "rope_theta": (0.0, 1e12, False),
+    "rope_local_theta": (0.0, 1e12, True),  # 0: rope_theta
+    "embed_scale": (0.0, 1e4, False),  # gemma: sqrt(d_model) <= 2^12
+    "attn_scale": (0.0, 1.0, True),  # 0: 1/sqrt(head_dim); scales are 1/sqrt of a factor >= 1
+    "final_logit_softcap": (0.0, 1e4, True),  # 0: off; gemma 2: 30
+}
+
+
+def is_int(v: Any) -> bool:
+    """A JSON integer: booleans are not integers (docs/FORMAT.md 3)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def float_error(name: str, v: Any) -> str | None:
+    """Why `v` is not a valid value of the float field `name` (FLOAT_RANGES), or None."""
+    lo, hi, zero_ok = FLOAT_RANGES[name]
+    span = f"({lo:g}, {hi:g}]" + (" or 0" if zero_ok else "")
+    if not (is_int(v) or isinstance(v, float) and math.isfinite(v)):  # a huge int has no float: compare it as it is
+        return f"{name}={v!r} must be a finite number in {span}"
+    if not (lo < v <= hi or (zero_ok and v == 0)):
+        return f"{name}={v!r} is outside {span}"
+    return None
 
 
 def config_error(cond: bool, msg: str) -> None:
@@ -75,7 +109,7 @@ class ModelConfig:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0 and self.n_head:
+        if self.head_dim == 0 and is_int(self.n_head) and is_int(self.d_model) and self.n_head > 0:
             self.head_dim = self.d_model // self.n_head
         self.validate()
 
@@ -100,12 +134,22 @@ class ModelConfig:
         need(self.arch in names, f"arch {self.arch!r} is not one of {', '.join(names)}")
         cls = models.get(self.arch).config_class
         need(isinstance(self, cls), f"arch {self.arch!r} takes a {cls.__name__}, not a {type(self).__name__}")
-        for name in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "max_seq_len"):
+        for name in SIZES:
             v = getattr(self, name)
-            need(isinstance(v, int) and 0 < v <= 1 << 24, f"{name}={v!r} must be a positive integer below 2^24")
+            need(is_int(v) and 0 < v <= MAX_SIZE, f"{name}={v!r} must be a positive integer below 2^24")
+        for name in COUNTS:
+            v = getattr(self, name)
+            need(is_int(v) and 0 <= v <= MAX_SIZE, f"{name}={v!r} must be an integer in 0..2^24")
+        for name in SWITCHES:
+            need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be true or false")
+        for name in FLOAT_RANGES:
+            err = float_error(name, getattr(self, name))
+            need(err is None, err)
         need(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+        need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (rope turns pairs of values)")
         need(self.rope_style in ROPE_STYLES, f"rope_style {self.rope_style!r} not in {ROPE_STYLES}")
         need(self.act in ACTIVATIONS, f"act {self.act!r} not in {ACTIVATIONS}")
+        need(isinstance(self.layer_types, list), "layer_types must be a list")
         need(not self.layer_types or len(self.layer_types) == self.n_layer, "layer_types must have one entry per layer")
         need(all(t in ("global", "sliding") for t in self.layer_types), "layer_types entries are 'global' or 'sliding'")
         need(self.n_expert == 0 or 0 < self.top_k <= self.n_expert, f"top_k={self.top_k} must be in 1..n_expert={self.n_expert}")

@@ -409,7 +409,8 @@ def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
         raise CflowFormatError(f"header is not valid UTF-8 JSON: {str(e)[:200]}") from None
     if not isinstance(h, dict):
         _fail("header", f"must be a JSON object, got {type(h).__name__}")
-    if h.get("format") != "cflow" or h.get("version") != pre.version:
+    # `type(...) is int`: 2.0 and true compare equal to 2 and 1, and the format allows only integers
+    if h.get("format") != "cflow" or type(h.get("version")) is not int or h.get("version") != pre.version:
         _fail("header", f"format/version fields are {h.get('format')!r}/{h.get('version')!r}, expected 'cflow'/{pre.version}")
     _get(h, "config", "header", dict)
     for key in ("tokenizer", "chat_template"):

@@ -1,0 +1,263 @@
+"""Hostile model files: the real SmolLM2 GGUF and its .cflow conversion with one field edited.
+
+Every case ends in a one-line error and exit status 2 from the CLI (convert, verify, generate,
+serve), never a traceback, a hang or a lost file. The edits keep each file's own checksums right
+(the .cflow header CRC is fixed up), as a deliberate forger would.
+
+Each module keeps one working copy per format and puts the edited bytes back after each test, so
+no test copies the 100 MB files again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+
+from cflow import hub
+from cflow.cli import main
+from cflow.format.spec import PREAMBLE, Preamble, crc32
+
+SMOL = "smollm2-135m"
+TOKENS, TOKEN_TYPES, MERGES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"
+
+
+class StillRunning(BaseException):
+    """A command ran past its deadline (a BaseException: no `except Exception` swallows it)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail, instead of hanging, when the block runs longer than `seconds`."""
+    def expire(*_):
+        raise StillRunning(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_cli(capsys, *argv, seconds: float = 60) -> tuple[int, str]:
+    """(exit status, stderr) of `cflow ARGV` run in this process."""
+    capsys.readouterr()
+    with deadline(seconds):
+        rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def expect_error(capsys, match: str, *argv, seconds: float = 60) -> str:
+    """`cflow ARGV` fails with exit status 2 and one line naming the problem (`match`, a regex)."""
+    rc, err = run_cli(capsys, *argv, seconds=seconds)
+    *before, last = err.strip().splitlines()
+    assert rc == 2, (rc, err)
+    assert "Traceback" not in err and all(line.startswith("converting ") for line in before), err  # progress only
+    assert last.startswith(f"cflow {argv[0]}: error: "), err
+    assert re.search(match, last), (match, err)
+    return last
+
+
+def digest(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Conversions of a GGUF by `generate` / `serve` go to a cache of the test's own."""
+    monkeypatch.setenv("CFLOW_CACHE", str(tmp_path / "cache"))
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    """A working copy of the real SmolLM2 GGUF, and where its fields are."""
+    src = hub.pull(SMOL, quiet=True)
+    path = tmp_path_factory.mktemp("hostile-gguf") / "smol.gguf"
+    shutil.copyfile(src, path)
+    return GGUFFields(path)
+
+
+class GGUFFields:
+    """Byte offsets of a GGUF file's metadata values and tensor index entries, found by the
+    encoded key (u64 length + bytes), which occurs once in the header."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            self.head = f.read(4 << 20)  # SmolLM2's header (tokenizer included) is 1.8 MB
+        self.digest = digest(path)
+
+    def _string(self, s: str) -> int:
+        enc = struct.pack("<Q", len(s)) + s.encode()
+        pos = self.head.index(enc)
+        assert self.head.find(enc, pos + 1) < 0, s
+        return pos + len(enc)
+
+    def value(self, key: str) -> int:
+        """Offset of the key's value (after its u32 value type)."""
+        return self._string(key) + 4
+
+    def array(self, key: str) -> tuple[int, int]:
+        """(offset of the element type, offset of the first element) of an array value."""
+        at = self.value(key)
+        return at, at + 12
+
+    def tensor_offset(self, name: str) -> int:
+        """Offset of the u64 data offset in the tensor's index entry."""
+        at = self._string(name)
+        n_dims = struct.unpack_from("<I", self.head, at)[0]
+        return at + 4 + 8 * n_dims + 4
+
+    @contextlib.contextmanager
+    def edited(self, edits: dict[int, bytes]):
+        """The file with bytes replaced at these offsets; put back afterwards."""
+        with open(self.path, "r+b") as f:
+            saved = {}
+            for off, b in edits.items():
+                f.seek(off)
+                saved[off] = f.read(len(b))
+                f.seek(off)
+                f.write(b)
+        try:
+            yield self.path
+        finally:
+            with open(self.path, "r+b") as f:
+                for off, b in saved.items():
+                    f.seek(off)
+                    f.write(b)
+
+
+u32, u64, f32 = (lambda v: struct.pack("<I", v)), (lambda v: struct.pack("<Q", v)), (lambda v: struct.pack("<f", v))
+
+# name -> (edits as a function of GGUFFields, expected message)
+GGUF_CASES = {
+    "NaN norm_eps": (lambda g: {g.value("llama.attention.layer_norm_rms_epsilon"): f32(float("nan"))},
+                     r"norm_eps=nan must be a finite number"),
+    "infinite norm_eps": (lambda g: {g.value("llama.attention.layer_norm_rms_epsilon"): f32(float("inf"))},
+                          r"norm_eps=inf must be a finite number"),
+    "negative norm_eps": (lambda g: {g.value("llama.attention.layer_norm_rms_epsilon"): f32(-1e-5)},
+                          r"norm_eps=-[0-9.e-]+ is outside"),
+    "infinite rope_theta": (lambda g: {g.value("llama.rope.freq_base"): f32(float("inf"))},
+                            r"rope_theta=inf must be a finite number"),
+}
+
+
+def gguf_edits(g: GGUFFields, case: str) -> dict[int, bytes]:
+    edits = GGUF_CASES[case][0](g)
+    for off, b in edits.items():
+        if b is None:  # the tensor's offset moved by 16 bytes: still inside the file, not aligned
+            edits[off] = u64(struct.unpack_from("<Q", g.head, off)[0] + 16)
+    return edits
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_hostile_gguf_convert(case, gguf, tmp_path, capsys):
+    out = tmp_path / "out.cflow"
+    with gguf.edited(gguf_edits(gguf, case)) as path:
+        expect_error(capsys, GGUF_CASES[case][1], "convert", path, "-o", out, "--quiet", seconds=30)
+    assert not out.exists() and not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_the_working_copies_are_put_back(gguf):
+    assert digest(gguf.path) == gguf.digest
+
+
+# ---------------------------------------------------------------------------- reading and writing files
+
+
+# ---------------------------------------------------------------------------- .cflow
+
+
+@pytest.fixture(scope="module")
+def cflow(tmp_path_factory):
+    """A working copy of SmolLM2's .cflow conversion (the cached one `cflow pull` users get)."""
+    from cflow.llm import load_model
+
+    with load_model(SMOL, quiet=True) as f:
+        src = f.path
+    path = tmp_path_factory.mktemp("hostile-cflow") / "smol.cflow"
+    shutil.copyfile(src, path)
+    return path
+
+
+def read_header(path) -> tuple[Preamble, bytes]:
+    with open(path, "rb") as f:
+        pre = Preamble.unpack(f.read(PREAMBLE.size), os.path.getsize(path))
+        f.seek(pre.header_offset)
+        return pre, f.read()
+
+
+def write_header(path, pre: Preamble, raw: bytes) -> None:
+    """Replace the header (the file's last bytes) and fix up the preamble's sizes and checksums."""
+    with open(path, "r+b") as f:
+        f.truncate(pre.header_offset)
+        f.seek(pre.header_offset)
+        f.write(raw)
+        f.seek(0)
+        f.write(Preamble(pre.version, 0, pre.header_offset + len(raw), pre.header_offset, len(raw), crc32(raw),
+                         pre.alignment).pack())
+
+
+@contextlib.contextmanager
+def header_edited(path, edit):
+    """The .cflow file with edit(header dict) applied to its header; put back afterwards."""
+    pre, raw = read_header(path)
+    h = json.loads(raw)
+    edit(h)
+    write_header(path, pre, json.dumps(h).encode())
+    try:
+        yield path
+    finally:
+        write_header(path, pre, raw)
+
+
+def config(**fields):
+    return lambda h: h["config"].update(fields)
+
+
+def gate_up(h) -> dict:
+    return next(t for t in h["tensors"] if t["name"] == "blk.0.ffn_gate_up")
+
+
+CFLOW_CASES = {
+    "NaN norm_eps": (config(norm_eps=float("nan")), r"norm_eps=nan must be a finite number"),
+    "infinite norm_eps": (config(norm_eps=float("inf")), r"norm_eps=inf must be a finite number"),
+    "negative norm_eps": (config(norm_eps=-1e-5), r"norm_eps=-1e-05 is outside"),
+    "NaN embed_scale": (config(embed_scale=float("nan")), r"embed_scale=nan must be a finite number"),
+    "infinite rope_theta": (config(rope_theta=float("inf")), r"rope_theta=inf must be a finite number"),
+    "huge attn_scale": (config(attn_scale=1e30), r"attn_scale=1e\+30 is outside"),
+    "odd head_dim": (config(head_dim=63), r"head_dim=63 must be even"),
+    "boolean vocab_size": (config(vocab_size=True), r"vocab_size=True must be a positive integer"),
+    "float version": (lambda h: h.update(version=2.0), r"format/version fields are 'cflow'/2\.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(CFLOW_CASES))
+def test_hostile_cflow_verify_and_load(case, cflow, capsys):
+    edit, match = CFLOW_CASES[case]
+    with header_edited(cflow, edit) as path:
+        verified = expect_error(capsys, match, "verify", path)
+        loaded = expect_error(capsys, match, "generate", "-m", path, "hi", "-n", "1")
+    assert verified.split("error: ", 1)[1].endswith(loaded.split("error: ", 1)[1])  # one check, one message
+
+
+def test_the_cflow_copy_still_verifies(cflow, capsys):
+    rc, _ = run_cli(capsys, "verify", cflow)
+    assert rc == 0
