@@ -31,6 +31,10 @@ class Entry:  # the fields of a .cflow tensor index entry the engine reads
     fuse: str | None = None
     stripe_rows: int = 0
     pack: str = "blocks"
+    shape: tuple = ()  # the logical shape ((n,) for a vector, stored as one row); () -> (rows, cols)
+
+    def __post_init__(self):
+        self.shape = tuple(self.shape) or (self.rows, self.cols)
 
 
 def _encode(a: np.ndarray, bt) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +67,7 @@ class Builder:
         self.chunks.append(np.zeros(pad, np.uint8))
         self.pos += pad
         self.tensors[name] = Entry(bt, a2.shape[0], a2.shape[1], self.tile, self.g, self.pos, payload.size,
-                                   "stripe" if stripe_rows else None, stripe_rows, pack)
+                                   "stripe" if stripe_rows else None, stripe_rows, pack, a.shape)
         self.chunks.append(payload)
         self.pos += payload.size
         return deq.reshape(a.shape)
@@ -248,8 +252,9 @@ def gguf_llama(path: str, *, tile=(128, 256), interleave=4, stripe_rows=64, max_
         pad = -B.pos % ALIGN
         B.chunks.append(np.zeros(pad, np.uint8))
         B.pos += pad
+        vector = name.endswith("norm")  # a llama GGUF's only 1-D tensors are its norms
         B.tensors[name] = Entry(bt, rows_u8.shape[0], cols, tile, interleave, B.pos, payload.size,
-                                "stripe" if stripe else None, stripe)
+                                "stripe" if stripe else None, stripe, shape=(cols,) if vector else ())
         B.chunks.append(payload)
         B.pos += payload.size
 

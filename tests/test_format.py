@@ -257,9 +257,15 @@ def test_decode_order():
 
 
 def test_cli_verify_and_inspect(tmp_path, capsys):
+    import dataclasses
+
+    from cflow import models
+
     path = tmp_path / "m.cflow"
-    with CflowWriter(path, CFG) as w:
-        w.add_tensor("blk.0.ffn_down", "q4_0", np.ones((64, 96), np.float32))
+    dense = dataclasses.replace(CFG, n_expert=0, top_k=0, d_expert=0)
+    with CflowWriter(path, dense) as w:  # every tensor the config implies: verify checks the config against them
+        for name, shape in models.get(dense.arch).expected_tensors(dense, {}).items():
+            w.add_tensor(name, "q4_0" if name == "blk.0.ffn_down" else "f32", np.ones(shape, np.float32))
     assert cli(["verify", str(path)]) == 0
     out = capsys.readouterr().out
     assert "arch=llama" in out and "q4_0: 1" in out and out.strip().endswith("OK")
@@ -271,6 +277,10 @@ def test_cli_verify_and_inspect(tmp_path, capsys):
     assert cli(["verify", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cflow verify: error:") and "section 'weights': checksum mismatch" in err
+    with CflowWriter(path, dense) as w:  # a sound container, but not the model its config describes
+        w.add_tensor("blk.0.ffn_down", "q4_0", np.ones((64, 96), np.float32))
+    assert cli(["verify", str(path)]) == 2
+    assert "the model has no tensor 'tok_embd'" in capsys.readouterr().err
 
 
 def _f16(b, i):

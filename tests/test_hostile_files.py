@@ -148,6 +148,12 @@ u32, u64, f32 = (lambda v: struct.pack("<I", v)), (lambda v: struct.pack("<Q", v
 
 # name -> (edits as a function of GGUFFields, expected message)
 GGUF_CASES = {
+    "head_count_kv that does not divide the shapes": (
+        lambda g: {g.value("llama.attention.head_count_kv"): u32(9)},
+        r"tensor 'blk\.0\.attn_k' has shape \(192, 576\), expected \(576, 576\)"),
+    "block_count one short": (lambda g: {g.value("llama.block_count"): u32(29)},
+                              r"tensor 'blk\.29\.\S+' .*n_layer=29"),
+    "block_count one over": (lambda g: {g.value("llama.block_count"): u32(31)}, r"no tensor 'blk\.30\."),
     "NaN norm_eps": (lambda g: {g.value("llama.attention.layer_norm_rms_epsilon"): f32(float("nan"))},
                      r"norm_eps=nan must be a finite number"),
     "infinite norm_eps": (lambda g: {g.value("llama.attention.layer_norm_rms_epsilon"): f32(float("inf"))},
@@ -243,7 +249,12 @@ CFLOW_CASES = {
     "NaN embed_scale": (config(embed_scale=float("nan")), r"embed_scale=nan must be a finite number"),
     "infinite rope_theta": (config(rope_theta=float("inf")), r"rope_theta=inf must be a finite number"),
     "huge attn_scale": (config(attn_scale=1e30), r"attn_scale=1e\+30 is outside"),
+    "n_layer one short": (config(n_layer=29), r"tensor 'blk\.29\.\S+' .*n_layer=29"),
+    "n_kv_head that disagrees with the tensors": (config(n_kv_head=9),
+                                                  r"tensor 'blk\.0\.attn_qkv' has shape \(960, 576\), expected \(1728, 576\)"),
     "odd head_dim": (config(head_dim=63), r"head_dim=63 must be even"),
+    "stripe_rows the engine cannot use": (lambda h: gate_up(h).update(stripe_rows=8),
+                                          r"tensor 'blk\.0\.ffn_gate_up': stripe_rows 8 is not a multiple of the interleave 16"),
     "boolean vocab_size": (config(vocab_size=True), r"vocab_size=True must be a positive integer"),
     "float version": (lambda h: h.update(version=2.0), r"format/version fields are 'cflow'/2\.0"),
 }

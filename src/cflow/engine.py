@@ -102,8 +102,11 @@ class EngineBase:
 
     def __init__(self, weights, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True,
                  precise: bool | Iterable[str] = True):
+        from cflow import models
+
         self.file = open_weights(weights)
         cfg: ModelConfig = self.file.config
+        models.check_model(cfg, self.file.tensors)  # the plan trusts the config: it must fit the tensors
         self.config = cfg
         self.n_ctx = int(n_ctx or min(cfg.max_seq_len, DEFAULT_MAX_CTX))
         if self.n_ctx <= 0:

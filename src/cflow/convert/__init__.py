@@ -211,19 +211,6 @@ def requantize(ckpt: Checkpoint, quant: str) -> Checkpoint:
     return dataclasses.replace(ckpt, tensors=out, metadata=dict(ckpt.metadata, quant=quant))
 
 
-def check_tensors(ckpt: Checkpoint) -> None:
-    """Every tensor the architecture needs is present with the shape the config implies."""
-    from cflow import models
-
-    c = ckpt.config
-    for name, shape in models.get(c.arch).expected_tensors(c, ckpt.tensors).items():
-        t = ckpt.tensors.get(name)
-        if t is None:
-            raise CflowFormatError(f"checkpoint has no tensor {name} (needed by arch {c.arch})")
-        if tuple(t.shape) != shape:
-            raise CflowFormatError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape} from the config")
-
-
 # ---------------------------------------------------------------------------- writing
 
 

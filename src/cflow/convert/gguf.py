@@ -2,8 +2,10 @@
 
 general.architecture picks the architecture (cflow.models.for_gguf); it reads the metadata and
 names and adapts the tensors (llama's Q/K rows are un-permuted there, so every architecture
-runs one rope style, "neox"; moving whole rows keeps `keep` bit-identical per row). Sampling
-defaults come from general.sampling.* where a file has them.
+runs one rope style, "neox"; moving whole rows keeps `keep` bit-identical per row). The config
+is checked against the tensors before they are adapted (cflow.models.check_model): the head
+counts must split the rows the adaptation regroups. Sampling defaults come from
+general.sampling.* where a file has them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import os
 
 from cflow import models
-from cflow.convert import Checkpoint, Tensor, check_tensors, fuse_layers, generation_fields
+from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields
 from cflow.convert.names import rename
 from cflow.convert.sentencepiece import CONTROL, USER_DEFINED, sentencepiece_tokenizer
 from cflow.errors import CflowFormatError, UnsupportedError
@@ -154,7 +156,7 @@ def load_gguf(path) -> Checkpoint:
     if not m.get(key):
         m[key] = _vocab_size(r)
     cfg = arch.config_from_gguf(m)
-    tensors: dict[str, Tensor] = {}
+    renamed: dict[str, Tensor] = {}
     for t in r.tensors:
         try:
             ours = rename(t.name, arch.gguf_names)
@@ -165,12 +167,14 @@ def load_gguf(path) -> Checkpoint:
         if len(t.shape) > 2:
             raise UnsupportedError(f"tensor {t.name} has {len(t.shape)} dimensions; only matrices and vectors are supported")
         shape = (int(t.shape[0]),) if len(t.shape) == 1 else (int(t.data.shape[0]), int(t.shape[0]))
-        tensors.update(arch.adapt(ours, Tensor(types[t.name], shape, t.data), cfg, "gguf"))
+        renamed[ours] = Tensor(types[t.name], shape, t.data)
+    cfg = dataclasses.replace(cfg, tie_embeddings="output" not in renamed)
+    models.check_model(cfg, renamed)
+    tensors: dict[str, Tensor] = {}
+    for name, t in renamed.items():
+        tensors.update(arch.adapt(name, t, cfg, "gguf"))
     tok_json, special = gguf_tokenizer(path, r, m)
-    cfg = dataclasses.replace(cfg, tie_embeddings="output" not in tensors)
     tmpl = m.get("tokenizer.chat_template")
-    ckpt = Checkpoint(cfg, fuse_layers(cfg, tensors), tok_json, tmpl, special,
+    return Checkpoint(cfg, fuse_layers(cfg, tensors), tok_json, tmpl, special,
                       {"source": os.path.basename(path), "source_format": "gguf", "name": m.get("general.name", "")},
                       gguf_generation(m))
-    check_tensors(ckpt)
-    return ckpt

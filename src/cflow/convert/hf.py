@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cflow import models
-from cflow.convert import Checkpoint, Tensor, check_tensors, fuse_layers, generation_fields
+from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields
 from cflow.convert.names import rename
 from cflow.errors import CflowFormatError, UnsupportedError
 from cflow.models.base import hf_rope_theta as _rope_theta  # noqa: F401 - the name tests use
@@ -117,5 +117,5 @@ def load_hf(path) -> Checkpoint:
     ckpt = Checkpoint(cfg, fuse_layers(cfg, tensors), tok_json, tmpl, special,
                       {"source": os.path.basename(os.path.abspath(d)), "source_format": "hf"},
                       generation_fields(gen))
-    check_tensors(ckpt)
+    models.check_model(ckpt.config, ckpt.tensors)
     return ckpt

@@ -11,6 +11,7 @@ the families (no torch: cflow.models.pnt, the torch model, is not one of them).
     models.names()                   # ('gemma3', 'llama', 'phi3', 'pnt', 'qwen2', 'qwen3')
     arch = models.get(cfg.arch)      # UnsupportedError naming the known ones
     plan = arch.build(builder, cfg)  # the forward pass as ops (cflow.plan)
+    models.check_model(cfg, tensors) # config and tensors agree (CflowFormatError if not)
     models.for_hf("mistral").name    # 'llama'
 """
 
@@ -109,6 +110,14 @@ def for_hf(model_type: str):
 def for_gguf(gguf_arch: str):
     """The Architecture that reads a GGUF file of this general.architecture."""
     return _by("gguf_archs", gguf_arch, "GGUF architecture")
+
+
+def check_model(cfg, tensors: dict) -> None:
+    """The one check of a model's config against its tensors ({name: entry with .shape}), made
+    before anything uses either: by `cflow convert` (GGUF and Hugging Face sources), by `cflow
+    verify`, and by both engines on load. CflowFormatError naming the tensor that disagrees.
+    (The config's own values are checked when it is built: ModelConfig.validate.)"""
+    get(cfg.arch).check_tensors(cfg, tensors)
 
 
 def supported(engine: str) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ What an Architecture answers:
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from cflow.config import ModelConfig
@@ -74,6 +75,7 @@ GGUF_NAMES = {
 }
 
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+LAYER_TENSOR = re.compile(r"blk\.\d+\.")
 _REQUIRED = object()
 
 
@@ -246,6 +248,31 @@ class Architecture:
 
     def expected_tensors(self, cfg: ModelConfig, present) -> dict[str, tuple[int, ...]]:
         return dense_tensors(cfg, present)
+
+    def check_tensors(self, cfg: ModelConfig, tensors: dict) -> None:
+        """The config against the tensors ({name: entry with .shape}); see cflow.models.check_model.
+
+        Each tensor the config implies is there with the implied shape, and no layer tensor is
+        there that the config leaves unused (n_layer one short, qk_norm off while the file has
+        the norms: the engine would run without them). A stripe-fused gate/up splits into
+        pieces of whole interleave groups, as the engines read it."""
+        need = self.expected_tensors(cfg, tensors)
+        for name, shape in need.items():
+            t = tensors.get(name)
+            if t is None:
+                raise CflowFormatError(f"the model has no tensor {name!r} (needed by arch {cfg.arch} with "
+                                       f"n_layer={cfg.n_layer})")
+            if tuple(t.shape) != shape:
+                raise CflowFormatError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape} from the config "
+                                       f"(n_head={cfg.n_head}, n_kv_head={cfg.n_kv_head}, head_dim={cfg.head_dim})")
+        for name, t in tensors.items():
+            if name not in need and LAYER_TENSOR.match(name):
+                raise CflowFormatError(f"tensor {name!r} has no place in the model the config describes (arch {cfg.arch}, "
+                                       f"n_layer={cfg.n_layer}): the config and the tensors disagree")
+            g = getattr(t, "interleave", 1)
+            if getattr(t, "fuse", None) == "stripe" and t.stripe_rows % g:
+                raise CflowFormatError(f"tensor {name!r}: stripe_rows {t.stripe_rows} is not a multiple of the interleave {g}, "
+                                       "so no engine can split its gate and up rows")
 
     # ---------------------------------------------------------------- the forward pass
     def build(self, b, cfg: ModelConfig):

@@ -52,6 +52,10 @@ class PipelineNative(Architecture):
     engines = ()
     config_class = PNTConfig
 
+    def check_tensors(self, cfg, tensors):
+        """No engine runs the family: its files hold what cflow.models.pnt's exporter writes and its
+        loader reads, and only the container checks (cflow.format) apply to them."""
+
     def build(self, b, cfg):
         raise UnsupportedError("the native engine does not run mixture-of-experts / pipeline-native models yet "
                                "(the torch model cflow.models.pnt does)")
