@@ -148,6 +148,24 @@ u32, u64, f32 = (lambda v: struct.pack("<I", v)), (lambda v: struct.pack("<Q", v
 
 # name -> (edits as a function of GGUFFields, expected message)
 GGUF_CASES = {
+    "tensor_count claims 2^60": (lambda g: {8: u64(1 << 60)}, r"1152921504606846976 tensors .*bytes"),
+    "kv_count claims 2^60": (lambda g: {16: u64(1 << 60)}, r"1152921504606846976 metadata keys .*bytes"),
+    "token_type claims 2^31 elements": (lambda g: {g.array(TOKEN_TYPES)[0] + 4: u64(1 << 31)},
+                                        r"tokenizer\.ggml\.token_type.*2147483648 values of 4 bytes.*left"),
+    "token_type claims 2^62 elements": (lambda g: {g.array(TOKEN_TYPES)[0] + 4: u64(1 << 62)},
+                                        r"tokenizer\.ggml\.token_type.*4611686018427387904 values"),
+    "token_type claims 2^64-1 elements": (lambda g: {g.array(TOKEN_TYPES)[0] + 4: u64((1 << 64) - 1)},
+                                          r"tokenizer\.ggml\.token_type.*18446744073709551615 values"),
+    "array of arrays": (lambda g: {g.array(TOKEN_TYPES)[0]: u32(9)}, r"tokenizer\.ggml\.token_type.*arrays of arrays"),
+    "unknown element type": (lambda g: {g.array(TOKEN_TYPES)[0]: u32(13)},
+                             r"tokenizer\.ggml\.token_type.*unknown value type 13"),
+    "unknown value type": (lambda g: {g.value("llama.block_count") - 4: u32(99)},
+                           r"llama\.block_count.*unknown value type 99"),
+    "token string past the end": (lambda g: {g.array(TOKENS)[1]: u64(1 << 63)},
+                                  r"tokenizer\.ggml\.tokens'\[0\].*9223372036854775808 bytes.*left"),
+    "key length past the end": (lambda g: {g.value("llama.block_count") - 4 - len("llama.block_count") - 8: u64(1 << 40)},
+                                r"key.*1099511627776 bytes.*left"),
+    "invalid UTF-8 in a token": (lambda g: {g.array(TOKENS)[1] + 8: b"\xff"}, r"tokenizer\.ggml\.tokens'\[0\].*not valid UTF-8"),
     "head_count_kv that does not divide the shapes": (
         lambda g: {g.value("llama.attention.head_count_kv"): u32(9)},
         r"tensor 'blk\.0\.attn_k' has shape \(192, 576\), expected \(576, 576\)"),
@@ -162,6 +180,10 @@ GGUF_CASES = {
                           r"norm_eps=-[0-9.e-]+ is outside"),
     "infinite rope_theta": (lambda g: {g.value("llama.rope.freq_base"): f32(float("inf"))},
                             r"rope_theta=inf must be a finite number"),
+    "tensor offset wraps around": (lambda g: {g.tensor_offset("output_norm.weight"): u64((1 << 64) - 32)},
+                                   r"tensor 'output_norm\.weight'.*18446744073709551584.*outside"),
+    "misaligned tensor offset": (lambda g: {g.tensor_offset("output_norm.weight"): None},
+                                 r"tensor 'output_norm\.weight'.*not a multiple of the alignment 32"),
 }
 
 
@@ -179,6 +201,14 @@ def test_hostile_gguf_convert(case, gguf, tmp_path, capsys):
     with gguf.edited(gguf_edits(gguf, case)) as path:
         expect_error(capsys, GGUF_CASES[case][1], "convert", path, "-o", out, "--quiet", seconds=30)
     assert not out.exists() and not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("verb", ["generate", "serve"])
+@pytest.mark.parametrize("case", ["token_type claims 2^62 elements", "tensor offset wraps around"])
+def test_hostile_gguf_generate_and_serve(verb, case, gguf, capsys):
+    with gguf.edited(gguf_edits(gguf, case)) as path:
+        argv = ["generate", "-m", path, "hi", "-n", "1"] if verb == "generate" else ["serve", "-m", path, "--port", "1"]
+        expect_error(capsys, GGUF_CASES[case][1], *argv)
 
 
 def test_the_working_copies_are_put_back(gguf):

@@ -1,11 +1,12 @@
-"""GGUF -> Checkpoint (gguf-py's GGUFReader; tensor blocks are kept bit-identical).
+"""GGUF -> Checkpoint (tensor blocks are kept bit-identical).
 
-general.architecture picks the architecture (cflow.models.for_gguf); it reads the metadata and
-names and adapts the tensors (llama's Q/K rows are un-permuted there, so every architecture
-runs one rope style, "neox"; moving whole rows keeps `keep` bit-identical per row). The config
-is checked against the tensors before they are adapted (cflow.models.check_model): the head
-counts must split the rows the adaptation regroups. Sampling defaults come from
-general.sampling.* where a file has them.
+The file is read by gguf_file.read_gguf, which checks every count, length and offset against
+the file before it reads anything. general.architecture picks the architecture
+(cflow.models.for_gguf); it reads the metadata and names and adapts the tensors (llama's Q/K
+rows are un-permuted there, so every architecture runs one rope style, "neox"; moving whole rows
+keeps `keep` bit-identical per row). The config is checked against the tensors before they are
+adapted (cflow.models.check_model): the head counts must split the rows the adaptation regroups.
+Sampling defaults come from general.sampling.* where a file has them.
 """
 
 from __future__ import annotations
@@ -15,42 +16,25 @@ import os
 
 from cflow import models
 from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields
+from cflow.convert.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from cflow.convert.names import rename
 from cflow.convert.sentencepiece import CONTROL, USER_DEFINED, sentencepiece_tokenizer
 from cflow.errors import CflowFormatError, UnsupportedError
 from cflow.format.tiles import BLOCK_TYPES, BLOCK_TYPES_BY_CODE
 from cflow.models.base import unpermute_rope_rows as _unpermute  # noqa: F401 - the name tests use
 
-
-def _reader(path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # gguf-py raises ValueError, struct.error, IndexError... on bad files
-        size = os.path.getsize(path)
-        raise CflowFormatError(f"{path}: truncated or malformed GGUF file ({size} bytes): {type(e).__name__}: {e}") from None
+TOKENS, SCORES, TOKEN_TYPES, MERGES = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                                       "tokenizer.ggml.merges")
 
 
-def _meta(r) -> dict:
-    out = {}
-    for k, f in r.fields.items():
-        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            continue
-        try:
-            out[k] = f.contents()
-        except Exception:  # noqa: BLE001 - unreadable metadata we do not need
-            pass
-    return out
-
-
-def _tensor_type(t) -> str:
-    code = int(t.tensor_type)
-    bt = BLOCK_TYPES_BY_CODE.get(code)
+def _tensor_type(t: GGUFTensor) -> str:
+    bt = BLOCK_TYPES_BY_CODE.get(t.type_code)
     if bt is None:
+        from gguf import GGMLQuantizationType
+
         raise UnsupportedError(
-            f"tensor {t.name} has GGML type {t.tensor_type.name} ({code}), which cflow does not support; "
-            f"supported: {', '.join(n.upper() for n in BLOCK_TYPES)}"
+            f"tensor {t.name} has GGML type {GGMLQuantizationType(t.type_code).name} ({t.type_code}), which cflow "
+            f"does not support; supported: {', '.join(n.upper() for n in BLOCK_TYPES)}"
         )
     return bt.name
 
@@ -65,13 +49,13 @@ _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLA
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
 
-def _byte_level_bpe(r, m: dict) -> "tokenizers.Tokenizer":
+def _byte_level_bpe(m: dict) -> "tokenizers.Tokenizer":
     """Byte-level BPE (tokenizer.ggml.model == "gpt2") straight from the GGUF's tokens and merges."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    tokens = r.fields["tokenizer.ggml.tokens"].contents()
-    types = r.fields["tokenizer.ggml.token_type"].contents() if "tokenizer.ggml.token_type" in r.fields else []
-    merges = [tuple(x.split(" ", 1)) for x in r.fields["tokenizer.ggml.merges"].contents()]
+    tokens = m[TOKENS]
+    types = m.get(TOKEN_TYPES, [])
+    merges = [tuple(x.split(" ", 1)) for x in m[MERGES]]
     tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     pre = m.get("tokenizer.ggml.pre", "default")
     if pre == "smollm":  # digits one by one, then GPT-2's split
@@ -86,24 +70,24 @@ def _byte_level_bpe(r, m: dict) -> "tokenizers.Tokenizer":
     return tk
 
 
-def _sentencepiece(r, m: dict) -> "tokenizers.Tokenizer":
+def _sentencepiece(m: dict) -> "tokenizers.Tokenizer":
     """SentencePiece vocabularies (tokenizer.ggml.model == "llama": gemma, llama 2, phi-3)."""
-    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
-    if missing := [k for k in keys if k not in r.fields]:
+    keys = (TOKENS, SCORES, TOKEN_TYPES)
+    if missing := [k for k in keys if k not in m]:
         raise CflowFormatError(f"GGUF SentencePiece vocabulary without {', '.join(missing)}")
-    tokens, scores, types = (r.fields[k].contents() for k in keys)
+    tokens, scores, types = (m[k] for k in keys)
     return sentencepiece_tokenizer(tokens, scores, types, m.get("general.architecture", ""))
 
 
-def gguf_tokenizer(path, r=None, m=None) -> tuple[str, dict]:
-    """(tokenizers JSON, {bos_token_id, eos_token_ids, add_bos}) from the GGUF's tokenizer metadata."""
-    r = r if r is not None else _reader(path)
-    m = m if m is not None else _meta(r)
+def gguf_tokenizer(path, m: dict | None = None) -> tuple[str, dict]:
+    """(tokenizers JSON, {bos_token_id, eos_token_ids, add_bos}) from the GGUF's tokenizer metadata
+    (`m`, the file's metadata, when the caller has read it already)."""
+    m = m if m is not None else read_gguf(path).metadata
     kind = m.get("tokenizer.ggml.model")
     if kind == "gpt2":
-        tk = _byte_level_bpe(r, m)
+        tk = _byte_level_bpe(m)
     elif kind == "llama":
-        tk = _sentencepiece(r, m)
+        tk = _sentencepiece(m)
     else:
         raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
                                "llama (SentencePiece)")
@@ -138,42 +122,42 @@ def gguf_generation(m: dict) -> dict:
     return generation_fields(got)
 
 
-def _vocab_size(r) -> int:
+def _vocab_size(g: GGUFFile) -> int:
     """Rows of the token embedding, else the tokenizer's vocabulary size."""
-    for t in r.tensors:
+    for t in g.tensors:
         if t.name == "token_embd.weight":
-            return int(t.data.shape[0])
-    return len(r.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in r.fields else 0
+            return t.shape[0]
+    tokens = g.metadata.get(TOKENS)
+    return len(tokens) if isinstance(tokens, list) else 0
 
 
 def load_gguf(path) -> Checkpoint:
     path = os.fspath(path)
-    r = _reader(path)
-    m = _meta(r)
+    g = read_gguf(path)
+    m = g.metadata
     arch = models.for_gguf(m.get("general.architecture"))
-    types = {t.name: _tensor_type(t) for t in r.tensors}
+    types = {t.name: _tensor_type(t) for t in g.tensors}
     key = f"{m['general.architecture']}.vocab_size"
     if not m.get(key):
-        m[key] = _vocab_size(r)
+        m[key] = _vocab_size(g)
     cfg = arch.config_from_gguf(m)
     renamed: dict[str, Tensor] = {}
-    for t in r.tensors:
+    for t in g.tensors:
         try:
             ours = rename(t.name, arch.gguf_names)
         except KeyError:
             raise UnsupportedError(f"{path}: unexpected tensor {t.name} for arch {arch.name}") from None
         if ours is None:  # e.g. rope_freqs
             continue
-        if len(t.shape) > 2:
-            raise UnsupportedError(f"tensor {t.name} has {len(t.shape)} dimensions; only matrices and vectors are supported")
-        shape = (int(t.shape[0]),) if len(t.shape) == 1 else (int(t.data.shape[0]), int(t.shape[0]))
-        renamed[ours] = Tensor(types[t.name], shape, t.data)
+        if len(t.dims) > 2:
+            raise UnsupportedError(f"tensor {t.name} has {len(t.dims)} dimensions; only matrices and vectors are supported")
+        renamed[ours] = Tensor(types[t.name], t.shape, g.data(t))
     cfg = dataclasses.replace(cfg, tie_embeddings="output" not in renamed)
     models.check_model(cfg, renamed)
     tensors: dict[str, Tensor] = {}
     for name, t in renamed.items():
         tensors.update(arch.adapt(name, t, cfg, "gguf"))
-    tok_json, special = gguf_tokenizer(path, r, m)
+    tok_json, special = gguf_tokenizer(path, m)
     tmpl = m.get("tokenizer.chat_template")
     return Checkpoint(cfg, fuse_layers(cfg, tensors), tok_json, tmpl, special,
                       {"source": os.path.basename(path), "source_format": "gguf", "name": m.get("general.name", "")},
