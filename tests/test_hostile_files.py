@@ -166,6 +166,14 @@ GGUF_CASES = {
     "key length past the end": (lambda g: {g.value("llama.block_count") - 4 - len("llama.block_count") - 8: u64(1 << 40)},
                                 r"key.*1099511627776 bytes.*left"),
     "invalid UTF-8 in a token": (lambda g: {g.array(TOKENS)[1] + 8: b"\xff"}, r"tokenizer\.ggml\.tokens'\[0\].*not valid UTF-8"),
+    "flipped merge": (lambda g: {g.array(MERGES)[1] + 8: "t Ġ".encode()}, r"tokenizer.*merge"),
+    "merge without a space": (lambda g: {g.array(MERGES)[1] + 8: "Ġ_t".encode()},
+                              r"tokenizer\.ggml\.merges\[0\] 'Ġ_t' is not two tokens"),
+    "no tokens": (lambda g: {g.value(TOKENS) - 4 - 1: b"x"}, r"lacks tokenizer\.ggml\.tokens"),
+    "head_count 0": (lambda g: {g.value("llama.attention.head_count"): u32(0)},
+                     r"llama\.attention\.head_count=0 must be an integer in 1\.\."),
+    "head_count_kv 0": (lambda g: {g.value("llama.attention.head_count_kv"): u32(0)},
+                        r"llama\.attention\.head_count_kv=0 must be an integer in 1\.\."),
     "head_count_kv that does not divide the shapes": (
         lambda g: {g.value("llama.attention.head_count_kv"): u32(9)},
         r"tensor 'blk\.0\.attn_k' has shape \(192, 576\), expected \(576, 576\)"),
@@ -204,7 +212,7 @@ def test_hostile_gguf_convert(case, gguf, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("verb", ["generate", "serve"])
-@pytest.mark.parametrize("case", ["token_type claims 2^62 elements", "tensor offset wraps around"])
+@pytest.mark.parametrize("case", ["token_type claims 2^62 elements", "head_count 0", "tensor offset wraps around"])
 def test_hostile_gguf_generate_and_serve(verb, case, gguf, capsys):
     with gguf.edited(gguf_edits(gguf, case)) as path:
         argv = ["generate", "-m", path, "hi", "-n", "1"] if verb == "generate" else ["serve", "-m", path, "--port", "1"]

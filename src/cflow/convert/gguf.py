@@ -15,6 +15,7 @@ import dataclasses
 import os
 
 from cflow import models
+from cflow.config import is_int
 from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields
 from cflow.convert.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from cflow.convert.names import rename
@@ -49,20 +50,47 @@ _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLA
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
 
-def _byte_level_bpe(m: dict) -> "tokenizers.Tokenizer":
+def _fail(path, msg: str):
+    raise CflowFormatError(f"{path}: GGUF tokenizer: {msg}")
+
+
+def _vocabulary(path, m: dict) -> tuple[list[str], list[int]]:
+    """The tokens and their types (tokenizer.ggml.token_type; [] when absent), checked."""
+    tokens = m.get(TOKENS)
+    if tokens is None:
+        _fail(path, f"the metadata lacks {TOKENS} (the vocabulary)")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        _fail(path, f"{TOKENS} must be a non-empty array of strings")
+    types = m.get(TOKEN_TYPES, [])
+    if not isinstance(types, list) or types and len(types) != len(tokens) \
+            or not all(is_int(t) for t in types):
+        _fail(path, f"{TOKEN_TYPES} must be an array of one integer per token ({len(tokens)})")
+    return tokens, types
+
+
+def _byte_level_bpe(path, m: dict) -> "tokenizers.Tokenizer":
     """Byte-level BPE (tokenizer.ggml.model == "gpt2") straight from the GGUF's tokens and merges."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    tokens = m[TOKENS]
-    types = m.get(TOKEN_TYPES, [])
-    merges = [tuple(x.split(" ", 1)) for x in m[MERGES]]
-    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    tokens, types = _vocabulary(path, m)
+    lines = m.get(MERGES)
+    if not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
+        _fail(path, f"{MERGES} must be an array of strings")
+    merges = [tuple(x.split(" ")) for x in lines]
+    for i, pair in enumerate(merges):
+        if len(pair) != 2 or not all(pair):  # byte-level tokens hold no spaces: one separates the pair
+            _fail(path, f"{MERGES}[{i}] {lines[i]!r} is not two tokens separated by one space")
+    try:  # tokenizers raises a bare Exception naming the token, e.g. a merge whose result is no token
+        tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    except Exception as e:  # noqa: BLE001
+        _fail(path, f"the vocabulary and {MERGES} do not make a BPE tokenizer: {e}")
     pre = m.get("tokenizer.ggml.pre", "default")
     if pre == "smollm":  # digits one by one, then GPT-2's split
         tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     else:
-        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS.get(pre, _GPT2_SPLIT)), "isolated"),
+        split = _SPLITS.get(pre, _GPT2_SPLIT) if isinstance(pre, str) else _GPT2_SPLIT
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"),
                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL])
@@ -70,13 +98,26 @@ def _byte_level_bpe(m: dict) -> "tokenizers.Tokenizer":
     return tk
 
 
-def _sentencepiece(m: dict) -> "tokenizers.Tokenizer":
+def _sentencepiece(path, m: dict) -> "tokenizers.Tokenizer":
     """SentencePiece vocabularies (tokenizer.ggml.model == "llama": gemma, llama 2, phi-3)."""
-    keys = (TOKENS, SCORES, TOKEN_TYPES)
-    if missing := [k for k in keys if k not in m]:
-        raise CflowFormatError(f"GGUF SentencePiece vocabulary without {', '.join(missing)}")
-    tokens, scores, types = (m[k] for k in keys)
-    return sentencepiece_tokenizer(tokens, scores, types, m.get("general.architecture", ""))
+    tokens, types = _vocabulary(path, m)
+    scores = m.get(SCORES)
+    if not types or not isinstance(scores, list) or len(scores) != len(tokens) \
+            or not all(is_int(x) or isinstance(x, float) for x in scores):
+        _fail(path, f"a SentencePiece vocabulary needs {SCORES} and {TOKEN_TYPES}, one number per token "
+                    f"({len(tokens)})")
+    try:  # tokenizers raises a bare Exception naming what it refuses
+        return sentencepiece_tokenizer(tokens, scores, types, m.get("general.architecture", ""))
+    except Exception as e:  # noqa: BLE001
+        _fail(path, f"the SentencePiece vocabulary does not make a tokenizer: {e}")
+
+
+def _token_id(path, m: dict, key: str) -> int | None:
+    """A special token id of the metadata: absent, or one of the vocabulary's ids."""
+    i = m.get(key)
+    if i is not None and not (is_int(i) and 0 <= i < len(m[TOKENS])):
+        _fail(path, f"{key}={i!r} is not a token id (0..{len(m[TOKENS]) - 1})")
+    return i
 
 
 def gguf_tokenizer(path, m: dict | None = None) -> tuple[str, dict]:
@@ -85,22 +126,19 @@ def gguf_tokenizer(path, m: dict | None = None) -> tuple[str, dict]:
     m = m if m is not None else read_gguf(path).metadata
     kind = m.get("tokenizer.ggml.model")
     if kind == "gpt2":
-        tk = _byte_level_bpe(m)
+        tk = _byte_level_bpe(path, m)
     elif kind == "llama":
-        tk = _sentencepiece(m)
+        tk = _sentencepiece(path, m)
     else:
         raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
                                "llama (SentencePiece)")
-    eos = {int(m["tokenizer.ggml.eos_token_id"])} if "tokenizer.ggml.eos_token_id" in m else set()
-    if "tokenizer.ggml.eot_token_id" in m:
-        eos.add(int(m["tokenizer.ggml.eot_token_id"]))
+    eos = {_token_id(path, m, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")} - {None}
     for t in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>"):  # end-of-turn markers of chat models
         i = tk.token_to_id(t)
         if i is not None:
             eos.add(int(i))
-    bos = m.get("tokenizer.ggml.bos_token_id")
     special = {
-        "bos_token_id": int(bos) if bos is not None else None,
+        "bos_token_id": _token_id(path, m, "tokenizer.ggml.bos_token_id"),
         "eos_token_ids": sorted(eos),
         "add_bos": bool(m.get("tokenizer.ggml.add_bos_token", kind == "llama")),
     }
@@ -159,6 +197,10 @@ def load_gguf(path) -> Checkpoint:
         tensors.update(arch.adapt(name, t, cfg, "gguf"))
     tok_json, special = gguf_tokenizer(path, m)
     tmpl = m.get("tokenizer.chat_template")
+    if tmpl is not None and not isinstance(tmpl, str):
+        raise CflowFormatError(f"{path}: GGUF metadata tokenizer.chat_template must be a string")
+    name = m.get("general.name", "")
     return Checkpoint(cfg, fuse_layers(cfg, tensors), tok_json, tmpl, special,
-                      {"source": os.path.basename(path), "source_format": "gguf", "name": m.get("general.name", "")},
+                      {"source": os.path.basename(path), "source_format": "gguf",
+                       "name": name if isinstance(name, str) else ""},
                       gguf_generation(m))

@@ -27,7 +27,7 @@ import dataclasses
 import re
 from typing import Any
 
-from cflow.config import ModelConfig
+from cflow.config import MAX_SIZE, ModelConfig, is_int
 from cflow.errors import CflowFormatError, UnsupportedError
 
 # Hugging Face names of the llama-style decoder (LlamaForCausalLM, Qwen2/3ForCausalLM, ...)
@@ -112,34 +112,54 @@ def hf_common(c: dict) -> dict[str, Any]:
     )
 
 
+def _gguf_key(m: dict, key: str) -> str:
+    return f"{m.get('general.architecture')}.{key}"
+
+
 def gguf_value(m: dict, key: str, default: Any = _REQUIRED) -> Any:
     """Metadata `{general.architecture}.{key}`; CflowFormatError when absent without a default."""
-    arch = m.get("general.architecture")
-    v = m.get(f"{arch}.{key}")
+    v = m.get(_gguf_key(m, key))
     if v is None:
         if default is _REQUIRED:
-            raise CflowFormatError(f"GGUF metadata lacks {arch}.{key}")
+            raise CflowFormatError(f"GGUF metadata lacks {_gguf_key(m, key)}")
         return default
     return v
 
 
+def gguf_int(m: dict, key: str, default: Any = _REQUIRED, lo: int = 1, hi: int = MAX_SIZE) -> int:
+    """An integer of the metadata (gguf_value) in lo..hi: counts are checked before anything divides
+    by them or sizes a tensor with them."""
+    v = gguf_value(m, key, default)
+    if not is_int(v) or not lo <= v <= hi:
+        raise CflowFormatError(f"GGUF metadata {_gguf_key(m, key)}={v!r} must be an integer in {lo}..{hi}")
+    return v
+
+
+def gguf_float(m: dict, key: str, default: Any = _REQUIRED) -> float:
+    """A number of the metadata (gguf_value); its range is ModelConfig.validate's to check."""
+    v = gguf_value(m, key, default)
+    if not (is_int(v) or isinstance(v, float)):
+        raise CflowFormatError(f"GGUF metadata {_gguf_key(m, key)}={v!r} must be a number")
+    return float(v)
+
+
 def gguf_common(m: dict) -> dict[str, Any]:
     """ModelConfig fields from the GGUF metadata keys every llama-style architecture has."""
-    d, n_head = int(gguf_value(m, "embedding_length")), int(gguf_value(m, "attention.head_count"))
-    n_kv = gguf_value(m, "attention.head_count_kv", n_head)
-    if isinstance(n_kv, list):
+    d, n_head = gguf_int(m, "embedding_length"), gguf_int(m, "attention.head_count")
+    if isinstance(gguf_value(m, "attention.head_count_kv", None), list):
         raise UnsupportedError("per-layer KV head counts are not supported")
+    n_kv = gguf_int(m, "attention.head_count_kv", n_head)
     scaling = gguf_value(m, "rope.scaling.type", None)
-    if scaling not in (None, "none") and float(gguf_value(m, "rope.scaling.factor", 1.0)) != 1.0:
+    if scaling not in (None, "none") and gguf_float(m, "rope.scaling.factor", 1.0) != 1.0:
         raise UnsupportedError(f"rope scaling {scaling!r} is not supported yet")
-    head_dim = int(gguf_value(m, "attention.key_length", d // n_head))
-    if int(gguf_value(m, "rope.dimension_count", head_dim)) != head_dim:
+    head_dim = gguf_int(m, "attention.key_length", d // n_head)
+    if gguf_int(m, "rope.dimension_count", head_dim) != head_dim:
         raise UnsupportedError("partial rotary embeddings are not supported (rope over the whole head only)")
     return dict(
-        d_model=d, n_layer=int(gguf_value(m, "block_count")), n_head=n_head, n_kv_head=int(n_kv), head_dim=head_dim,
-        d_ff=int(gguf_value(m, "feed_forward_length")), max_seq_len=int(gguf_value(m, "context_length", 2048)),
-        norm_eps=float(gguf_value(m, "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(gguf_value(m, "rope.freq_base", 10000.0)), vocab_size=int(gguf_value(m, "vocab_size", 0)),
+        d_model=d, n_layer=gguf_int(m, "block_count"), n_head=n_head, n_kv_head=n_kv, head_dim=head_dim,
+        d_ff=gguf_int(m, "feed_forward_length"), max_seq_len=gguf_int(m, "context_length", 2048),
+        norm_eps=gguf_float(m, "attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=gguf_float(m, "rope.freq_base", 10000.0), vocab_size=gguf_int(m, "vocab_size", 0, lo=0),
     )
 
 

@@ -7,7 +7,7 @@ stores them with the +1 folded in (norm_offset 0 for GGUF sources).
 from __future__ import annotations
 
 from cflow.errors import UnsupportedError
-from cflow.models.base import HF_NAMES, Architecture, gguf_common, gguf_value, hf_common, hf_rope_theta
+from cflow.models.base import HF_NAMES, Architecture, gguf_common, gguf_float, gguf_int, hf_common, hf_rope_theta
 
 
 class Gemma3(Architecture):
@@ -59,12 +59,12 @@ class Gemma3(Architecture):
         import numpy as np
 
         kw = gguf_common(m)
-        pattern = int(gguf_value(m, "attention.sliding_window_pattern", 6))
+        pattern = gguf_int(m, "attention.sliding_window_pattern", 6)
         kw.update(
             act="gelu_tanh", embed_scale=float(np.sqrt(kw["d_model"])), attn_scale=kw["head_dim"] ** -0.5,
-            sliding_window=int(gguf_value(m, "attention.sliding_window", 512)), rope_local_theta=10000.0,
+            sliding_window=gguf_int(m, "attention.sliding_window", 512, lo=0), rope_local_theta=10000.0,
             layer_types=["sliding" if (i + 1) % pattern else "global" for i in range(kw["n_layer"])],
-            final_logit_softcap=float(gguf_value(m, "final_logit_softcapping", 0.0) or 0.0),
+            final_logit_softcap=gguf_float(m, "final_logit_softcapping", 0.0),
         )
         return kw
 

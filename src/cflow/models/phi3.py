@@ -9,7 +9,7 @@ sliding_window in the config applies to every layer. LongRoPE (the 128k models) 
 from __future__ import annotations
 
 from cflow.errors import UnsupportedError
-from cflow.models.base import GGUF_NAMES, HF_NAMES, Architecture, gguf_value, with_parts
+from cflow.models.base import GGUF_NAMES, HF_NAMES, Architecture, gguf_int, with_parts
 
 
 class Phi3(Architecture):
@@ -28,7 +28,7 @@ class Phi3(Architecture):
         return self._window(super().hf_fields(c), c.get("sliding_window"))
 
     def gguf_fields(self, m):
-        return self._window(super().gguf_fields(m), gguf_value(m, "attention.sliding_window", 0))
+        return self._window(super().gguf_fields(m), gguf_int(m, "attention.sliding_window", 0, lo=0))
 
     @staticmethod
     def _window(kw, window):
