@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,72 @@ def test_the_working_copies_are_put_back(gguf):
 
 
 # ---------------------------------------------------------------------------- reading and writing files
+
+
+def test_unreadable_source(gguf, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "locked.gguf"
+    shutil.copyfile(gguf.path, src)
+    os.chmod(src, 0)
+    if os.geteuid() == 0:  # permissions do not bind root: refuse the open as the kernel would for others
+        import builtins
+
+        real_open = builtins.open
+
+        def refusing_open(file, *a, **kw):
+            if isinstance(file, (str, os.PathLike)) and os.path.abspath(file) == str(src):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *a, **kw)
+
+        monkeypatch.setattr(builtins, "open", refusing_open)
+    expect_error(capsys, rf"cannot read {re.escape(str(src))}: Permission denied", "convert", src, "-o", tmp_path / "o.cflow")
+    expect_error(capsys, rf"cannot read {re.escape(str(src))}: Permission denied", "generate", "-m", src, "hi")
+
+
+def test_output_into_a_missing_directory(gguf, tmp_path, capsys):
+    out = tmp_path / "no" / "such" / "m.cflow"
+    expect_error(capsys, rf"cannot write {re.escape(str(out))}: No such file or directory", "convert", gguf.path, "-o", out, "-q")
+
+
+def test_output_into_a_read_only_directory(gguf, tmp_path, capsys):
+    d = tmp_path / "ro"
+    d.mkdir()
+    os.chmod(d, 0o555)
+    if os.geteuid() == 0:  # permissions do not bind root; sysfs refuses new files to everyone
+        d = Path("/sys")
+    out = d / "m.cflow"
+    expect_error(capsys, rf"cannot write {re.escape(str(out))}: Permission denied", "convert", gguf.path, "-o", out, "-q")
+
+
+def test_output_onto_a_directory(gguf, tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    expect_error(capsys, rf"cannot write {re.escape(str(tmp_path / 'd'))}: it is a directory", "convert", gguf.path, "-o",
+                 tmp_path / "d", "-q")
+    assert list((tmp_path / "d").iterdir()) == []
+
+
+def test_output_onto_a_full_disk(gguf, tmp_path, capsys):
+    """A file size limit fails the writes as a full disk does (EFBIG instead of ENOSPC)."""
+    import resource
+
+    out = tmp_path / "m.cflow"
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limits[1]))
+    try:
+        expect_error(capsys, rf"cannot write {re.escape(str(out))}: File too large", "convert", gguf.path, "-o", out, "-q")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, old)
+    assert list(tmp_path.glob("m.cflow*")) == []
+
+
+def test_output_that_is_the_input_is_refused(gguf, tmp_path, capsys):
+    link = tmp_path / "link.gguf"
+    link.symlink_to(gguf.path)
+    for out in (gguf.path, link, tmp_path / ".." / tmp_path.name / "link.gguf"):
+        expect_error(capsys, r"is the input file", "convert", gguf.path, "-o", out, "-q")
+        expect_error(capsys, r"is the input file", "convert", link, "-o", out, "-q")
+    assert digest(gguf.path) == gguf.digest and link.is_symlink()
 
 
 # ---------------------------------------------------------------------------- .cflow

@@ -127,8 +127,11 @@ def source_kind(path: str | os.PathLike) -> str:
         raise CflowError(f"{p} is a directory without config.json (expected a Hugging Face model directory)")
     if not p.is_file():
         raise CflowError(f"no such file or directory: {p}")
-    with open(p, "rb") as f:
-        magic = f.read(8)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(8)
+    except OSError as e:
+        raise CflowError(f"cannot read {p}: {e.strerror or e}") from None
     if magic[:4] == b"GGUF":
         return "gguf"
     if p.suffix == ".cflow" or magic == b"\x89CFLOW\r\n":
@@ -214,12 +217,27 @@ def requantize(ckpt: Checkpoint, quant: str) -> Checkpoint:
 # ---------------------------------------------------------------------------- writing
 
 
+def check_output(src: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Refuse an output path whose replacement would destroy the source: the source file itself
+    (also through a symlink or a hard link), or an existing file inside a source directory. The
+    write is a rename onto `out`, so it would replace the source in one atomic step."""
+    if not (os.path.exists(src) and os.path.exists(out)):
+        return
+    if os.path.samefile(src, out):
+        raise CflowError(f"the output {out} is the input file; write the .cflow file to another path")
+    real_src, real_out = os.path.realpath(src), os.path.realpath(out)
+    if os.path.isdir(real_src) and os.path.commonpath([real_src, real_out]) == real_src:
+        raise CflowError(f"the output {out} is a file of the input directory {src}; write the .cflow file elsewhere")
+
+
 def convert(src: str | os.PathLike, out: str | os.PathLike, *, quant: str = "keep", progress: bool = True,
             pack: str = "planes") -> Path:
-    """Convert a GGUF file or an HF directory into a .cflow file (atomic: no partial file).
-    pack: "planes" (Q4_0/Q4_1/Q5_0/Q8_0 matrices in the planes pack) or "blocks" (convert/write.py)."""
+    """Convert a GGUF file or an HF directory into a .cflow file (atomic: no partial file; the
+    source is never the file replaced). pack: "planes" (Q4_0/Q4_1/Q5_0/Q8_0 matrices in the planes
+    pack) or "blocks" (convert/write.py)."""
     from cflow.convert.write import write_cflow
 
+    check_output(src, out)
     ckpt = requantize(load_source(src), quant)
     write_cflow(ckpt, out, progress=progress, pack=pack)
     return Path(out)

@@ -17,6 +17,7 @@ another; a section, once left, cannot be reopened. An exception inside the `with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -78,8 +79,13 @@ class CflowWriter:
         check_special_tokens(self._head["special_tokens"])
         check_generation(self._head["generation"])
         self.tile, self.interleave = tuple(tile), interleave
+        if os.path.isdir(self.path):  # the rename at the end would fail, after the whole payload
+            raise CflowError(f"cannot write {self.path}: it is a directory")
         d = os.path.dirname(os.path.abspath(self.path))
-        fd, self._tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".tmp-", dir=d)
+        try:
+            fd, self._tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".tmp-", dir=d)
+        except OSError as e:  # a missing or read-only directory
+            raise _cannot_write(self.path, e) from None
         self._f = os.fdopen(fd, "wb")
         self._pos = 0
         self._sections: dict[str, Section] = {}
@@ -91,9 +97,20 @@ class CflowWriter:
         self._pos = ALIGN
 
     # ------------------------------------------------------------------ raw output
+    @contextlib.contextmanager
+    def _output(self):
+        """An OSError of the output file (a full disk, a file size limit, a vanished directory)
+        becomes one CflowError naming `path`; the temp file goes."""
+        try:
+            yield
+        except OSError as e:
+            self.abort()
+            raise _cannot_write(self.path, e) from None
+
     def _write(self, b) -> None:
         b = memoryview(b).cast("B")
-        self._f.write(b)
+        with self._output():
+            self._f.write(b)
         self._cur[2] = crc32(b, self._cur[2])
         self._pos += len(b)
 
@@ -229,32 +246,37 @@ class CflowWriter:
         if self._done:
             return
         try:
-            self._leave_section()
-            head = dict(self._head)
-            head["alignment"] = {"section": ALIGN, "tensor": TENSOR_ALIGN}
-            head["sections"] = [{"name": s.name, "offset": s.offset, "length": s.length, "crc32": s.crc32}
-                                for s in self._sections.values()]
-            head["tensors"] = [t.to_dict() for t in self._tensors.values()]
-            head["experts"] = [{"layer": e.layer, "expert": e.expert, "section": e.section, "offset": e.offset,
-                                "length": e.length, "tensors": list(e.tensors)} for e in self._experts.values()]
-            raw = json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-            hoff = self._pos
-            self._f.write(raw)
-            pre = Preamble(VERSION, 0, hoff + len(raw), hoff, len(raw), crc32(raw), ALIGN)
-            self._f.seek(0)
-            self._f.write(pre.pack())
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(self._tmp, 0o666 & ~umask)
-            os.replace(self._tmp, self.path)
-            self._done = True
-            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            with self._output():
+                self._commit()
         except BaseException:
             self.abort()
             raise
+
+    def _commit(self) -> None:
+        """close() without its error handling."""
+        self._leave_section()
+        head = dict(self._head)
+        head["alignment"] = {"section": ALIGN, "tensor": TENSOR_ALIGN}
+        head["sections"] = [{"name": s.name, "offset": s.offset, "length": s.length, "crc32": s.crc32}
+                            for s in self._sections.values()]
+        head["tensors"] = [t.to_dict() for t in self._tensors.values()]
+        head["experts"] = [{"layer": e.layer, "expert": e.expert, "section": e.section, "offset": e.offset,
+                            "length": e.length, "tensors": list(e.tensors)} for e in self._experts.values()]
+        raw = json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        hoff = self._pos
+        self._f.write(raw)
+        pre = Preamble(VERSION, 0, hoff + len(raw), hoff, len(raw), crc32(raw), ALIGN)
+        self._f.seek(0)
+        self._f.write(pre.pack())
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self._tmp, 0o666 & ~umask)
+        os.replace(self._tmp, self.path)
+        self._done = True
+        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def abort(self) -> None:
         """Discard everything written: the temp file is removed, `path` is left as it was."""
@@ -262,7 +284,8 @@ class CflowWriter:
             return
         self._done = True
         try:
-            self._f.close()
+            with contextlib.suppress(OSError):  # flushing what is discarded may fail again (a full disk)
+                self._f.close()
         finally:
             try:
                 os.unlink(self._tmp)
@@ -329,6 +352,10 @@ def _parts(name: str, rows: int, tile, parts, fuse, stripe_rows) -> tuple[tuple[
         raise CflowError(f"tensor {name!r}: stripe fusion needs parts with equal rows")
     s = stripe_rows or max(1, tile[0] // len(out))
     return out, int(s)
+
+
+def _cannot_write(path: str, e: OSError) -> CflowError:
+    return CflowError(f"cannot write {path}: {e.strerror or e}")
 
 
 def _fsync_dir(d: str) -> None:
