@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -291,6 +292,31 @@ def test_output_that_is_the_input_is_refused(gguf, tmp_path, capsys):
         expect_error(capsys, r"is the input file", "convert", gguf.path, "-o", out, "-q")
         expect_error(capsys, r"is the input file", "convert", link, "-o", out, "-q")
     assert digest(gguf.path) == gguf.digest and link.is_symlink()
+
+
+def test_sigterm_during_convert_leaves_no_temporary_file(gguf, tmp_path):
+    """SIGTERM arrives while the tensors are written (sent by the process to itself at the tenth
+    tensor, so the moment is certain): the temp file goes, as on Ctrl-C; status 128 + 15."""
+    out = tmp_path / "m.cflow"
+    script = (
+        "import os, signal, sys\n"
+        "from cflow.format.writer import CflowWriter\n"
+        "add, calls = CflowWriter.add_tensor, []\n"
+        "def add_tensor(self, *a, **kw):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 10:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return add(self, *a, **kw)\n"
+        "CflowWriter.add_tensor = add_tensor\n"
+        "from cflow.cli import main\n"
+        f"sys.exit(main(['convert', {str(gguf.path)!r}, '-o', {str(out)!r}, '-q']))\n"
+    )
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 143, (r.returncode, r.stderr)
+    assert r.stderr.strip() == "cflow convert: terminated"
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------- .cflow

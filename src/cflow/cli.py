@@ -8,9 +8,12 @@ verb's main(), so `cflow --help` is fast and the inference verbs never import to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import pkgutil
+import signal
 import sys
+import threading
 
 from cflow import __version__
 from cflow.errors import CflowError
@@ -38,6 +41,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt: `with` blocks and
+    `finally` clauses run, so an atomic write (a temp file, then a rename) removes its temp file
+    instead of leaving it behind. A BaseException, so that no `except Exception` swallows it."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While a verb runs, SIGTERM raises Terminated (where signals can be handled: the main
+    thread, and unless the process was started with SIGTERM ignored); the previous handler comes
+    back afterwards. The server replaces it with its own graceful shutdown while it serves."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -45,13 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._main(args) or 0)
+        with _sigterm_unwinds():
+            return int(args._main(args) or 0)
     except CflowError as e:
         print(f"cflow {args.verb}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\ncflow {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"cflow {args.verb}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:
         return 0
 
