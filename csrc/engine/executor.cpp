@@ -379,13 +379,15 @@ static float* output_rows(bool accumulate, std::vector<float>& scratch, float* d
   return scratch.data();
 }
 
-// Rows [r0, r1) of L (r0 on a stripe) for n tokens through a batched GEMV, in runs of about
-// kVisitBytes of weights, each run passed over by all the tokens while it is in cache:
-// y (n, ldy) from row r0; x: the tokens' prepared activations, adjacent.
+// Rows [r0, r1) of L (r0 on a stripe) for n tokens through a batched GEMV: y (n, ldy) from row
+// r0; x: the tokens' prepared activations, adjacent. The kernel passes over its rows once per
+// group of 8 or more tokens (kernels.h): more tokens than that take the rows in runs of about
+// kVisitBytes of weights, each run passed over by every group while it is in cache.
 static void batched_runs(GemvBatchFn batch, const TileLayout& L, const uint8_t* w, const void* x, int n, int r0,
                          int r1, float* y, int ldy) {
   const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
-  const int run = L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
+  const int run = n <= kBatchGroupMin ? r1 - r0
+                                      : L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
   for (int c0 = r0; c0 < r1; c0 += run) batch(y + (c0 - r0), ldy, x, n, w, L, c0, std::min(r1, c0 + run));
 }
 
@@ -623,13 +625,17 @@ void Engine::run_op(const Attention& op, Workspace& ws, int tid) {
     }
   }
   ws.pool.barrier();
-  // Phase B: softmax(q K^T * scale) V per (row, head); interleaved so causal work balances.
+  // Phase B: softmax(q K^T * scale) V per (row, head); units interleaved over the threads so
+  // causal work balances. With enough rows a unit is the `group` query heads of one (row, KV
+  // head), items it .. it + group - 1, so their keys and values come from memory once, not once
+  // per query head; else a unit is one head.
   const float scale = op.scale > 0 ? op.scale : 1.f / std::sqrt((float)hd);
-  const int group = nh / nkv;
+  const int group = nh / nkv, per_unit = n * nkv >= 4 * nth ? group : 1;
   Scratch& s = *ws.priv[tid];
   grow(s.scores, (size_t)n_ctx_);
   float* out = ws.bufs[op.dst].data();
-  for (int it = tid; it < n * nh; it += nth) {
+  for (int u = tid; u < n * nh / per_unit; u += nth)
+  for (int it = u * per_unit; it < (u + 1) * per_unit; ++it) {
     const int k = it / nh, h = it % nh, p = ws.row_pos[k], j = h / group;
     const State& st = *ws.states[ws.row_seq[k]];
     const float* K = st.k_[op.kv].get();

@@ -78,6 +78,9 @@ GemvFn gemv_fn(BlockType bt, Pack pack, AType at, Isa isa, Isa* used = nullptr);
 // batch it rides in.
 using GemvBatchFn = void (*)(float* y, int ldy, const void* x, int m, const uint8_t* w, const TileLayout& L,
                              int row_begin, int row_end);
+// A batched kernel takes at least this many tokens per pass over its rows (16 activation rows:
+// 16 tokens of one level, 8 of two).
+constexpr int kBatchGroupMin = 8;
 // The batched kernel matching gemv_fn(bt, pack, at, isa), or nullptr where there is none (the
 // caller then runs the GEMV token by token). Today: planes-packed Q4_0/Q4_1/Q5_0/Q8_0 with int8
 // activations, on the AVX-512 path of a CPU with AMX (amx_usable()).

@@ -151,6 +151,7 @@ template <BlockType WT, bool TWO>
 void gemv_batch_planes(float* y, int ldy, const void* xv, int m, const uint8_t* w, const TileLayout& L,
                        int row_begin, int row_end) {
   constexpr int LV = TWO ? 2 : 1, kGroup = kARows / LV;  // tokens per A tile
+  static_assert(kGroup >= kBatchGroupMin, "kernels.h promises this many tokens per pass");
   const size_t lrow = q8a_row_bytes(L.cols);  // one level's row; a token's LV rows are adjacent
   const int n = std::min(row_end, L.rows) - row_begin, nbr = L.cols / QK;
   if (n <= 0 || m <= 0) return;
