@@ -117,6 +117,26 @@ def test_two_threads_on_one_engine_give_the_sequential_tokens(qwen3_q4):
     assert results == sequential
 
 
+@pytest.mark.parametrize("make", [Engine, RefEngine])
+def test_a_copied_prefix_continues_exactly_as_computed(qwen3_q4, make):
+    # a sequence that takes another's first tokens and KV cache (a shared system prompt) then
+    # goes on as if it had computed them itself (the native engine bit for bit; numpy's matrix
+    # products round differently for different row counts); the source keeps its own history
+    eng = make(qwen3_q4, threads=2, n_ctx=64) if make is Engine else make(qwen3_q4, n_ctx=64)
+    src, fresh = eng.new_state(), eng.new_state()
+    eng.forward(src, IDS[:30])
+    want = eng.forward(fresh, IDS[:12] + [5, 6, 7])
+    dst = eng.new_state()
+    eng.forward(dst, IDS[40:47])  # a history of its own, replaced
+    dst.copy_prefix(src, 12)
+    assert dst.tokens == IDS[:12] and src.tokens == IDS[:30]
+    got = eng.forward(dst, [5, 6, 7])
+    assert np.array_equal(got, want) if make is Engine else np.allclose(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(CflowError, match="copy_prefix"):
+        dst.copy_prefix(src, 31)
+    assert dst.tokens == IDS[:12] + [5, 6, 7]
+
+
 def test_state_history_truncate_and_misuse(qwen3_q4):
     eng = Engine(qwen3_q4, threads=2, n_ctx=32)
     st = eng.new_state()

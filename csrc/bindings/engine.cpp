@@ -31,7 +31,8 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("pos", &State::pos, "tokens in the cache")
       .def_prop_ro("n_ctx", &State::n_ctx)
       .def_prop_ro("tokens", &State::tokens, "the token history (a copy)")
-      .def("truncate", &State::truncate, "n"_a, "keep the first n tokens");
+      .def("truncate", &State::truncate, "n"_a, "keep the first n tokens")
+      .def("copy_prefix", &State::copy_prefix, "src"_a, "n"_a, "become the first n tokens of src and their KV cache");
   nb::class_<PyEngine>(m, "EngineCore", "Native plan executor (csrc/engine/executor.cpp)")
       .def(
           "__init__",

@@ -73,6 +73,20 @@ void State::truncate(int n) {
   tokens_.resize(n);
 }
 
+void State::copy_prefix(const State& src, int n) {
+  if (&src == this) return truncate(n);
+  if (n < 0 || n > src.pos())
+    fail("copy_prefix(" + std::to_string(n) + "): the source holds " + std::to_string(src.pos()) + " tokens");
+  if (src.n_ctx_ != n_ctx_ || src.kv_width_ != kv_width_) fail("copy_prefix: the states belong to different models");
+  if (busy_ || src.busy_) fail("copy_prefix: a state is in a forward");
+  for (size_t slot = 0; slot < k_.size(); ++slot) {
+    const size_t bytes = sizeof(float) * (size_t)n * kv_width_[slot];
+    std::memcpy(k_[slot].get(), src.k_[slot].get(), bytes);
+    std::memcpy(v_[slot].get(), src.v_[slot].get(), bytes);
+  }
+  tokens_.assign(src.tokens_.begin(), src.tokens_.begin() + n);
+}
+
 Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threads, bool fast)
     : base_(base), size_(size), plan_(std::move(plan)), n_ctx_(n_ctx), threads_(threads > 0 ? threads : 1),
       fast_(fast), isa_(best_isa()) {

@@ -198,6 +198,14 @@ class State:
             raise CflowError(f"truncate({n}): the state holds {self.pos} tokens")
         self._st.truncate(n)
 
+    def copy_prefix(self, src: "State", n: int) -> None:
+        """Become the first n tokens of src and their KV cache (a prefix shared with another
+        sequence, taken instead of computed again)."""
+        try:
+            self._st.copy_prefix(src._st, n)
+        except RuntimeError as e:
+            raise CflowError(str(e)) from None
+
 
 class Engine(EngineBase):
     """A converted model on the native executor; one per model, any number of States."""

@@ -38,6 +38,18 @@ class RefState:
             raise CflowError(f"truncate({n}): the state holds {self.pos} tokens")
         del self.tokens[n:]
 
+    def copy_prefix(self, src: "RefState", n: int) -> None:
+        """Become the first n tokens of src and their KV cache."""
+        if not 0 <= n <= src.pos:
+            raise CflowError(f"copy_prefix({n}): the source holds {src.pos} tokens")
+        if src is self:
+            return self.truncate(n)
+        if [k.shape for k in src.k] != [k.shape for k in self.k]:
+            raise CflowError("copy_prefix: the states belong to different models")
+        for dst, s in zip(self.k + self.v, src.k + src.v):
+            dst[:n] = s[:n]
+        self.tokens = list(src.tokens[:n])
+
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, offset: float) -> np.ndarray:
     """x (..., n) normalized over the last axis, times (offset + w)."""

@@ -40,6 +40,10 @@ class State {
   const std::vector<int32_t>& tokens() const { return tokens_; }
   // Keeps the first n tokens (prompt reuse); 0 <= n <= pos().
   void truncate(int n);
+  // Becomes the first n tokens of src and their KV cache (a shared prefix, such as a system
+  // prompt, taken from another sequence instead of computed again); 0 <= n <= src.pos(), src of
+  // the same model, neither in a forward.
+  void copy_prefix(const State& src, int n);
 
  private:
   friend class Engine;
