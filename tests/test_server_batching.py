@@ -137,6 +137,26 @@ def test_a_chats_second_turn_reuses_the_first_turns_kv(tiny_llm):
         assert usage[-1]["prompt_tokens_details"]["cached_tokens"] >= cached
 
 
+def test_a_shared_prefix_is_copied_and_the_other_histories_kept(tiny_llm):
+    # b shares only the system prompt with a: it takes a fresh slot with that prefix copied from
+    # a's, so a's whole conversation is still there when a's question comes again
+    def ask(u, question):
+        return chat(u, [{"role": "system", "content": "You are a terse assistant. " * 8},
+                        {"role": "user", "content": question}])
+
+    with serving(tiny_llm, parallel=4) as u:
+        a = ask(u, "Name three rivers.")
+        b = ask(u, "Name three mountains, please.")
+        again = ask(u, "Name three rivers.")
+    ub = b["usage"]
+    cached = ub["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < ub["prompt_tokens"] - 2 and b["timings"]["prompt_n"] == ub["prompt_tokens"] - cached
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == a["usage"]["prompt_tokens"] - 2
+    assert again["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    with serving(tiny_llm, parallel=1) as u:  # the copied prefix gives the tokens of a fresh run
+        assert ask(u, "Name three mountains, please.")["choices"][0]["message"] == b["choices"][0]["message"]
+
+
 def test_kv_caches_that_do_not_fit_fail_at_start(tiny_cflow, capsys):
     from cflow.cli import main
 

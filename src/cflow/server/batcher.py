@@ -9,11 +9,14 @@ penalties); the resulting Chunk is handed to the request's asyncio queue on the 
 (`loop.call_soon_threadsafe`). The event loop never runs model code.
 
 Requests beyond N wait first come, first served (at most max_queue of them, then QueueFull).
-A request takes a free slot when it arrives or when one frees; the slot whose state shares the
-longest prefix with its prompt (a system prompt, the earlier turns of a chat) is preferred, as
-long as that prefix is at least half of what the slot holds; otherwise the least recently used
-slot. The shared prefix is kept (truncate) and only the rest of the prompt is computed. A
-finished or cancelled sequence leaves at the next step; its state keeps its tokens for reuse.
+A request takes a free slot when it arrives or when one frees, keeping the other slots'
+histories for later requests where it can: a slot that loses nothing (empty, or all of its
+history a prefix of the prompt); else the slot sharing the longest prefix with the prompt (the
+earlier turns of a chat) when that prefix is at least half of what it holds; else the least
+recently used slot. The longest prefix any free slot shares with the prompt (a system prompt)
+is then copied into the taken slot (State.copy_prefix) when it holds less of it, and only the
+rest of the prompt is computed. A finished or cancelled sequence leaves at the next step; its
+state keeps its tokens for reuse.
 """
 
 from __future__ import annotations
@@ -74,6 +77,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def _longest(reuse: tuple[int, Slot]) -> tuple[int, int]:
+    """Key of a (shared prefix, slot) pair: the longest prefix, then the least recently used."""
+    return reuse[0], -reuse[1].used
 
 
 def _put_all(pairs) -> None:
@@ -193,9 +201,17 @@ class Batcher:
         free = [s for s in self.slots if s.job is None]
         prompt = job.decoder.prompt
         reuse = [(common_prefix(s.state.tokens, prompt), s) for s in free]
-        best = max(((c, s) for c, s in reuse if c > 0 and 2 * c >= s.state.pos),
-                   key=lambda cs: (cs[0], -cs[1].used), default=None)
-        cached, slot = best if best else min(reuse, key=lambda cs: cs[1].used)
+        best = max(((c, s) for c, s in reuse if c > 0), key=_longest, default=None)
+        intact = [(c, s) for c, s in reuse if c == s.state.pos]  # empty, or all of it the prompt's
+        if intact:  # a slot that loses nothing
+            cached, slot = max(intact, key=_longest)
+        elif best and 2 * best[0] >= best[1].state.pos:  # mostly this prompt's own past
+            cached, slot = best
+        else:  # the least recently used slot
+            cached, slot = min(reuse, key=lambda cs: cs[1].used)
+        if best and best[0] > cached:  # the longest shared prefix, copied from the slot that has it
+            slot.state.copy_prefix(best[1].state, best[0])
+            cached = best[0]
         slot.job, slot.used = job, next(self._clock)
         job.slot, job.cached = slot, cached
 
