@@ -380,6 +380,12 @@ void Engine::run_op(const Embed& op, Workspace& ws, int tid) {
 //    from cache for the other rows.
 constexpr size_t kVisitBytes = 192 << 10;
 
+// Rows of L in a run of about kVisitBytes: whole stripes, at least one.
+static int visit_rows(const TileLayout& L) {
+  const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
+  return L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
+}
+
 // Where a thread's outputs for rows [r0, r1) of W, m tokens, go: dst itself, or its scratch
 // when the op accumulates into dst (the epilogue adds them).
 static float* output_rows(bool accumulate, std::vector<float>& scratch, float* dst, int ldd, int m, int r0, int r1,
@@ -399,9 +405,7 @@ static float* output_rows(bool accumulate, std::vector<float>& scratch, float* d
 // kVisitBytes of weights, each run passed over by every group while it is in cache.
 static void batched_runs(GemvBatchFn batch, const TileLayout& L, const uint8_t* w, const void* x, int n, int r0,
                          int r1, float* y, int ldy) {
-  const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
-  const int run = n <= kBatchGroupMin ? r1 - r0
-                                      : L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
+  const int run = n <= kBatchGroupMin ? r1 - r0 : visit_rows(L);
   for (int c0 = r0; c0 < r1; c0 += run) batch(y + (c0 - r0), ldy, x, n, w, L, c0, std::min(r1, c0 + run));
 }
 
@@ -500,8 +504,7 @@ void Engine::matmul_single(const Matmul& op, Workspace& ws, const float* src, in
   if (GemvBatchFn batch = m > 1 && gemv ? batch_kernel(L, at) : nullptr) {
     batched_runs(batch, L, W.data, s.xa.data(), m, r0, r1, y, ldy);
   } else if (gemv) {
-    const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
-    const int run = m == 1 ? r1 - r0 : L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
+    const int run = m == 1 ? r1 - r0 : visit_rows(L);
     for (int c0 = r0; c0 < r1; c0 += run) {
       const int c1 = std::min(r1, c0 + run);
       for (int k = 0; k < m; ++k) gemv(y + (size_t)k * ldy + (c0 - r0), s.xa.data() + k * ab, W.data, L, c0, c1);
@@ -541,13 +544,13 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
     }
   };
   // rows [k0, k0 + n), prepared for `at` at x, through the batched GEMV when a piece pair is one
-  // stripe and the kernel exists: the thread's pieces in runs of about kVisitBytes, all rows
-  // over each run. False where it does not apply.
+  // stripe and the kernel exists: the thread's pieces in one call, or for more rows than one
+  // pass takes in runs of about kVisitBytes, all rows over each run (as batched_runs). False
+  // where it does not apply.
   auto batched_rows = [&](AType at, const void* x, int k0, int n) {
     const GemvBatchFn batch = 2 * c == L.tr ? batch_kernel(L, at) : nullptr;
     if (!batch) return false;
-    const size_t piece_bytes = layout_nbytes(L) / std::max(1, P);
-    const int per_run = (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, piece_bytes));
+    const int per_run = n <= kBatchGroupMin ? p1 - p0 : visit_rows(L) / L.tr;  // pieces are stripes here
     for (int pa = p0; pa < p1; pa += per_run) {
       const int pb = std::min(p1, pa + per_run), ra = 2 * pa * c, rb = std::min(2 * pb * c, L.rows), ly = rb - ra;
       grow(s.y, (size_t)n * ly);
