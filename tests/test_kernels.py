@@ -158,7 +158,9 @@ def test_two_level_activations(name):
     """q8x2: every ISA matches the scalar definition (two one-level passes), and
     the error against fp32 activations falls far below the one-level bound."""
     rng = np.random.default_rng(11)
-    for g, rows, cols in ((16, 301, 608), (8, 133, 96)):
+    k = block_type(name).block_elems == 256  # the K-quants: columns in super-blocks of 256
+    small = 256 if k else 96
+    for g, rows, cols in ((16, 301, 768 if k else 608), (8, 133, small)):
         tiles, W, x = setup(name, rows, cols, (128, 256), g, seed=g, pack="planes")
         args = (name, tiles, x, rows, cols, (128, 256), g)
         yr = K.gemv(*args, act="q8x2", isa="scalar", pack="planes")
@@ -175,15 +177,15 @@ def test_two_level_activations(name):
         assert np.all(e2 <= bound / 100 + 1e-5 * scale)  # the residual's own step is d/127
         assert e2.max() < e1.max() / 20
     # whole blocks: two one-level passes, the same sum as the planes kernels' definition
-    tiles_b, W, x = setup(name, 133, 96, (128, 256), 8, seed=8)
-    yb = K.gemv(name, tiles_b, x, 133, 96, (128, 256), 8, act="q8x2", isa="scalar")
-    tiles_p, _, _ = setup(name, 133, 96, (128, 256), 8, seed=8, pack="planes")
-    np.testing.assert_array_equal(yb, K.gemv(name, tiles_p, x, 133, 96, (128, 256), 8, act="q8x2", isa="scalar",
+    tiles_b, W, x = setup(name, 133, small, (128, 256), 8, seed=8)
+    yb = K.gemv(name, tiles_b, x, 133, small, (128, 256), 8, act="q8x2", isa="scalar")
+    tiles_p, _, _ = setup(name, 133, small, (128, 256), 8, seed=8, pack="planes")
+    np.testing.assert_array_equal(yb, K.gemv(name, tiles_p, x, 133, small, (128, 256), 8, act="q8x2", isa="scalar",
                                              pack="planes"))
     scale = np.abs(W) @ np.abs(x.astype(np.float64))
     for isa in ISAS:
         assert K.gemv_isa(name, "q8x2", isa) == isa
-        y = K.gemv(name, tiles_b, x, 133, 96, (128, 256), 8, act="q8x2", isa=isa)
+        y = K.gemv(name, tiles_b, x, 133, small, (128, 256), 8, act="q8x2", isa=isa)
         assert np.all(np.abs(y - yb) <= 1e-5 * scale + 1e-30), isa
 
 
@@ -206,7 +208,10 @@ def test_planes_chunk_layout_by_hand():
 def test_planes_pack_is_lossless(name):
     rng = np.random.default_rng(7)
     bt = block_type(name)
-    for rows, cols, tile, g in ((300, 640, (128, 256), 16), (77, 96, (32, 64), 8), (50, 64, (48, 32), 12)):
+    shapes = ((300, 640, (128, 256), 16), (77, 96, (32, 64), 8), (50, 64, (48, 32), 12))
+    if bt.block_elems == 256:  # the K-quants: columns in super-blocks
+        shapes = ((300, 1024, (128, 512), 16), (77, 768, (32, 256), 8), (50, 256, (48, 256), 12))
+    for rows, cols, tile, g in shapes:
         rm = random_rows(name, rows, cols, rng)
         p = pack_tiles(rm, bt, cols, tile, g, "planes")
         assert p.size == pack_tiles(rm, bt, cols, tile, g).size
@@ -221,7 +226,10 @@ def test_planes_kernels_match_the_whole_block_definition(name, act, isa):
     matrix: full 16-row groups, and ragged ones (a partial stripe and group), 1 and 2 threads."""
     assert K.gemv_isa(name, act, isa, "planes") == isa
     rng = np.random.default_rng(sum(map(ord, name + act + isa)))
-    for g, rows, cols in ((16, 256, 512), (16, 301, 608), (8, 133, 96), (4, 7, 64), (1, 5, 32)):
+    shapes = ((16, 256, 512), (16, 301, 608), (8, 133, 96), (4, 7, 64), (1, 5, 32))
+    if block_type(name).block_elems == 256:  # the K-quants: columns in super-blocks
+        shapes = ((16, 256, 512), (16, 301, 768), (8, 133, 256), (4, 7, 256), (1, 5, 256))
+    for g, rows, cols in shapes:
         tiles_b, W, x = setup(name, rows, cols, (128, 256), g, seed=g)
         tiles_p, _, _ = setup(name, rows, cols, (128, 256), g, seed=g, pack="planes")
         yr = K.gemv(name, tiles_b, x, rows, cols, (128, 256), g, act=act, isa="scalar")
@@ -305,7 +313,7 @@ def test_bad_arguments_give_clear_errors():
     with pytest.raises(CflowError, match="int8"):
         K.gemv("f16", np.zeros(2 * 128, np.uint8), x, 2, 64, act="q8")
     with pytest.raises(CflowError, match="planes pack exists only for"):
-        K.gemv("q4_k", np.zeros(2 * 144, np.uint8), np.zeros(256, np.float32), 2, 256, pack="planes")
+        K.gemv("f16", np.zeros(2 * 128, np.uint8), x, 2, 64, pack="planes")
     with pytest.raises(CflowError, match="at most 16"):
         K.gemv("q4_0", np.zeros(64 * 36, np.uint8), x, 64, 64, tile=(64, 256), interleave=32, pack="planes")
     with pytest.raises(CflowError, match="pack must be"):

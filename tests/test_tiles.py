@@ -58,3 +58,58 @@ def test_bad_shapes_are_format_errors():
         unpack_tiles(np.zeros(10, np.uint8), block_type("q4_0"), 2, 32)
     with pytest.raises(Exception, match="supported"):
         block_type("q3_k")
+
+
+def _planes_chunk_weights(name: str, c: np.ndarray, g: int) -> np.ndarray:
+    """The (g, 256) weights of one q4_k / q6_k planes chunk c (g blocks), read as docs/FORMAT.md
+    5.1 describes the chunk (not by undoing the permutation): plane p is slice p of every row,
+    dword i of it row i's (as uint32 (g,) after the header)."""
+    h = 4 if name == "q4_k" else 2
+    f16 = c[:h * g].view("<f2").astype(np.float32)
+    planes = c[h * g:].view("<u4").reshape(-1, g)  # (slices, g)
+    byte = lambda p, j: ((planes[p] >> (8 * j)) & 255).astype(np.int64)  # byte j of plane p, per row
+    w = np.empty((g, 256), np.float32)
+    if name == "q4_k":
+        d, dmin = f16[:g], f16[g:]
+        a, b, s = planes[0].astype(np.int64), planes[1].astype(np.int64), planes[2].astype(np.int64)
+        for j in range(8):  # sub-block j's scale and min from planes 0..2
+            if j < 4:
+                sc, m = (a >> (8 * j)) & 63, (b >> (8 * j)) & 63
+            else:
+                k = 8 * (j - 4)
+                sc = ((s >> k) & 15) | (((a >> (k + 6)) & 3) << 4)
+                m = ((s >> (k + 4)) & 15) | (((b >> (k + 6)) & 3) << 4)
+            for l in range(32):  # qs plane 3 + 8 * (j // 2) + l // 4, low nibble for even j
+                q = (byte(3 + 8 * (j // 2) + l // 4, l % 4) >> (4 * (j % 2))) & 15
+                w[:, 32 * j + l] = (d * sc.astype(np.float32)) * q.astype(np.float32) - dmin * m.astype(np.float32)
+        return w
+    d = f16[:g]
+    for n in range(256):  # weight n = 128 hf + 32 t + l: ql plane 16 hf + 8 (t % 2) + l // 4, qh plane 8 hf + l // 4
+        hf, t, l = n // 128, (n // 32) % 4, n % 32
+        lo = (byte(16 * hf + 8 * (t % 2) + l // 4, l % 4) >> (4 * (t // 2))) & 15
+        hi = (byte(32 + 8 * hf + l // 4, l % 4) >> (2 * t)) & 3
+        sc = byte(48 + n // 64, (n // 16) % 4)
+        sc = np.where(sc > 127, sc - 256, sc)
+        w[:, n] = (d * sc.astype(np.float32)) * ((lo | hi << 4) - 32).astype(np.float32)
+    return w
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("g", [16, 5])
+def test_k_quant_planes_chunk_dequantizes_as_gguf(name, g):
+    """A K-quant planes chunk read by its documented layout gives gguf-py's weights, bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    bt = block_type(name)
+    rng = np.random.default_rng(g)
+    rows = rng.integers(0, 256, size=(g, bt.block_bytes), dtype=np.uint8)  # one block per row
+    scales = (rng.standard_normal((g, 2)) * 0.01).astype("<f2").view(np.uint8)
+    if name == "q4_k":
+        rows[:, 0:4] = scales
+    else:
+        rows[:, 208:210] = scales[:, :2]
+    chunk = pack_tiles(rows, bt, 256, (g, 256), g, "planes")
+    want = gguf_dequantize(rows, GGMLQuantizationType(bt.code)).reshape(g, 256)
+    got = _planes_chunk_weights(name, chunk, g)
+    assert np.array_equal(got, want)

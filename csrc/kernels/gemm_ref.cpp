@@ -22,15 +22,14 @@ int unit_row(const TileLayout& L, int u) {
 
 void dequant_group_row(const TileLayout& L, const Group& G, int i, float* out) {
   const BlockTraits& T = *block_traits(L.bt());
-  const int hdr = L.planes() ? T.planes_header : 0;
-  uint8_t blk[64];
+  uint8_t blk[256];  // one whole block (the largest, Q6_K, is 210 bytes)
   for (int t = 0; t < G.ntiles; ++t) {
     const uint8_t* tb = G.tile(t);
     const int nb = G.nb_of(t);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* p = tb + ((size_t)b * G.g + i) * G.bb;
-      if (hdr) {  // planes: gather row i's block from its chunk
-        planes_get(tb + (size_t)b * G.g * G.bb, G.g, i, hdr, G.bb, blk);
+      if (L.planes()) {  // planes: gather row i's block from its chunk
+        planes_get(tb + (size_t)b * G.g * G.bb, G.g, i, L.bt(), blk);
         p = blk;
       }
       T.dequantize(p, out + (size_t)(t * G.bpt + b) * L.qk);

@@ -53,7 +53,7 @@ bool make_layout(TileLayout& L, const char** err) {
   else if (L.tr <= 0 || L.tc <= 0 || L.tc % t->elems) *err = "tile columns must be a positive multiple of the block size";
   else if (L.g <= 0 || L.tr % L.g) *err = "interleave must divide the tile rows";
   else if (L.pack != (int)Pack::Blocks && L.pack != (int)Pack::Planes) *err = "unknown pack";
-  else if (L.planes() && !t->planes_header) *err = "the planes pack exists only for q4_0, q4_1, q5_0 and q8_0";
+  else if (L.planes() && !t->planes_header) *err = "the planes pack exists only for q4_0, q4_1, q5_0, q8_0, q4_k and q6_k";
   else if (L.planes() && L.g > kPlanesMaxG) *err = "the planes pack needs an interleave of at most 16";
   if (*err) return false;
   L.qk = t->elems;
@@ -202,14 +202,14 @@ GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa) {
 }
 
 void unpack_planes(const TileLayout& L, const uint8_t* src, uint8_t* dst, int nr) {
-  const int hdr = planes_header(L.bt()), nbr = L.cols / L.qk, bpt = L.tc / L.qk, bb = L.bb;
+  const int nbr = L.cols / L.qk, bpt = L.tc / L.qk, bb = L.bb;
   size_t off = 0;  // chunks follow one another in payload order: tile, group, column block
   for (int cb0 = 0; cb0 < nbr; cb0 += bpt) {
     const int nb = std::min(bpt, nbr - cb0);
     for (int g0 = 0; g0 < nr; g0 += L.g) {
       const int gg = std::min(L.g, nr - g0);
       for (int b = 0; b < nb; ++b, off += (size_t)gg * bb)
-        for (int i = 0; i < gg; ++i) planes_get(src + off, gg, i, hdr, bb, dst + off + (size_t)i * bb);
+        for (int i = 0; i < gg; ++i) planes_get(src + off, gg, i, L.bt(), dst + off + (size_t)i * bb);
     }
   }
 }

@@ -76,7 +76,7 @@ std::vector<uint8_t> pack(BlockType wt, const std::vector<uint8_t>& rm, int rows
         for (int b = 0; b < nb; ++b, o += (size_t)g * bb)
           for (int i = 0; i < g; ++i) {
             const uint8_t* blk = &rm[((size_t)(r0 + g0 + i) * nbr + b0 + b) * bb];
-            if (ts.pack == Pack::Planes) planes_put(&out[o], g, i, planes_header(wt), bb, blk);
+            if (ts.pack == Pack::Planes) planes_put(&out[o], g, i, wt, blk);
             else std::memcpy(&out[o + (size_t)i * bb], blk, bb);
           }
       }

@@ -7,7 +7,8 @@
 //                activation block its kernels take (ActBlock: block_q8a for the 32-blocks,
 //                block_q8_K for the K-quants, none for float types), whether the prefill GEMM has
 //                int8 kernels for it (the K-quants' GEMM is fp32 only: data here, read by the one
-//                predicate has_int8_path), and the header bytes of its planes pack (0: no pack).
+//                predicate has_int8_path), the header bytes of its planes pack (0: no pack)
+//                and where those header words sit in a whole block (Q6_K: at its end).
 //   TileLayout   one tiled matrix: type, shape, tile (tr, tc), interleave g and pack. Every GEMV
 //                and GEMM kernel takes it.
 //   KernelTable  (kernels.h) per ISA, indexed by block_index: the GEMV of each (pack, activation)
@@ -38,7 +39,8 @@ enum class AType : int { F32 = 0, Q8 = 1, Q8x2 = 2 };
 
 // How an interleave group stores the blocks of one column block (docs/FORMAT.md, 5.1):
 //   Blocks: g whole blocks, one per row (GGUF's block encoding, any type);
-//   Planes: the same bytes regrouped for g <= 16 rows of Q4_0 / Q4_1 / Q5_0 / Q8_0 (cflow/planes.h).
+//   Planes: the same bytes regrouped for g <= 16 rows of Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K
+//           (cflow/planes.h).
 enum class Pack : int { Blocks = 0, Planes = 1 };
 
 // The scalar block codecs the table points at (kernels/gemv_ref.cpp): one block -> its
@@ -68,22 +70,23 @@ struct BlockTraits {
   int elems, bytes;         // weights and bytes per block
   ActBlock act;             // the int8 activation block (None: fp32 activations only)
   bool gemm_int8;           // the prefill GEMM has int8 kernels for this type
-  int planes_header;        // header bytes (fp16 d, and m) of the planes pack; 0: no planes pack
+  int planes_header;        // header bytes (fp16 d, and m / dmin) of the planes pack; 0: no planes pack
+  int planes_header_at;     // the header's byte offset in a whole block (0, Q6_K 208)
   void (*dequantize)(const uint8_t* block, float* out);
   float (*dot)(const uint8_t* block, const void* act);  // nullptr where act is None
 };
 
 constexpr int kNumBlockTypes = 9;
 inline constexpr BlockTraits kBlockTypes[kNumBlockTypes] = {
-    {BlockType::F32, "f32", 1, 4, ActBlock::None, false, 0, ref::deq_f32, nullptr},
-    {BlockType::F16, "f16", 1, 2, ActBlock::None, false, 0, ref::deq_f16, nullptr},
-    {BlockType::Q4_0, "q4_0", 32, 18, ActBlock::Q8a, true, 2, ref::deq_q4_0, ref::dot_q4_0},
-    {BlockType::Q4_1, "q4_1", 32, 20, ActBlock::Q8a, true, 4, ref::deq_q4_1, ref::dot_q4_1},
-    {BlockType::Q5_0, "q5_0", 32, 22, ActBlock::Q8a, true, 2, ref::deq_q5_0, ref::dot_q5_0},
-    {BlockType::Q8_0, "q8_0", 32, 34, ActBlock::Q8a, true, 2, ref::deq_q8_0, ref::dot_q8_0},
-    {BlockType::Q4_K, "q4_k", 256, 144, ActBlock::Q8K, false, 0, ref::deq_q4_k, ref::dot_q4_k},
-    {BlockType::Q6_K, "q6_k", 256, 210, ActBlock::Q8K, false, 0, ref::deq_q6_k, ref::dot_q6_k},
-    {BlockType::BF16, "bf16", 1, 2, ActBlock::None, false, 0, ref::deq_bf16, nullptr},
+    {BlockType::F32, "f32", 1, 4, ActBlock::None, false, 0, 0, ref::deq_f32, nullptr},
+    {BlockType::F16, "f16", 1, 2, ActBlock::None, false, 0, 0, ref::deq_f16, nullptr},
+    {BlockType::Q4_0, "q4_0", 32, 18, ActBlock::Q8a, true, 2, 0, ref::deq_q4_0, ref::dot_q4_0},
+    {BlockType::Q4_1, "q4_1", 32, 20, ActBlock::Q8a, true, 4, 0, ref::deq_q4_1, ref::dot_q4_1},
+    {BlockType::Q5_0, "q5_0", 32, 22, ActBlock::Q8a, true, 2, 0, ref::deq_q5_0, ref::dot_q5_0},
+    {BlockType::Q8_0, "q8_0", 32, 34, ActBlock::Q8a, true, 2, 0, ref::deq_q8_0, ref::dot_q8_0},
+    {BlockType::Q4_K, "q4_k", 256, 144, ActBlock::Q8K, false, 4, 0, ref::deq_q4_k, ref::dot_q4_k},
+    {BlockType::Q6_K, "q6_k", 256, 210, ActBlock::Q8K, false, 2, 208, ref::deq_q6_k, ref::dot_q6_k},
+    {BlockType::BF16, "bf16", 1, 2, ActBlock::None, false, 0, 0, ref::deq_bf16, nullptr},
 };
 
 // Row of bt in kBlockTypes (the index of every kernel table); -1 for an unknown code.
@@ -100,6 +103,7 @@ constexpr const BlockTraits* block_traits(BlockType bt) {
 constexpr int block_elems(BlockType bt) { return block_traits(bt) ? block_traits(bt)->elems : 0; }
 constexpr int block_bytes(BlockType bt) { return block_traits(bt) ? block_traits(bt)->bytes : 0; }
 constexpr int planes_header(BlockType bt) { return block_traits(bt) ? block_traits(bt)->planes_header : 0; }
+constexpr int planes_header_at(BlockType bt) { return block_traits(bt) ? block_traits(bt)->planes_header_at : 0; }
 constexpr ActBlock act_block(BlockType bt) { return block_traits(bt) ? block_traits(bt)->act : ActBlock::None; }
 const char* block_name(BlockType bt);  // "q4_0", ...; "?" for an unknown code
 bool block_from_name(const char* name, BlockType* out);

@@ -1,16 +1,20 @@
-// The planes pack of an interleave group (docs/FORMAT.md, 5.1), for Q4_0, Q4_1, Q5_0 and Q8_0.
+// The planes pack of an interleave group (docs/FORMAT.md, 5.1), for Q4_0, Q4_1, Q5_0, Q8_0, Q4_K
+// and Q6_K.
 //
 // A chunk is the g blocks of one column block of an interleave group (g rows, g <= 16): the
 // same g * bb bytes as g whole blocks, regrouped. A block is H header bytes (fp16 words: d, and
-// m for Q4_1) followed by Q quant bytes (Q5_0: qh then qs, Q = 20; the others qs, Q = 16 or 32).
-// In the chunk:
-//   header word h of row i      at  2 * (h * g + i)                (all d, then all m)
+// m for Q4_1, dmin for Q4_K), at byte A of the block (planes_header_at: 0, Q6_K 208, its end),
+// and Q = bb - H quant bytes, the block's other bytes in order (Q5_0: qh then qs; Q4_K: the 12
+// scale bytes then qs; Q6_K: ql, qh, scales). In the chunk:
+//   header word h of row i      at  2 * (h * g + i)                (all d, then all m / dmin)
 //   quant bytes 4k .. 4k+3 of i at  H * g + 4 * (k * g + i)        (slice k of every row)
 // So with g = 16, slice k of the 16 rows is one 64-byte plane: for Q4_0/Q4_1 its low nibbles
 // are weights 4k..4k+3 and its high nibbles 16+4k..16+4k+3 of each row, for Q8_0 weights
 // 4k..4k+3. Q5_0's plane 0 is the rows' qh (row i's 32 fifth bits in dword i, bit j for weight
-// j), and its planes 1..4 are nibbles as Q4_0's planes 0..3. The transform is a permutation of
-// the chunk's bytes: lossless.
+// j), and its planes 1..4 are nibbles as Q4_0's planes 0..3. Q4_K's planes 0..2 are the packed
+// 6-bit scales and mins (row i's scale bytes 4p..4p+3 in dword i of plane p), planes 3..34 its
+// qs; Q6_K's planes 0..31 are ql, 32..47 qh, 48..51 the int8 scales (docs/FORMAT.md 5.1 has
+// the weights of each). The transform is a permutation of the chunk's bytes: lossless.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -21,14 +25,20 @@
 
 namespace cflow {
 
-// Block i of a chunk of g blocks (header hdr bytes, bb bytes per block) <-> whole block bytes.
-inline void planes_get(const uint8_t* chunk, int g, int i, int hdr, int bb, uint8_t* block) {
-  for (int h = 0; h < hdr / 2; ++h) std::memcpy(block + 2 * h, chunk + 2 * (h * g + i), 2);
-  for (int k = 0; k < (bb - hdr) / 4; ++k) std::memcpy(block + hdr + 4 * k, chunk + hdr * g + 4 * (k * g + i), 4);
+// Calls f(chunk offset, block offset, bytes) for each piece of block i of a chunk of g blocks
+// of type bt: its header words, then its quant slices (the one statement of the permutation).
+template <class F>
+inline void planes_pieces(BlockType bt, int g, int i, F&& f) {
+  const int hdr = planes_header(bt), at = planes_header_at(bt), bb = block_bytes(bt);
+  for (int h = 0; h < hdr / 2; ++h) f(2 * (h * g + i), at + 2 * h, 2);
+  for (int k = 0; k < (bb - hdr) / 4; ++k) f(hdr * g + 4 * (k * g + i), 4 * k < at ? 4 * k : 4 * k + hdr, 4);
 }
-inline void planes_put(uint8_t* chunk, int g, int i, int hdr, int bb, const uint8_t* block) {
-  for (int h = 0; h < hdr / 2; ++h) std::memcpy(chunk + 2 * (h * g + i), block + 2 * h, 2);
-  for (int k = 0; k < (bb - hdr) / 4; ++k) std::memcpy(chunk + hdr * g + 4 * (k * g + i), block + hdr + 4 * k, 4);
+// Block i of a chunk of g blocks of type bt <-> whole block bytes.
+inline void planes_get(const uint8_t* chunk, int g, int i, BlockType bt, uint8_t* block) {
+  planes_pieces(bt, g, i, [&](int c, int b, int n) { std::memcpy(block + b, chunk + c, n); });
+}
+inline void planes_put(uint8_t* chunk, int g, int i, BlockType bt, const uint8_t* block) {
+  planes_pieces(bt, g, i, [&](int c, int b, int n) { std::memcpy(chunk + c, block + b, n); });
 }
 
 // A chunk of g < 16 rows spread to the 16-row positions of `wide` (16 * bb bytes), the missing

@@ -1,7 +1,7 @@
 // Planes-pack pieces shared by the AVX2 and AVX-512 kernel files (cflow/planes.h, docs/KERNELS.md):
 // included *inside* each ISA's namespace, like gemv_simd.h. PlanesKind describes a type's
 // chunk (the GEMVs and GEMMs); fill_planes_table fills the planes table from the including
-// file's gemv_planes_q8 (its own kernel) and gemv_f32 (gemv_simd.h) after unpacking.
+// file's gemv_planes_q8 and gemv_kplanes_q8 (its own kernels) and gemv_f32 (gemv_simd.h) after unpacking.
 
 template <BlockType WT>
 struct PlanesKind {
@@ -40,8 +40,36 @@ inline void walk_planes(float* y, const uint8_t* w, const TileLayout& L, int row
              });
 }
 
+// The K-quants' chunk (docs/FORMAT.md 5.1), as their kernels walk it: 4 groups of 16 slices of
+// 4 weights (one 64-byte plane of 16 rows each, once unpacked), a group being kSubs sub-blocks
+// of kSlices slices: u[k] of group q is slice k % kSlices of sub-block sub(q, k / kSlices).
+//   Q4_K  group q = qs planes 8q .. 8q+7: their low nibbles sub-block 2q, high nibbles 2q + 1;
+//   Q6_K  group q = half q / 2, qh planes 4 (q % 2) .. +3 of it with their ql planes: slice
+//         m of quarter t (u[4t + m]) is in sub-block 8 (q / 2) + 2t + q % 2.
+// Weights are unsigned (Q4_K 0..15, Q6_K 0..63: the integer weight plus kZero). Activations are
+// block_q8_K (one scale per 256: the whole super-block's integer sum is exact, and one float
+// finish per super-block takes d and dmin, docs/KERNELS.md); sub-block s meets its bytes
+// qs[kSubW * s ..], its sum of qs (for the offsets and mins) from bsums.
+template <BlockType WT>
+struct KPlanesKind {
+  static constexpr bool kQ4 = WT == BlockType::Q4_K;
+  static constexpr int kHdr = planes_header(WT), kBB = block_bytes(WT);
+  static constexpr int kSubs = kQ4 ? 2 : 4;       // sub-blocks per group
+  static constexpr int kSlices = kQ4 ? 8 : 4;     // slices per sub-block
+  static constexpr int kSubW = 4 * kSlices;       // weights per sub-block
+  static constexpr int kNumSub = 256 / kSubW;     // sub-blocks per super-block
+  static constexpr int kZero = kQ4 ? 0 : 32;
+  static constexpr int kMaxU = kQ4 ? 15 : 63;
+  static constexpr int kPlanes = kPlanesMaxG * kHdr;  // byte offset of plane 0 in a 16-row chunk
+  static constexpr int sub(int q, int r) { return kQ4 ? 2 * q + r : 8 * (q / 2) + 2 * r + q % 2; }
+  // Sub-block s's sum of activations (16-sums in bsums).
+  static int asum(const block_q8_K& a, int s) { return kQ4 ? a.bsums[2 * s] + a.bsums[2 * s + 1] : a.bsums[s]; }
+};
+
 template <BlockType WT, bool TWO>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end);
+template <BlockType WT, bool TWO>
+void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end);
 
 inline void fill_planes_table(KernelTable& t) {
   auto set = [&](BlockType bt, GemvFn q8, GemvFn q8x2) {
@@ -52,4 +80,6 @@ inline void fill_planes_table(KernelTable& t) {
   set(BlockType::Q4_1, gemv_planes_q8<BlockType::Q4_1, false>, gemv_planes_q8<BlockType::Q4_1, true>);
   set(BlockType::Q5_0, gemv_planes_q8<BlockType::Q5_0, false>, gemv_planes_q8<BlockType::Q5_0, true>);
   set(BlockType::Q8_0, gemv_planes_q8<BlockType::Q8_0, false>, gemv_planes_q8<BlockType::Q8_0, true>);
+  set(BlockType::Q4_K, gemv_kplanes_q8<BlockType::Q4_K, false>, gemv_kplanes_q8<BlockType::Q4_K, true>);
+  set(BlockType::Q6_K, gemv_kplanes_q8<BlockType::Q6_K, false>, gemv_kplanes_q8<BlockType::Q6_K, true>);
 }

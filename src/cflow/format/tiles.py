@@ -16,10 +16,11 @@ Ragged edges: the last stripe and the last column tile are simply smaller. TC is
 of QK; for quantized types C must be a multiple of QK (as in GGUF).
 
 Pack (docs/FORMAT.md, 5.1): "blocks" stores each group's chunk (the g blocks of one column block)
-as g whole blocks, as above. "planes" (Q4_0, Q4_1, Q5_0, Q8_0 with G <= 16) regroups the same
-bytes of each chunk: header word h of row i at 2*(h*g + i), quant bytes 4k..4k+3 of row i at
-H*g + 4*(k*g + i) (H = header bytes; Q5_0's qh is its slice 0). Same size, same chunk positions;
-lossless.
+as g whole blocks, as above. "planes" (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K with G <= 16) regroups
+the same bytes of each chunk: header word h of row i at 2*(h*g + i), quant bytes 4k..4k+3 of row
+i at H*g + 4*(k*g + i) (H = header bytes; the quant bytes are the block's other bytes in order:
+Q5_0's qh is its slice 0, Q4_K's scales its slices 0..2, and Q6_K's header d is its last two
+bytes). Same size, same chunk positions; lossless.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ def _tile_permutation(bt: BlockType, rows: int, cols: int, tile: tuple[int, int]
 
 PACKS = ("blocks", "planes")
 PACK_CODES = {"blocks": 0, "planes": 1}  # the engine's and kernels' Pack values
-PLANES_HEADER = {"q4_0": 2, "q4_1": 4, "q5_0": 2, "q8_0": 2}  # header bytes (fp16 d, and m) of the types with planes
+# header bytes (fp16 d, and m / dmin) of the types with planes, and where they sit in a block
+PLANES_HEADER = {"q4_0": 2, "q4_1": 4, "q5_0": 2, "q8_0": 2, "q4_k": 4, "q6_k": 2}
+PLANES_HEADER_AT = {"q6_k": 208}  # the others: 0
 PLANES_MAX_G = 16
 
 
@@ -123,15 +126,16 @@ def check_pack(bt: BlockType, interleave: int, pack: str) -> str | None:
 
 def _planes_perm(bt: BlockType, g: int) -> np.ndarray:
     """src[i] = byte of the whole-block chunk (g blocks) that lands at byte i of the planes chunk."""
-    h, bb = PLANES_HEADER[bt.name], bt.block_bytes
+    h, at, bb = PLANES_HEADER[bt.name], PLANES_HEADER_AT.get(bt.name, 0), bt.block_bytes
     src = np.empty(g * bb, dtype=np.int64)
     i = np.arange(g)
     for w in range(h // 2):  # header word w of every row
         for byte in range(2):
-            src[2 * (w * g + i) + byte] = i * bb + 2 * w + byte
-    for k in range((bb - h) // 4):  # quant slice k of every row
+            src[2 * (w * g + i) + byte] = i * bb + at + 2 * w + byte
+    for k in range((bb - h) // 4):  # quant slice k of every row: the block's bytes around the header
+        q = 4 * k if 4 * k < at else 4 * k + h
         for byte in range(4):
-            src[h * g + 4 * (k * g + i) + byte] = i * bb + h + 4 * k + byte
+            src[h * g + 4 * (k * g + i) + byte] = i * bb + q + byte
     return src
 
 

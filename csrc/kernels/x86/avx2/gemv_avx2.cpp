@@ -67,6 +67,7 @@ inline float quantize_block(const float* x, block_q8a& o) {
 
 #include "../gemv_simd.h"
 #include "../planes_simd.h"
+#include "kplanes.h"
 #include "planes_unpack.h"
 
 // ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0, int8 activations (cflow/planes.h) ----
@@ -129,6 +130,62 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
     alignas(32) float t[16];
     _mm256_store_ps(t, acc0);
     _mm256_store_ps(t + 8, acc1);
+    for (int i = 0; i < gg; ++i) y[r + i] += t[i];
+  });
+}
+
+// ---- planes-packed Q4_K / Q6_K, q8_K activations (kplanes.h) ----
+// As the AVX-512 kernel, per half of the group (8 rows, one ymm): each sub-block's D_s from
+// maddubs of its slices against the broadcast activation bytes, int16 sums of up to 32004
+// (Q4_K: 8 slices of at most 2 * 15 * 127; Q6_K: 2 of 2 * 63 * 127: no saturation), one madd to
+// int32 per sub-block, started at -kZero * (its sum of x), times its row scales (vpmulld).
+template <BlockType WT>
+inline __m256i kplanes_isum(const uint8_t* c, int h, const block_q8_K& a) {
+  using K = KPlanesKind<WT>;
+  constexpr int kPer16 = K::kQ4 ? 8 : 2;  // slices summed in int16 before a madd
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i I = _mm256_setzero_si256();
+  for (int q = 0; q < 4; ++q) {
+    __m256i u[16];
+    kplanes_unpack<WT>(c, h, q, u);
+    for (int r = 0; r < K::kSubs; ++r) {
+      const int s = K::sub(q, r);
+      __m256i D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
+      for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
+        __m256i p = _mm256_setzero_si256();
+        for (int j = j0; j < j0 + kPer16; ++j) {
+          int32_t x4;
+          std::memcpy(&x4, a.qs + K::kSubW * s + 4 * j, 4);
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[r * K::kSlices + j], _mm256_set1_epi32(x4)));
+        }
+        D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));
+      }
+      I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, kplanes_scale<WT>(c, h, s)));
+    }
+  }
+  return I;
+}
+
+// TWO: x holds the cols/256 block_q8_K of the first level, then those of the second.
+template <BlockType WT, bool TWO>
+void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
+  const block_q8_K* x = (const block_q8_K*)xv;
+  const block_q8_K* x2 = x + L.cols / QK_K;
+  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* c = chunk(b);
+      const block_q8_K& a = x[cb0 + b];
+      const block_q8_K* a2 = x2 + cb0 + b;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i I = kplanes_isum<WT>(c, h, a), M = kplanes_mins<WT>(c, h, a);
+        const __m256i I2 = TWO ? kplanes_isum<WT>(c, h, *a2) : I, M2 = TWO ? kplanes_mins<WT>(c, h, *a2) : M;
+        acc[h] = kplanes_finish<WT, TWO>(c, h, I, M, I2, M2, a, a2, acc[h]);
+      }
+    }
+    alignas(32) float t[16];
+    _mm256_store_ps(t, acc[0]);
+    _mm256_store_ps(t + 8, acc[1]);
     for (int i = 0; i < gg; ++i) y[r + i] += t[i];
   });
 }

@@ -229,6 +229,7 @@ inline float quantize_block(const float* x, block_q8a& o) {
 
 #include "../gemv_simd.h"
 #include "../planes_simd.h"
+#include "kplanes.h"
 #include "planes_finish.h"
 #include "planes_unpack.h"
 
@@ -323,6 +324,52 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) acc = planes_block<WT, TWO>(chunk(b), x[cb0 + b], xs[cb0 + b], x2 + cb0 + b, xs2 + cb0 + b, acc);
+    planes_store(y + r, gg, acc);
+  });
+}
+
+// ---- planes-packed Q4_K / Q6_K, q8_K activations (kplanes.h) ----
+// Per super-block of a 16-row group: M from the mins (Q4_K), then per group of 16 slices each
+// sub-block's D_s, started at -kZero * (its sum of x), by one vpdpbusd per slice against the 4
+// activation bytes broadcast, times the sub-block's 16 row scales (vpmulld), into I; then
+// kplanes_finish. TWO: the second level meets the same unpacked slices (one pass).
+template <BlockType WT, bool TWO>
+inline __m512 kplanes_block(const uint8_t* c, const block_q8_K& a, const block_q8_K* a2, __m512 acc) {
+  using K = KPlanesKind<WT>;
+  __m512i I = _mm512_setzero_si512(), I2 = I, M, M2;
+  kplanes_mins<WT, TWO>(c, a, a2, M, M2);
+  for (int q = 0; q < 4; ++q) {
+    __m512i u[16];
+    kplanes_unpack<WT>(c, q, u);
+    for (int r = 0; r < K::kSubs; ++r) {
+      const int s = K::sub(q, r);
+      __m512i D = _mm512_set1_epi32(-K::kZero * K::asum(a, s));
+      __m512i T = TWO ? _mm512_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
+      for (int j = 0; j < K::kSlices; ++j) {
+        int32_t x4, x24;
+        std::memcpy(&x4, a.qs + K::kSubW * s + 4 * j, 4);
+        D = _mm512_dpbusd_epi32(D, u[r * K::kSlices + j], _mm512_set1_epi32(x4));
+        if (TWO) {
+          std::memcpy(&x24, a2->qs + K::kSubW * s + 4 * j, 4);
+          T = _mm512_dpbusd_epi32(T, u[r * K::kSlices + j], _mm512_set1_epi32(x24));
+        }
+      }
+      const __m512i sc = kplanes_scale<WT>(c, s);
+      I = _mm512_add_epi32(I, _mm512_mullo_epi32(D, sc));
+      if (TWO) I2 = _mm512_add_epi32(I2, _mm512_mullo_epi32(T, sc));
+    }
+  }
+  return kplanes_finish<WT, TWO>(c, I, M, I2, M2, a, a2, acc);
+}
+
+// TWO: x holds the cols/256 block_q8_K of the first level, then those of the second.
+template <BlockType WT, bool TWO>
+void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
+  const block_q8_K* x = (const block_q8_K*)xv;
+  const block_q8_K* x2 = x + L.cols / QK_K;
+  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) acc = kplanes_block<WT, TWO>(chunk(b), x[cb0 + b], x2 + cb0 + b, acc);
     planes_store(y + r, gg, acc);
   });
 }

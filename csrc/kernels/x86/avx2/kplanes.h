@@ -1,0 +1,90 @@
+// The K-quant planes pack at 256 bits (Q4_K, Q6_K; x86/planes_simd.h KPlanesKind), the pieces of
+// x86/avx512/kplanes.h for half h of a 16-row chunk (rows 8h .. 8h+7: the 32-byte half h of
+// every plane and of the header vectors), shared by the GEMV (gemv_avx2.cpp) and the GEMM
+// (gemm_avx2.cpp). The integers I, M and the float finish are those of the 512-bit file.
+// Included inside namespace cflow::avx2 (anonymous), after <immintrin.h> and x86/planes_simd.h.
+
+// Group q's 16 slices of rows 8h .. 8h+7, unsigned (KPlanesKind).
+template <BlockType WT>
+inline void kplanes_unpack(const uint8_t* c, int h, int q, __m256i (&u)[16]) {
+  using K = KPlanesKind<WT>;
+  const uint8_t* pl = c + K::kPlanes + 32 * h;
+  auto plane = [&](int p) { return _mm256_loadu_si256((const __m256i*)(pl + 64 * p)); };
+  const __m256i lo = _mm256_set1_epi8(0x0F);
+  if constexpr (K::kQ4) {
+    for (int j = 0; j < 8; ++j) {
+      const __m256i p = plane(3 + 8 * q + j);
+      u[j] = _mm256_and_si256(p, lo);
+      u[8 + j] = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo);
+    }
+  } else {
+    const int hf = q / 2, m0 = 4 * (q % 2);
+    const __m256i hi2 = _mm256_set1_epi8(0x30);
+    auto sel = [&](__m256i nib, __m256i bits) {
+      return _mm256_or_si256(_mm256_and_si256(nib, lo), _mm256_and_si256(bits, hi2));
+    };
+    for (int m = 0; m < 4; ++m) {
+      const __m256i qh = plane(32 + 8 * hf + m0 + m), l0 = plane(16 * hf + m0 + m), l1 = plane(16 * hf + 8 + m0 + m);
+      u[m] = sel(l0, _mm256_slli_epi16(qh, 4));
+      u[4 + m] = sel(l1, _mm256_slli_epi16(qh, 2));
+      u[8 + m] = sel(_mm256_srli_epi16(l0, 4), qh);
+      u[12 + m] = sel(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(qh, 2));
+    }
+  }
+}
+
+// Sub-block s's scale of rows 8h .. 8h+7 (int32 lanes).
+template <BlockType WT>
+inline __m256i kplanes_scale(const uint8_t* c, int h, int s) {
+  using K = KPlanesKind<WT>;
+  const uint8_t* pl = c + K::kPlanes + 32 * h;
+  if constexpr (K::kQ4) {
+    const __m256i A = _mm256_loadu_si256((const __m256i*)pl);
+    if (s < 4) return _mm256_and_si256(_mm256_srli_epi32(A, 8 * s), _mm256_set1_epi32(63));
+    const int k = 8 * (s - 4);
+    const __m256i C = _mm256_loadu_si256((const __m256i*)(pl + 128));
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, k), _mm256_set1_epi32(15)),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(A, k + 6), _mm256_set1_epi32(3)), 4));
+  } else {
+    const __m256i P = _mm256_loadu_si256((const __m256i*)(pl + 64 * (48 + s / 4)));
+    return _mm256_srai_epi32(_mm256_slli_epi32(P, 24 - 8 * (s % 4)), 24);
+  }
+}
+
+// Q4_K's M of rows 8h .. 8h+7 for one activation level (Q6_K: zero).
+template <BlockType WT>
+inline __m256i kplanes_mins(const uint8_t* c, int h, const block_q8_K& a) {
+  using K = KPlanesKind<WT>;
+  __m256i M = _mm256_setzero_si256();
+  if constexpr (K::kQ4) {
+    const uint8_t* pl = c + K::kPlanes + 32 * h;
+    const __m256i B = _mm256_loadu_si256((const __m256i*)(pl + 64)), C = _mm256_loadu_si256((const __m256i*)(pl + 128));
+    for (int j = 0; j < 8; ++j) {
+      const int k = 8 * (j - 4);
+      const __m256i m = j < 4 ? _mm256_and_si256(_mm256_srli_epi32(B, 8 * j), _mm256_set1_epi32(63))
+                              : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, k + 4), _mm256_set1_epi32(15)),
+                                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(B, k + 6), _mm256_set1_epi32(3)), 4));
+      M = _mm256_add_epi32(M, _mm256_mullo_epi32(m, _mm256_set1_epi32(K::asum(a, j))));
+    }
+  }
+  return M;
+}
+
+// Rows 8h .. 8h+7: acc + d (d_a I + d_a2 I2) - dmin (d_a M + d_a2 M2) (TWO), or
+// acc + (d d_a) I - (dmin d_a) M: the float operations of the 512-bit kplanes_finish.
+template <BlockType WT, bool TWO>
+inline __m256 kplanes_finish(const uint8_t* c, int h, __m256i I, __m256i M, __m256i I2, __m256i M2,
+                             const block_q8_K& a, const block_q8_K* a2, __m256 acc) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h))), da = _mm256_set1_ps(a.d);
+  auto level2 = [&](__m256i S, __m256i S2) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(S2), _mm256_set1_ps(a2->d), _mm256_mul_ps(_mm256_cvtepi32_ps(S), da));
+  };
+  if (TWO) acc = _mm256_fmadd_ps(d, level2(I, I2), acc);
+  else acc = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(I), acc);
+  if constexpr (KPlanesKind<WT>::kQ4) {
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h)));
+    if (TWO) acc = _mm256_fnmadd_ps(dmin, level2(M, M2), acc);
+    else acc = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(M), acc);
+  }
+  return acc;
+}

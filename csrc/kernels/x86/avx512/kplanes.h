@@ -1,0 +1,99 @@
+// The K-quant planes pack at 512 bits (Q4_K, Q6_K; x86/planes_simd.h KPlanesKind): a 16-row
+// chunk's weights, sub-block scales and mins, and the float finish of a super-block, shared by
+// the GEMV (gemv_avx512.cpp), the batched GEMV (gemv_amx.cpp) and the GEMM (gemm_avx512.cpp).
+// Included inside namespace cflow::avx512 (anonymous), after <immintrin.h> and x86/planes_simd.h.
+//
+// Per super-block, for row i (int32 lane i) and one activation level a (block_q8_K, scale d_a):
+//   D_s = sum over sub-block s of (u - kZero) * a      exact int32 (|D_s| <= 32 * 63 * 128)
+//   I   = sum_s sc_s * D_s                             exact int32 (Q4_K < 2^25, Q6_K < 2^28)
+//   M   = sum_s m_s * (sum of a over s)                Q4_K only, exact int32 (< 2^21)
+//   y  += d * d_a * I - dmin * d_a * M                 kplanes_finish, the one float part
+// Integer sums do not depend on their order, so any kernel that forms I and M (vpdpbusd here,
+// tdpbssd on AMX) and then runs kplanes_finish gives a token the same result, bit for bit.
+
+// Group q's 16 slices of the 16 rows (KPlanesKind: u[k] is slice k % kSlices of sub-block
+// sub(q, k / kSlices)), unsigned. Q6_K: quarter t's 6-bit weights are nibble t / 2 of a ql
+// plane and bits 2t, 2t+1 of the qh plane, moved to bits 4, 5 (16-bit shifts: the 0x30 mask
+// drops what crosses a byte) and put beside the nibble by one bit-select.
+template <BlockType WT>
+inline void kplanes_unpack(const uint8_t* c, int q, __m512i (&u)[16]) {
+  using K = KPlanesKind<WT>;
+  const __m512i* pl = (const __m512i*)(c + K::kPlanes);
+  const __m512i lo = _mm512_set1_epi8(0x0F);
+  if constexpr (K::kQ4) {
+    for (int j = 0; j < 8; ++j) {
+      const __m512i p = _mm512_loadu_si512(pl + 3 + 8 * q + j);
+      u[j] = _mm512_and_si512(p, lo);
+      u[8 + j] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
+    }
+  } else {
+    const int h = q / 2, m0 = 4 * (q % 2);
+    const __m512i hi2 = _mm512_set1_epi8(0x30);
+    auto sel = [&](__m512i nib, __m512i bits) {  // (lo & nib) | (~lo & bits & 0x30)
+      return _mm512_ternarylogic_epi32(lo, nib, _mm512_and_si512(bits, hi2), 0xCA);
+    };
+    for (int m = 0; m < 4; ++m) {
+      const __m512i qh = _mm512_loadu_si512(pl + 32 + 8 * h + m0 + m);
+      const __m512i l0 = _mm512_loadu_si512(pl + 16 * h + m0 + m), l1 = _mm512_loadu_si512(pl + 16 * h + 8 + m0 + m);
+      u[m] = sel(l0, _mm512_slli_epi16(qh, 4));
+      u[4 + m] = sel(l1, _mm512_slli_epi16(qh, 2));
+      u[8 + m] = sel(_mm512_srli_epi16(l0, 4), qh);
+      u[12 + m] = sel(_mm512_srli_epi16(l1, 4), _mm512_srli_epi16(qh, 2));
+    }
+  }
+}
+
+// Sub-block s's scale of the 16 rows (int32 lanes): Q4_K's 6-bit sc from planes 0 and 2, Q6_K's
+// int8 from plane 48 + s / 4 (docs/FORMAT.md 5.1).
+template <BlockType WT>
+inline __m512i kplanes_scale(const uint8_t* c, int s) {
+  using K = KPlanesKind<WT>;
+  const __m512i* pl = (const __m512i*)(c + K::kPlanes);
+  if constexpr (K::kQ4) {
+    const __m512i A = _mm512_loadu_si512(pl);
+    if (s < 4) return _mm512_and_si512(_mm512_srli_epi32(A, 8 * s), _mm512_set1_epi32(63));
+    const int k = 8 * (s - 4);
+    const __m512i C = _mm512_loadu_si512(pl + 2);
+    return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, k), _mm512_set1_epi32(15)),
+                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, k + 6), _mm512_set1_epi32(3)), 4));
+  } else {
+    return _mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(pl + 48 + s / 4), 24 - 8 * (s % 4)), 24);
+  }
+}
+
+// Q4_K's M of one or two levels (Q6_K: zero): sum_j m_j * asum_j, m_j from planes 1 and 2.
+template <BlockType WT, bool TWO>
+inline void kplanes_mins(const uint8_t* c, const block_q8_K& a, const block_q8_K* a2, __m512i& M, __m512i& M2) {
+  using K = KPlanesKind<WT>;
+  M = M2 = _mm512_setzero_si512();
+  if constexpr (K::kQ4) {
+    const __m512i* pl = (const __m512i*)(c + K::kPlanes);
+    const __m512i B = _mm512_loadu_si512(pl + 1), C = _mm512_loadu_si512(pl + 2);
+    for (int j = 0; j < 8; ++j) {
+      const int k = 8 * (j - 4);
+      const __m512i m = j < 4 ? _mm512_and_si512(_mm512_srli_epi32(B, 8 * j), _mm512_set1_epi32(63))
+                              : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, k + 4), _mm512_set1_epi32(15)),
+                                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, k + 6), _mm512_set1_epi32(3)), 4));
+      M = _mm512_add_epi32(M, _mm512_mullo_epi32(m, _mm512_set1_epi32(K::asum(a, j))));
+      if (TWO) M2 = _mm512_add_epi32(M2, _mm512_mullo_epi32(m, _mm512_set1_epi32(K::asum(*a2, j))));
+    }
+  }
+}
+
+// acc + d (d_a I + d_a2 I2) - dmin (d_a M + d_a2 M2) (TWO), or acc + (d d_a) I - (dmin d_a) M.
+template <BlockType WT, bool TWO>
+inline __m512 kplanes_finish(const uint8_t* c, __m512i I, __m512i M, __m512i I2, __m512i M2, const block_q8_K& a,
+                             const block_q8_K* a2, __m512 acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c)), da = _mm512_set1_ps(a.d);
+  auto level2 = [&](__m512i S, __m512i S2) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(S2), _mm512_set1_ps(a2->d), _mm512_mul_ps(_mm512_cvtepi32_ps(S), da));
+  };
+  if (TWO) acc = _mm512_fmadd_ps(d, level2(I, I2), acc);
+  else acc = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(I), acc);
+  if constexpr (KPlanesKind<WT>::kQ4) {
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32)));
+    if (TWO) acc = _mm512_fnmadd_ps(dmin, level2(M, M2), acc);
+    else acc = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(M), acc);
+  }
+  return acc;
+}
