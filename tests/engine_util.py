@@ -37,6 +37,20 @@ class Entry:  # the fields of a .cflow tensor index entry the engine reads
         self.shape = tuple(self.shape) or (self.rows, self.cols)
 
 
+def _random_k_blocks(a: np.ndarray, bt) -> np.ndarray:
+    """Random Q4_K / Q6_K rows shaped as a's encoding, with weights about a's size (the tests that
+    use them compare the engine with itself, so the weights need only be sane)."""
+    rng = np.random.default_rng(a.size)
+    rows, nb = a.shape[0], a.shape[1] // bt.block_elems
+    b = rng.integers(0, 256, size=(rows * nb, bt.block_bytes), dtype=np.uint8)
+    s = float(np.abs(a).mean()) or 1.0
+    if bt.name == "q4_k":  # |w| <= d * 63 * 15 + dmin * 63
+        b[:, 0:4] = np.array([s / 400, s / 40], "<f2").view(np.uint8)
+    else:  # |w| <= d * 128 * 32
+        b[:, 208:210] = np.array([s / 2000], "<f2").view(np.uint8)
+    return b.reshape(rows, -1)
+
+
 def _encode(a: np.ndarray, bt) -> tuple[np.ndarray, np.ndarray]:
     """float (R, C) -> (GGUF-encoded rows uint8, dequantized float32 (R, C))."""
     from gguf import GGMLQuantizationType, quants
@@ -45,6 +59,9 @@ def _encode(a: np.ndarray, bt) -> tuple[np.ndarray, np.ndarray]:
         a = a.astype(np.float32)
         return a.view(np.uint8).reshape(a.shape[0], -1), a
     qt = GGMLQuantizationType[bt.name.upper()]
+    if bt.name in ("q4_k", "q6_k"):  # gguf-py has no K-quant quantizer: random blocks of a's size
+        enc = _random_k_blocks(a, bt)
+        return enc, quants.dequantize(enc, qt).reshape(a.shape).astype(np.float32)
     enc = quants.quantize(a.astype(np.float32), qt)
     return enc, quants.dequantize(enc, qt).reshape(a.shape).astype(np.float32)
 

@@ -208,16 +208,17 @@ TEST(simd_paths_match_scalar_on_ragged_shapes) {
 TEST(batched_gemv_is_bitwise_the_gemv_of_each_token) {
   bool any = false;
   std::uniform_int_distribution<int> ri(1, 300);
-  for (BlockType wt : {BlockType::Q4_0, BlockType::Q4_1, BlockType::Q5_0, BlockType::Q8_0})
+  for (BlockType wt : kAll)
     for (AType at : {AType::Q8, AType::Q8x2})
       for (int g : {16, 12, 4}) {
+        if (!planes_header(wt)) continue;
         const Tiling ts{96, 256, g, Pack::Planes};
         GemvBatchFn batch = gemv_batch_fn(wt, ts.pack, at, best_isa());
         CHECK(!batch == !(amx_usable() && best_isa() == Isa::Avx512));  // every planes type has one on AMX
         if (!batch) continue;
         any = true;
         GemvFn one = gemv_fn(wt, ts.pack, at, best_isa());
-        const int rows = 16 + ri(rng()), cols = 32 * (1 + ri(rng()) % 24);
+        const int qk = block_elems(wt), rows = 16 + ri(rng()), cols = qk * (1 + ri(rng()) % (qk == 256 ? 5 : 24));
         const TileLayout L = layout(wt, rows, cols, ts);
         const auto tiled = pack(wt, random_rows(wt, rows, cols), rows, cols, ts);
         for (int m : {1, 2, 3, 8, 9, 16, 17, 33}) {

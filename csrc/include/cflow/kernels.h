@@ -82,7 +82,7 @@ using GemvBatchFn = void (*)(float* y, int ldy, const void* x, int m, const uint
 // 16 tokens of one level, 8 of two).
 constexpr int kBatchGroupMin = 8;
 // The batched kernel matching gemv_fn(bt, pack, at, isa), or nullptr where there is none (the
-// caller then runs the GEMV token by token). Today: planes-packed Q4_0/Q4_1/Q5_0/Q8_0 with int8
+// caller then runs the GEMV token by token). Today: planes-packed Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K with int8
 // activations, on the AVX-512 path of a CPU with AMX (amx_usable()).
 GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa);
 

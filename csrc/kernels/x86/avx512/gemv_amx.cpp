@@ -16,6 +16,12 @@
 //       slice k and its high nibbles into slice 4 + k (planes_unpack.h; Q5_0 with their fifth
 //       bits), minus their zero point (Q4_0 8, Q5_0 16: the offset inside);
 //   C = A . B (tdpbssd): C[(t, l)][i] = row i's dot product with token t's level l.
+//
+// The K-quants (Q4_K, Q6_K; kplanes.h) take one dot product per sub-block s of a super-block
+// (chunk c): A is 16 (token, level) rows of the block_q8_K bytes of s (32, Q6_K 16), B the kSlices
+// slices of s (kplanes_unpack, minus kZero: Q6_K 32), so C[(t, l)] is the GEMV's D_s; per token
+// I = sum_s sc_s * D_s and M (kplanes_mins) are the GEMV's exact integers and kplanes_finish
+// its float part.
 #include <immintrin.h>
 
 #include <cstring>
@@ -31,6 +37,7 @@ namespace avx512 {
 namespace {
 
 #include "../planes_simd.h"
+#include "kplanes.h"
 #include "planes_finish.h"
 #include "planes_unpack.h"
 
@@ -44,15 +51,18 @@ struct alignas(64) TileConfig {
 constexpr int kSlices = 8;  // 4-byte slices of a 32-weight block: B's rows
 constexpr int kARows = 16;  // (token, level) rows of an A tile
 
-// Two sets of tiles, so that two column blocks are in flight: set s is A = tile 3s, B = 3s + 1,
-// C = 3s + 2.
-inline void configure() {
+// Two sets of tiles, so that two dot products are in flight: set s is A = tile 3s, B = 3s + 1,
+// C = 3s + 2. A dot product spans 4 * slices weights (the 32-blocks: 8 slices).
+inline void configure(int slices = kSlices) {
   TileConfig t;
   for (int s = 0; s < 2; ++s) {
-    t.rows[3 * s] = kARows, t.colsb[3 * s] = QK;          // A: (token, level) x 32 activation bytes
-    t.rows[3 * s + 1] = kSlices, t.colsb[3 * s + 1] = 64;  // B: 8 slices x 16 rows x 4 bytes
-    t.rows[3 * s + 2] = kARows, t.colsb[3 * s + 2] = 64;   // C: (token, level) x 16 int32
+    t.rows[3 * s] = kARows, t.colsb[3 * s] = 4 * slices;  // A: (token, level) x 4 * slices activation bytes
+    t.rows[3 * s + 1] = slices, t.colsb[3 * s + 1] = 64;  // B: slices x 16 rows x 4 bytes
+    t.rows[3 * s + 2] = kARows, t.colsb[3 * s + 2] = 64;  // C: (token, level) x 16 int32
   }
+  // GCC does not see ldtilecfg read t (an out-of-line copy loaded a zeroed config: SIGILL at
+  // the first tile load): the empty asm makes the stores above happen first.
+  asm volatile("" : : "r"(&t) : "memory");
   _tile_loadconfig(&t);
 }
 
@@ -68,23 +78,36 @@ inline const int8_t* weights_b(const uint8_t* c, int8_t* buf) {
   return buf;
 }
 
-// C = A . B on tile set S: A at a (kARows rows of 32 bytes), B at b; C stored to c. (The tile
-// intrinsics take literal tile numbers.)
+// C = A . B on tile set S: A at a (kARows rows, lda bytes apart), B at b; C stored to c. (The
+// tile intrinsics take literal tile numbers.)
 template <int S>
-inline void dot_tiles(const int8_t* a, const int8_t* b, int32_t* c) {
+inline void dot_tiles(const int8_t* a, const int8_t* b, int32_t* c, int lda = QK) {
   if constexpr (S == 0) {
-    _tile_loadd(0, a, QK);
+    _tile_loadd(0, a, lda);
     _tile_loadd(1, b, 64);
     _tile_zero(2);
     _tile_dpbssd(2, 0, 1);
     _tile_stored(2, c, 64);
   } else {
-    _tile_loadd(3, a, QK);
+    _tile_loadd(3, a, lda);
     _tile_loadd(4, b, 64);
     _tile_zero(5);
     _tile_dpbssd(5, 3, 4);
     _tile_stored(5, c, 64);
   }
+}
+
+// The A rows of every activation block b (block_q8a or block_q8_K: its qs bytes) of n rows x:
+// apad + b * kARows * sizeof qs holds x[0][b].qs, ..., x[n-1][b].qs, then zero rows to kARows.
+template <class B>
+inline void fill_a(int8_t* apad, const B* const* x, int n, int nbr) {
+  constexpr size_t kq = sizeof(x[0]->qs);
+  for (int b = 0; b < nbr; ++b)
+    for (int i = 0; i < kARows; ++i) {
+      int8_t* row = apad + ((size_t)b * kARows + i) * kq;
+      if (i < n) std::memcpy(row, x[i][b].qs, kq);
+      else std::memset(row, 0, kq);
+    }
 }
 
 constexpr int kBatch = 8;  // column blocks per stage (see token_group)
@@ -164,14 +187,87 @@ void gemv_batch_planes(float* y, int ldy, const void* xv, int m, const uint8_t* 
     const int nt = std::min(kGroup, m - t0);
     const block_q8a* x[kARows];
     for (int i = 0; i < nt * LV; ++i) x[i] = (const block_q8a*)((const uint8_t*)xv + (size_t)(t0 * LV + i) * lrow);
-    for (int b = 0; b < nbr; ++b)
-      for (int i = 0; i < kARows; ++i) {
-        int8_t* row = apad.data() + ((size_t)b * kARows + i) * QK;
-        if (i < nt * LV) std::memcpy(row, x[i][b].qs, QK);
-        else std::memset(row, 0, QK);
-      }
+    fill_a(apad.data(), x, nt * LV, nbr);
     with_count<kGroup>(nt, [&](auto NT) {
       token_group<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, apad.data(), w, L, row_begin, row_end, sc);
+    });
+  }
+  _tile_release();
+}
+
+// ---- the K-quants: one dot product per sub-block ----
+
+template <BlockType WT>
+struct KScratch {
+  using K = KPlanesKind<WT>;
+  alignas(64) int8_t b[K::kNumSub][K::kSlices * 64];
+  alignas(64) int32_t c[K::kNumSub][kARows * 16];
+  alignas(64) uint8_t chunk[kPlanesMaxG * K::kBB];
+};
+
+// NT tokens over rows [row_begin, row_end): token t's level l is the q8_K row x[t * LV + l], its
+// outputs y + t * ldy; apad holds per super-block the A rows (kARows x 256 bytes).
+template <BlockType WT, bool TWO, int NT>
+void ktoken_group(float* y, int ldy, const block_q8_K* const* x, const int8_t* apad, const uint8_t* w,
+                  const TileLayout& L, int row_begin, int row_end, KScratch<WT>& sc) {
+  using K = KPlanesKind<WT>;
+  constexpr int LV = TWO ? 2 : 1;
+  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+    __m512 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      // B of every sub-block, then every dot product (the two tile sets alternating), then per
+      // token the integers and the float part: no tile load waits on a store just issued.
+      const uint8_t* c = chunk(b);
+      if (gg < kPlanesMaxG) c = (const uint8_t*)std::memcpy(sc.chunk, c, sizeof sc.chunk);
+      for (int q = 0; q < 4; ++q) {
+        __m512i u[16];
+        kplanes_unpack<WT>(c, q, u);
+        for (int k = 0; k < 16; ++k)
+          _mm512_store_si512(sc.b[K::sub(q, k / K::kSlices)] + 64 * (k % K::kSlices),
+                             _mm512_sub_epi8(u[k], _mm512_set1_epi8(K::kZero)));
+      }
+      const int8_t* a = apad + (size_t)(cb0 + b) * kARows * QK_K;
+      for (int s = 0; s < K::kNumSub; ++s) {
+        if (s % 2) dot_tiles<1>(a + K::kSubW * s, sc.b[s], sc.c[s], QK_K);
+        else dot_tiles<0>(a + K::kSubW * s, sc.b[s], sc.c[s], QK_K);
+      }
+      __m512i scl[K::kNumSub];
+      for (int s = 0; s < K::kNumSub; ++s) scl[s] = kplanes_scale<WT>(c, s);
+      const int cb = cb0 + b;
+      for (int t = 0; t < NT; ++t) {
+        __m512i I = _mm512_setzero_si512(), I2 = I, M, M2;
+        for (int s = 0; s < K::kNumSub; ++s) {
+          I = _mm512_add_epi32(I, _mm512_mullo_epi32(_mm512_load_si512(sc.c[s] + 16 * (t * LV)), scl[s]));
+          if (TWO) I2 = _mm512_add_epi32(I2, _mm512_mullo_epi32(_mm512_load_si512(sc.c[s] + 16 * (t * LV + 1)), scl[s]));
+        }
+        const block_q8_K* a2 = TWO ? x[t * LV + 1] + cb : nullptr;
+        kplanes_mins<WT, TWO>(c, x[t * LV][cb], a2, M, M2);
+        acc[t] = kplanes_finish<WT, TWO>(c, I, M, I2, M2, x[t * LV][cb], a2, acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) planes_store(y + (size_t)t * ldy + r, gg, acc[t]);
+  });
+}
+
+template <BlockType WT, bool TWO>
+void gemv_batch_kplanes(float* y, int ldy, const void* xv, int m, const uint8_t* w, const TileLayout& L,
+                        int row_begin, int row_end) {
+  constexpr int LV = TWO ? 2 : 1, kGroup = kARows / LV;
+  const int n = std::min(row_end, L.rows) - row_begin, nbr = L.cols / QK_K;
+  if (n <= 0 || m <= 0) return;
+  for (int k = 0; k < m; ++k) std::memset(y + (size_t)k * ldy, 0, sizeof(float) * n);
+  thread_local std::vector<int8_t> apad;  // per super-block: kARows rows of 256 bytes, missing rows zero
+  apad.resize((size_t)nbr * kARows * QK_K);
+  KScratch<WT> sc;
+  configure(KPlanesKind<WT>::kSlices);
+  for (int t0 = 0; t0 < m; t0 += kGroup) {
+    const int nt = std::min(kGroup, m - t0);
+    const block_q8_K* x[kARows];
+    for (int i = 0; i < nt * LV; ++i) x[i] = (const block_q8_K*)xv + (size_t)(t0 * LV + i) * nbr;
+    fill_a(apad.data(), x, nt * LV, nbr);
+    with_count<kGroup>(nt, [&](auto NT) {
+      ktoken_group<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, apad.data(), w, L, row_begin, row_end, sc);
     });
   }
   _tile_release();
@@ -187,6 +283,8 @@ GemvBatchFn amx_gemv_batch(BlockType bt, Pack pack, AType at) {
     case BlockType::Q4_1: return two ? gemv_batch_planes<BlockType::Q4_1, true> : gemv_batch_planes<BlockType::Q4_1, false>;
     case BlockType::Q5_0: return two ? gemv_batch_planes<BlockType::Q5_0, true> : gemv_batch_planes<BlockType::Q5_0, false>;
     case BlockType::Q8_0: return two ? gemv_batch_planes<BlockType::Q8_0, true> : gemv_batch_planes<BlockType::Q8_0, false>;
+    case BlockType::Q4_K: return two ? gemv_batch_kplanes<BlockType::Q4_K, true> : gemv_batch_kplanes<BlockType::Q4_K, false>;
+    case BlockType::Q6_K: return two ? gemv_batch_kplanes<BlockType::Q6_K, true> : gemv_batch_kplanes<BlockType::Q6_K, false>;
     default: return nullptr;
   }
 }
