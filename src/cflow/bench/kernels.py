@@ -2,7 +2,7 @@
 
 For each block type: a matrix of --matrix-mb MB of weights (cols = --cols), timed with 1 and 2
 threads in the layouts compared over the same bytes:
-  "tiled"        what `cflow convert` writes: tile (128, 256); Q4_0/Q4_1/Q5_0/Q8_0 in the planes
+  "tiled"        what `cflow convert` writes: tile (128, 256); Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K in the planes
                  pack at interleave 16 (their fast kernels), other types whole blocks at interleave 1;
   "tiled_blocks" (the planes types only) tile (128, 256), whole GGUF blocks, interleave 1;
   "row_major"    tile (128, cols), whole blocks, interleave 1: whole rows, the block kernel.
