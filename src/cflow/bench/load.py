@@ -102,12 +102,19 @@ class Result:
 
     def __init__(self):
         self.status, self.tokens, self.latency, self.ttft = 0, 0, 0.0, None
+        self.prompt_tokens = self.cached_tokens = 0  # from usage: the prompt, and what of it was reused
         self.gaps: list[float] = []
         self.abandoned = self.stream_error = False
 
     @property
     def server_error(self) -> bool:
         return self.status >= 500 or self.status == -1 or self.stream_error
+
+
+def _usage(res: Result, usage: dict) -> None:
+    res.tokens = int(usage.get("completion_tokens", 0))
+    res.prompt_tokens = int(usage.get("prompt_tokens", 0))
+    res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
 async def _stream(http, url, body, headers, res: Result, cut: int | None, t0: float) -> None:
@@ -132,7 +139,7 @@ async def _stream(http, url, body, headers, res: Result, cut: int | None, t0: fl
                     res.abandoned = True  # leave mid-stream: the server must cancel and carry on
                     return
             if event.get("usage"):
-                res.tokens = int(event["usage"].get("completion_tokens", 0))
+                _usage(res, event["usage"])
 
 
 async def _client(http, url, headers, args, k, results, bar, deadline):
@@ -154,7 +161,7 @@ async def _client(http, url, headers, args, k, results, bar, deadline):
                 r = await http.post(url + "/v1/chat/completions", json=body, headers=headers)
                 res.status = r.status_code
                 if res.status == 200:
-                    res.tokens = r.json()["usage"]["completion_tokens"]
+                    _usage(res, r.json()["usage"])
         except httpx.HTTPError:
             res.status = -1
         res.latency = time.perf_counter() - t0
@@ -240,6 +247,10 @@ def _report(args, model, url, slots, results, wall, rss0, rss1) -> dict:
     if ttft:
         print(f"  first token p50 {_pct(ttft, 0.50):.3f} s   p95 {_pct(ttft, 0.95):.3f} s")
         print(f"  inter-token p50 {1e3 * _pct(gaps, 0.50):.1f} ms   p95 {1e3 * _pct(gaps, 0.95):.1f} ms")
+    prompt, cached = sum(r.prompt_tokens for r in results), sum(r.cached_tokens for r in results)
+    if prompt:
+        print(f"  prompts     {prompt} tokens, {cached} of them reused from the slots' KV caches "
+              f"({100 * cached / prompt:.0f}%), {(prompt - cached) / max(1, len(results)):.1f} computed a request")
     print(f"  throughput  {tokens} completion tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s, "
           f"{len(results) / wall:.2f} requests/s"
           + ("" if not abandoned else " (abandoned requests' tokens not counted)"))
