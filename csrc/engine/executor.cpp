@@ -451,7 +451,16 @@ void Engine::run_op(const Matmul& op, Workspace& ws, int tid) {
     matmul_single(op, ws, src, lds, m, dst, ldd, tid);
     return;
   }
-  if (ws.n_pre) matmul_gemm(op, ws, src, lds, ws.n_pre, dst, ldd, tid);
+  if (ws.n_pre) {
+    // a type without an int8 GEMM (the K-quants) but with a batched decode kernel: prompt rows
+    // as single rows, through that kernel, rather than through the fp32 GEMM
+    const TileLayout& L = W_[op.weight].L;
+    AType at;
+    const bool as_single = fast_ && !has_int8_path(L.bt(), true) && decode_kernel(L, op.two_level, &at) &&
+                           batch_kernel(L, at);
+    if (as_single) matmul_single(op, ws, src, lds, ws.n_pre, dst, ldd, tid);
+    else matmul_gemm(op, ws, src, lds, ws.n_pre, dst, ldd, tid);
+  }
   if (ws.n > ws.n_pre)
     matmul_single(op, ws, src + (size_t)ws.n_pre * lds, lds, ws.n - ws.n_pre, dst + (size_t)ws.n_pre * ldd, ldd, tid);
 }
