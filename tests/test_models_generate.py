@@ -240,7 +240,7 @@ def test_bench_decode_json(tiny_dir, cli_cache):
     import json
 
     p = _cli("bench", "decode", "-m", str(tiny_dir), "--json", "--runs", "2", "--tokens", "4", "--prompt", "16",
-             "--threads", "1", "--activations", "int8", cache=cli_cache)
+             "--threads", "1", "--activations", "int8", "--batch", "3", cache=cli_cache)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     rec = json.loads(out.strip().splitlines()[-1])
@@ -250,6 +250,9 @@ def test_bench_decode_json(tiny_dir, cli_cache):
     assert rec["bytes_per_token"] > 0 and rec["probe_gbps"] > 0 and rec["probe_model_gbps"] > 0
     assert rec["gbps"] == pytest.approx(rec["bytes_per_token"] * rec["decode_tok_s"] / 1e9, rel=0.01)
     assert rec["isa"] in ("scalar", "avx2", "avx512") and rec["decode_step_ms_median"] > 0
+    b = rec["batch"]  # steps of 3 sequences together, against one
+    assert b["sequences"] == 3 and b["step_ms_median"] > 0 and b["one_step_ms_median"] > 0
+    assert b["x_one"] == pytest.approx(3 * b["one_step_ms_median"] / b["step_ms_median"], rel=0.01)
     p = _cli("bench", "decode", "-m", str(tiny_dir), "--vs", "llama.cpp", cache=cli_cache)
     out, err = p.communicate(timeout=600)
     assert p.returncode != 0 and "needs the model's GGUF" in err

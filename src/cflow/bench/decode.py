@@ -39,6 +39,9 @@ def add_arguments(p):
     p.add_argument("--tokens", type=int, default=128, help="decoded tokens per run (default 128)")
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt length (default 512)")
     add_activation_arguments(p)
+    p.add_argument("--batch", type=int, default=1, metavar="N",
+                   help="also time decode steps of N sequences together (the server's --parallel N), "
+                        "against one (default 1: not measured)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
 
 
@@ -68,6 +71,17 @@ class CflowRunner:
         t0 = time.perf_counter()
         self.eng.forward(self.st, prompt)
         return len(prompt) / (time.perf_counter() - t0)
+
+    def batched_steps(self, prompt: list[int], n_seq: int, n: int) -> list[float]:
+        """Seconds of n decode steps that advance n_seq sequences (prompt, then greedy) together."""
+        states = [self.eng.new_state() for _ in range(n_seq)]
+        outs = self.eng.forward(states, [prompt[i:] + prompt[:i] for i in range(n_seq)])  # distinct prompts
+        steps = []
+        for _ in range(n):
+            t = time.perf_counter()
+            outs = self.eng.forward(states, [[int(np.argmax(o))] for o in outs])
+            steps.append(time.perf_counter() - t)
+        return steps
 
 
 def _cpu_has_amx() -> bool:
@@ -169,7 +183,7 @@ def _resolve(model: str, gguf: str | None, quiet: bool):
 
 
 def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int = 5, tokens: int = 128,
-        prompt_len: int = 512, log=print) -> dict:
+        prompt_len: int = 512, batch: int = 1, log=print) -> dict:
     """Measure `engine` (and llama.cpp on `gguf` when given); returns the --json record."""
     from cflow.kernels import probe_read
 
@@ -214,6 +228,14 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
            # the median single step is what the engine does when it runs
            "decode_step_ms_median": round(1e3 * statistics.median(ours.steps), 3),
            "vs": {}}
+    if batch > 1:  # steps of `batch` sequences, interleaved with single steps run by run
+        many, one = [], []
+        for _ in range(runs):
+            one += ours.batched_steps(short, 1, tokens)
+            many += ours.batched_steps(short, batch, tokens)
+        m1, mb = statistics.median(one), statistics.median(many)
+        rec["batch"] = {"sequences": batch, "step_ms_median": round(1e3 * mb, 3), "one_step_ms_median": round(1e3 * m1, 3),
+                        "tok_s": round(batch / mb, 2), "x_one": round(batch * m1 / mb, 3)}
     if theirs:
         ld, lp = statistics.median(ldec), statistics.median(lpre)
         rec["vs"]["llama.cpp"] = {"decode_tok_s": round(ld, 2), "prefill_tok_s": round(lp, 2),
@@ -237,6 +259,10 @@ def report(rec: dict) -> str:
              f"{rec['probe_model_gbps']:.1f} GB/s over the model's bytes per token",
              f"           median step {rec['decode_step_ms_median']:.2f} ms = {1e3 / rec['decode_step_ms_median']:.1f} tok/s",
              f"  prefill  {rec['prefill_tok_s']:8.1f} tok/s  ({span(rec['prefill_runs'])})"]
+    if "batch" in rec:
+        b = rec["batch"]
+        lines.append(f"  batched  {b['sequences']} sequences: median step {b['step_ms_median']:.2f} ms = "
+                     f"{b['tok_s']:.1f} tok/s, x{b['x_one']:.2f} one sequence's ({b['one_step_ms_median']:.2f} ms a step)")
     for k, v in rec["vs"].items():
         lines.append(f"  {k}: decode {v['decode_tok_s']:.1f} tok/s ({span(v['decode_runs'])}), cflow x"
                      f"{v['ratio_decode']:.2f} (per run {span(v['ratio_decode_runs'])}); prefill "
@@ -251,14 +277,15 @@ def main(args) -> int:
     from cflow.commands.generate import activation_kwargs
     from cflow.engine import Engine
 
-    if args.threads < 1 or args.runs < 1 or args.tokens < 1 or args.prompt < 1:
-        raise CflowError("--threads, --runs, --tokens and --prompt must be positive")
+    if args.threads < 1 or args.runs < 1 or args.tokens < 1 or args.prompt < 1 or args.batch < 1:
+        raise CflowError("--threads, --runs, --tokens, --prompt and --batch must be positive")
     src, gguf = _resolve(args.model, args.gguf, args.json)
     if args.vs and not gguf:
         raise CflowError("--vs llama.cpp needs the model's GGUF: pass --gguf PATH")
     eng = Engine(src, threads=args.threads, n_ctx=max(args.prompt + 1, 16 + args.tokens + 8, 1024),
                  **activation_kwargs(args))
     rec = run(eng, name=args.model, threads=args.threads, gguf=gguf if args.vs else None, runs=args.runs,
-              tokens=args.tokens, prompt_len=args.prompt, log=(lambda *a: None) if args.json else print)
+              tokens=args.tokens, prompt_len=args.prompt, batch=args.batch,
+              log=(lambda *a: None) if args.json else print)
     print(json.dumps(rec) if args.json else report(rec))
     return 0
