@@ -71,6 +71,21 @@ def test_convert_writes_every_planes_type_in_planes():
         assert tensor_layout(name, 2) == {"interleave": 1, "pack": "blocks"}, name
 
 
+def test_a_cached_conversion_in_an_older_layout_is_made_again(tmp_path, smol, smol_cflow):
+    # a conversion cached before its types had the planes pack is converted again on load
+    from cflow.convert import convert
+    from cflow.format import CflowFile
+    from cflow.llm import _outdated, converted_path, load_model
+
+    cached = converted_path(smol, tmp_path)
+    cached.parent.mkdir(parents=True)
+    convert(smol, cached, progress=False, pack="blocks")
+    assert _outdated(cached) and not _outdated(smol_cflow)
+    load_model(str(smol), cache=tmp_path, quiet=True)
+    with CflowFile(cached) as f:
+        assert f.tensors["blk.0.attn_output"].pack == "planes"
+
+
 def test_failed_write_leaves_no_file(tmp_path, smol):
     from cflow.convert.write import write_cflow
 

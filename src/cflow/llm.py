@@ -57,14 +57,21 @@ def converted_path(src: Path, cache=None) -> Path:
 
 
 def _outdated(path: Path) -> bool:
-    """A cached conversion written by an older cflow (an older format version): convert again."""
+    """A cached conversion written by an older cflow, to convert again: an older format version,
+    or a matrix in whole blocks whose type today's converter writes in a faster layout (the
+    planes pack gained Q5_0, Q4_K and Q6_K after files that hold them were cached)."""
+    from cflow.convert.write import tensor_layout
+    from cflow.format import CflowFile
     from cflow.format.spec import PREAMBLE, VERSION, Preamble
 
     try:
         with open(path, "rb") as fh:
-            return Preamble.unpack(fh.read(PREAMBLE.size), path.stat().st_size).version < VERSION
+            if Preamble.unpack(fh.read(PREAMBLE.size), path.stat().st_size).version < VERSION:
+                return True
+        tensors = CflowFile(path).tensors.values()
     except (OSError, CflowFormatError):
         return False  # let CflowFile report what is wrong with it
+    return any(t.pack != tensor_layout(t.type.name, len(t.shape))["pack"] for t in tensors)
 
 
 def load_model(model: str, *, cache=None, quiet: bool = False):
