@@ -403,3 +403,29 @@ def test_hostile_cflow_verify_and_load(case, cflow, capsys):
 def test_the_cflow_copy_still_verifies(cflow, capsys):
     rc, _ = run_cli(capsys, "verify", cflow)
     assert rc == 0
+
+
+# ---------------------------------------------------------------- Hugging Face config.json
+HF_CASES = {
+    "no attention heads": ({"num_attention_heads": 0}, r"config\.json num_attention_heads=0 must be an integer in 1\.\."),
+    "no KV heads": ({"num_key_value_heads": 0}, r"num_key_value_heads=0 must be an integer"),
+    "a missing size": ({"hidden_size": None}, r"config\.json lacks 'hidden_size'"),
+    "a size as text": ({"intermediate_size": "big"}, r"intermediate_size='big' must be an integer"),
+    "a boolean layer count": ({"num_hidden_layers": True}, r"num_hidden_layers=True must be an integer"),
+    "eps as text": ({"rms_norm_eps": "small"}, r"rms_norm_eps='small' must be a number"),
+    "heads that do not divide the shapes": ({"num_attention_heads": 5}, r"shape|divide|head"),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hostile_hf_config_convert(case, tiny_hf, tmp_path, capsys):
+    edit, match = HF_CASES[case]
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_hf, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update({k: v for k, v in edit.items() if v is not None})
+    for k in [k for k, v in edit.items() if v is None]:
+        cfg.pop(k, None)
+    (src / "config.json").write_text(json.dumps(cfg))
+    expect_error(capsys, match, "convert", src, "-o", tmp_path / "out.cflow")
+    assert not (tmp_path / "out.cflow").exists()

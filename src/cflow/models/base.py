@@ -97,17 +97,40 @@ def hf_rope_theta(c: dict, kind: str = "full_attention", default: float = 10000.
     return float(rp.get("rope_theta", c.get("rope_theta", default)))
 
 
+def hf_int(c: dict, key: str, default: Any = _REQUIRED, lo: int = 1, hi: int = MAX_SIZE) -> int:
+    """An integer of a config.json in lo..hi (null counts as absent): counts are checked before
+    anything divides by them or sizes a tensor with them."""
+    v = c.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise CflowFormatError(f"config.json lacks {key!r}")
+        return default
+    if not is_int(v) or not lo <= v <= hi:
+        raise CflowFormatError(f"config.json {key}={v!r} must be an integer in {lo}..{hi}")
+    return v
+
+
+def hf_float(c: dict, key: str, default: float) -> float:
+    """A number of a config.json; its range is ModelConfig.validate's to check."""
+    v = c.get(key)
+    if v is None:
+        return default
+    if not (is_int(v) or isinstance(v, float)):
+        raise CflowFormatError(f"config.json {key}={v!r} must be a number")
+    return float(v)
+
+
 def hf_common(c: dict) -> dict[str, Any]:
     """ModelConfig fields every llama-style config.json states the same way."""
-    d, nh = int(c["hidden_size"]), int(c["num_attention_heads"])
+    d, nh = hf_int(c, "hidden_size"), hf_int(c, "num_attention_heads")
     act = c.get("hidden_activation") or c.get("hidden_act", "silu")
     if act not in HF_ACTIVATIONS:
         raise UnsupportedError(f"activation {act!r} is not supported; supported: {', '.join(HF_ACTIVATIONS)}")
     return dict(
-        vocab_size=int(c["vocab_size"]), d_model=d, n_layer=int(c["num_hidden_layers"]), n_head=nh,
-        n_kv_head=int(c.get("num_key_value_heads") or nh), head_dim=int(c.get("head_dim") or d // nh),
-        d_ff=int(c["intermediate_size"]), max_seq_len=int(c.get("max_position_embeddings", 2048)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        vocab_size=hf_int(c, "vocab_size"), d_model=d, n_layer=hf_int(c, "num_hidden_layers"), n_head=nh,
+        n_kv_head=hf_int(c, "num_key_value_heads", nh), head_dim=hf_int(c, "head_dim", d // nh),
+        d_ff=hf_int(c, "intermediate_size"), max_seq_len=hf_int(c, "max_position_embeddings", 2048),
+        norm_eps=hf_float(c, "rms_norm_eps", 1e-6), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=bool(c.get("attention_bias", False)), act=HF_ACTIVATIONS[act],
     )
 
