@@ -233,9 +233,9 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
         for _ in range(runs):
             one += ours.batched_steps(short, 1, tokens)
             many += ours.batched_steps(short, batch, tokens)
-        m1, mb = statistics.median(one), statistics.median(many)
-        rec["batch"] = {"sequences": batch, "step_ms_median": round(1e3 * mb, 3), "one_step_ms_median": round(1e3 * m1, 3),
-                        "tok_s": round(batch / mb, 2), "x_one": round(batch * m1 / mb, 3)}
+        m1, mb = round(1e3 * statistics.median(one), 4), round(1e3 * statistics.median(many), 4)  # ms
+        rec["batch"] = {"sequences": batch, "step_ms_median": mb, "one_step_ms_median": m1,
+                        "tok_s": round(1e3 * batch / mb, 2), "x_one": round(batch * m1 / mb, 3)}
     if theirs:
         ld, lp = statistics.median(ldec), statistics.median(lpre)
         rec["vs"]["llama.cpp"] = {"decode_tok_s": round(ld, 2), "prefill_tok_s": round(lp, 2),
