@@ -80,7 +80,8 @@ def test_a_cached_conversion_in_an_older_layout_is_made_again(tmp_path, smol, sm
     cached = converted_path(smol, tmp_path)
     cached.parent.mkdir(parents=True)
     convert(smol, cached, progress=False, pack="blocks")
-    assert _outdated(cached) and not _outdated(smol_cflow)
+    with CflowFile(cached) as old, CflowFile(smol_cflow) as new:
+        assert _outdated(old) and not _outdated(new)
     load_model(str(smol), cache=tmp_path, quiet=True)
     with CflowFile(cached) as f:
         assert f.tensors["blk.0.attn_output"].pack == "planes"

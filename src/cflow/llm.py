@@ -10,7 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
-from cflow.errors import CflowError, CflowFormatError
+from cflow.errors import CflowError
 from cflow.generate import Chunk, check_budget, generate_step
 from cflow.sampling import generation_defaults, make_sampler
 from cflow.tokenizer import Tokenizer
@@ -56,22 +56,17 @@ def converted_path(src: Path, cache=None) -> Path:
     return hub.cache_dir(cache) / "converted" / f"{src.name}-{key}.cflow"
 
 
-def _outdated(path: Path) -> bool:
-    """A cached conversion written by an older cflow, to convert again: an older format version,
-    or a matrix in whole blocks whose type today's converter writes in a faster layout (the
-    planes pack gained Q5_0, Q4_K and Q6_K after files that hold them were cached)."""
+def _outdated(f) -> bool:
+    """Whether an open cached conversion was written by an older cflow, to convert again: an
+    older format version, or a matrix in whole blocks whose type today's converter writes in a
+    faster layout (the planes pack gained Q5_0, Q4_K and Q6_K after files that hold them were
+    cached)."""
     from cflow.convert.write import tensor_layout
-    from cflow.format import CflowFile
-    from cflow.format.spec import PREAMBLE, VERSION, Preamble
+    from cflow.format.spec import VERSION
 
-    try:
-        with open(path, "rb") as fh:
-            if Preamble.unpack(fh.read(PREAMBLE.size), path.stat().st_size).version < VERSION:
-                return True
-        tensors = CflowFile(path).tensors.values()
-    except (OSError, CflowFormatError):
-        return False  # let CflowFile report what is wrong with it
-    return any(t.pack != tensor_layout(t.type.name, len(t.shape))["pack"] for t in tensors)
+    if f.preamble.version < VERSION:
+        return True
+    return any(t.pack != tensor_layout(t.type.name, len(t.shape))["pack"] for t in f.tensors.values())
 
 
 def load_model(model: str, *, cache=None, quiet: bool = False):
@@ -81,24 +76,27 @@ def load_model(model: str, *, cache=None, quiet: bool = False):
     """
     from cflow import hub
     from cflow.convert import load_source, source_kind
+    from cflow.format import CflowFile
 
     path = hub.resolve(model, cache=cache, quiet=quiet)
     kind = source_kind(path)
-    if kind != "cflow":
-        if not _have_writer():
-            return load_source(path)
-        out = converted_path(path, cache)
-        if not out.is_file() or _outdated(out):
-            from cflow.convert import convert
+    if kind == "cflow":
+        return CflowFile(path)
+    if not _have_writer():
+        return load_source(path)
+    out = converted_path(path, cache)
+    if out.is_file():  # the cached conversion, opened once: checked, then returned
+        f = CflowFile(out)
+        if not _outdated(f):
+            return f
+        f.close()
+    from cflow.convert import convert
 
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if not quiet:
-                print(f"converting {path} -> {out}", file=sys.stderr)
-            convert(path, out, progress=not quiet)
-        path = out
-    from cflow.format import CflowFile
-
-    return CflowFile(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"converting {path} -> {out}", file=sys.stderr)
+    convert(path, out, progress=not quiet)
+    return CflowFile(out)
 
 
 ENGINES = ("native", "ref")
