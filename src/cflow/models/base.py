@@ -97,27 +97,39 @@ def hf_rope_theta(c: dict, kind: str = "full_attention", default: float = 10000.
     return float(rp.get("rope_theta", c.get("rope_theta", default)))
 
 
-def hf_int(c: dict, key: str, default: Any = _REQUIRED, lo: int = 1, hi: int = MAX_SIZE) -> int:
-    """An integer of a config.json in lo..hi (null counts as absent): counts are checked before
-    anything divides by them or sizes a tensor with them."""
+def _count(v: Any, where: str, lo: int, hi: int) -> int:
+    """v, an integer in lo..hi (booleans are not integers), or CflowFormatError naming `where`."""
+    if not is_int(v) or not lo <= v <= hi:
+        raise CflowFormatError(f"{where}={v!r} must be an integer in {lo}..{hi}")
+    return v
+
+
+def _number(v: Any, where: str) -> float:
+    """v as a float (an int or a float), or CflowFormatError naming `where`."""
+    if not (is_int(v) or isinstance(v, float)):
+        raise CflowFormatError(f"{where}={v!r} must be a number")
+    return float(v)
+
+
+def hf_value(c: dict, key: str, default: Any = _REQUIRED) -> Any:
+    """config.json's `key` (null counts as absent); CflowFormatError when absent without a default."""
     v = c.get(key)
     if v is None:
         if default is _REQUIRED:
             raise CflowFormatError(f"config.json lacks {key!r}")
         return default
-    if not is_int(v) or not lo <= v <= hi:
-        raise CflowFormatError(f"config.json {key}={v!r} must be an integer in {lo}..{hi}")
     return v
+
+
+def hf_int(c: dict, key: str, default: Any = _REQUIRED, lo: int = 1, hi: int = MAX_SIZE) -> int:
+    """An integer of a config.json in lo..hi: counts are checked before anything divides by them
+    or sizes a tensor with them."""
+    return _count(hf_value(c, key, default), f"config.json {key}", lo, hi)
 
 
 def hf_float(c: dict, key: str, default: float) -> float:
     """A number of a config.json; its range is ModelConfig.validate's to check."""
-    v = c.get(key)
-    if v is None:
-        return default
-    if not (is_int(v) or isinstance(v, float)):
-        raise CflowFormatError(f"config.json {key}={v!r} must be a number")
-    return float(v)
+    return _number(hf_value(c, key, default), f"config.json {key}")
 
 
 def hf_common(c: dict) -> dict[str, Any]:
@@ -152,18 +164,12 @@ def gguf_value(m: dict, key: str, default: Any = _REQUIRED) -> Any:
 def gguf_int(m: dict, key: str, default: Any = _REQUIRED, lo: int = 1, hi: int = MAX_SIZE) -> int:
     """An integer of the metadata (gguf_value) in lo..hi: counts are checked before anything divides
     by them or sizes a tensor with them."""
-    v = gguf_value(m, key, default)
-    if not is_int(v) or not lo <= v <= hi:
-        raise CflowFormatError(f"GGUF metadata {_gguf_key(m, key)}={v!r} must be an integer in {lo}..{hi}")
-    return v
+    return _count(gguf_value(m, key, default), f"GGUF metadata {_gguf_key(m, key)}", lo, hi)
 
 
 def gguf_float(m: dict, key: str, default: Any = _REQUIRED) -> float:
     """A number of the metadata (gguf_value); its range is ModelConfig.validate's to check."""
-    v = gguf_value(m, key, default)
-    if not (is_int(v) or isinstance(v, float)):
-        raise CflowFormatError(f"GGUF metadata {_gguf_key(m, key)}={v!r} must be a number")
-    return float(v)
+    return _number(gguf_value(m, key, default), f"GGUF metadata {_gguf_key(m, key)}")
 
 
 def gguf_common(m: dict) -> dict[str, Any]:
