@@ -472,9 +472,10 @@ void Engine::matmul_gemm(const Matmul& op, Workspace& ws, const float* src, int 
   const TileLayout& L = W.L;
   const bool q8 = fast_ && has_int8_path(L.bt(), true);
   Input in = prepare(ws, src, lds, n, L.cols, op.norm, q8, q8 && op.two_level, tid);
-  // where decode has a batched kernel, prompt rows take it too (by whole stripes): each token
-  // then gets what it gets as a single row, and faster than from the GEMM
-  const GemvBatchFn batch = q8 ? batch_kernel(L, in.qa.levels == 2 ? AType::Q8x2 : AType::Q8) : nullptr;
+  // where decode has a batched kernel that is faster than the GEMM (AMX), prompt rows take it
+  // too (by whole stripes): each token then gets what it gets as a single row
+  const GemvBatchFn batch =
+      q8 && gemv_batch_beats_gemm(isa_) ? batch_kernel(L, in.qa.levels == 2 ? AType::Q8x2 : AType::Q8) : nullptr;
   int r0, r1;
   if (batch) stripe_share(L, tid, ws.pool.size(), &r0, &r1);
   else row_share(L, tid, ws.pool.size(), &r0, &r1);
@@ -574,17 +575,21 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
     }
     return true;
   };
-  if (ws.n_pre) {
-    const Input in = prepare(ws, src, lds, ws.n_pre, C, op.norm, q8, q8 && precise, tid);
-    if (!q8 || !batched_rows(in.qa.levels == 2 ? AType::Q8x2 : AType::Q8, in.qa.data, 0, ws.n_pre))
-      gemm_rows(in, 0, ws.n_pre);
-  }
-  const int m = ws.n - ws.n_pre;
-  if (!m) return;
   AType at;
   const GemvFn gemv = 2 * c == L.tr ? decode_kernel(L, precise, &at) : nullptr;
+  // prompt rows of a type without an int8 GEMM (the K-quants) but with a batched decode kernel
+  // run as single rows through that kernel (as Matmul's), rather than through the fp32 GEMM
+  const bool pre_single = ws.n_pre && fast_ && !q8 && gemv && batch_kernel(L, at);
+  if (ws.n_pre && !pre_single) {
+    const Input in = prepare(ws, src, lds, ws.n_pre, C, op.norm, q8, q8 && precise, tid);
+    if (!q8 || !gemv_batch_beats_gemm(isa_) ||
+        !batched_rows(in.qa.levels == 2 ? AType::Q8x2 : AType::Q8, in.qa.data, 0, ws.n_pre))
+      gemm_rows(in, 0, ws.n_pre);
+  }
+  const int k0 = pre_single ? 0 : ws.n_pre, m = ws.n - k0;  // the single rows
+  if (!m) return;
   if (!gemv) {
-    for (int k = ws.n_pre; k < ws.n; ++k)
+    for (int k = k0; k < ws.n; ++k)
       gemm_rows(prepare(ws, src + (size_t)k * lds, lds, 1, C, op.norm, q8, q8 && precise, tid), k, 1);
     return;
   }
@@ -592,16 +597,16 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
   const size_t ab = act_bytes(L.bt(), at, C);
   grow(s.xa, (size_t)m * ab);
   for (int k = 0; k < m; ++k) {
-    Input in = prepare(ws, src + (size_t)(ws.n_pre + k) * lds, lds, 1, C, op.norm, false, false, tid);
+    Input in = prepare(ws, src + (size_t)(k0 + k) * lds, lds, 1, C, op.norm, false, false, tid);
     prepare_act(L.bt(), at, s.xa.data() + k * ab, in.x, C);
   }
-  if (m > 1 && batched_rows(at, s.xa.data(), ws.n_pre, m)) return;
+  if (m > 1 && batched_rows(at, s.xa.data(), k0, m)) return;
   grow(s.y, (size_t)2 * std::min(c, F));
   for (int p = p0; p < p1; ++p) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
     for (int k = 0; k < m; ++k) {
       gemv(s.y.data(), s.xa.data() + k * ab, W.data, L, r0, r1);
-      act_mul(op.act, s.y.data(), s.y.data() + cp, h + (size_t)(ws.n_pre + k) * F + (size_t)p * c, cp);
+      act_mul(op.act, s.y.data(), s.y.data() + cp, h + (size_t)(k0 + k) * F + (size_t)p * c, cp);
     }
   }
 }

@@ -154,7 +154,7 @@ size_t act_bytes(BlockType bt, AType at, int cols) {
 
 void quantize_act(ActBlock ab, void* xa, const float* x, int cols, int levels) {
   auto level = [&](void* out, const float* v) {
-    if (ab == ActBlock::Q8K) ref::quantize_q8_K((block_q8_K*)out, v, cols);
+    if (ab == ActBlock::Q8K) best_table().quantize_q8K((block_q8_K*)out, v, cols);
     else best_table().quantize_q8a((block_q8a*)out, v, cols);
   };
   level(xa, x);
@@ -192,13 +192,27 @@ GemvFn gemv_fn(BlockType bt, Pack pack, AType at, Isa isa, Isa* used) {
 }
 
 GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa) {
-#if defined(CFLOW_X86) && defined(CFLOW_AMX)
+#if defined(CFLOW_X86)
   Isa used;
   // the batched kernels match the AVX-512 GEMV: only where that is the one a token alone gets
-  if (isa == Isa::Avx512 && amx_usable() && gemv_fn(bt, pack, at, isa, &used) && used == Isa::Avx512)
-    return avx512::amx_gemv_batch(bt, pack, at);
+  if (isa != Isa::Avx512 || !gemv_fn(bt, pack, at, isa, &used) || used != Isa::Avx512) return nullptr;
+#if defined(CFLOW_AMX)
+  if (amx_usable()) return avx512::amx_gemv_batch(bt, pack, at);
 #endif
+  return avx512::vnni_gemv_batch(bt, pack, at);
+#else
+  (void)bt, (void)pack, (void)at, (void)isa;
   return nullptr;
+#endif
+}
+
+bool gemv_batch_beats_gemm(Isa isa) {
+#if defined(CFLOW_X86) && defined(CFLOW_AMX)
+  return isa == Isa::Avx512 && amx_usable();
+#else
+  (void)isa;
+  return false;
+#endif
 }
 
 void unpack_planes(const TileLayout& L, const uint8_t* src, uint8_t* dst, int nr) {

@@ -233,6 +233,7 @@ void fill_ref(KernelTable& t) {
   set_ref<BlockType::Q6_K>(t);
   t.gemm_f32 = gemm_f32;
   t.quantize_q8a = quantize_q8a;
+  t.quantize_q8K = quantize_q8_K;
 }
 
 }  // namespace

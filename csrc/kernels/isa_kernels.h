@@ -19,6 +19,9 @@ namespace avx512 { void fill_gemm(KernelTable& t); }
 // The AMX batched GEMV of (bt, pack, at) matching the AVX-512 GEMV (x86/avx512/gemv_amx.cpp),
 // nullptr for other types; call only when amx_usable().
 namespace avx512 { GemvBatchFn amx_gemv_batch(BlockType bt, Pack pack, AType at); }
+// The same without AMX, on AVX-512 VNNI (x86/avx512/gemv_avx512.cpp): several tokens per pass,
+// each chunk unpacked once, every token's dot products by vpdpbusd.
+namespace avx512 { GemvBatchFn vnni_gemv_batch(BlockType bt, Pack pack, AType at); }
 
 // get(table) of the best ISA at or below `isa` that this CPU runs and whose entry is set;
 // *used (optional) receives that ISA. nullptr when none has one.

@@ -200,3 +200,26 @@ TEST(planes_gemm_holds_extreme_weights) {
     }
   }
 }
+
+// Every ISA quantizes activations to exactly the reference's bytes (block_q8a rows with their
+// sums, and the K-quants' block_q8_K with bsums), large and tiny values, zero blocks included.
+TEST(activation_quantization_is_the_reference_on_every_isa) {
+  for (int cols : {256, 768, 4864 / 256 * 256}) {
+    std::mt19937 rng(cols);
+    std::normal_distribution<float> nd(0.f, 2.f);
+    std::vector<float> x(cols);
+    for (float& v : x) v = nd(rng);
+    for (int j = 0; j < 32; ++j) x[j] = 0.f;  // an all-zero block
+    for (int j = 256; j < std::min(cols, 512); ++j) x[j] *= 1e-30f;
+    std::vector<uint8_t> ra(q8a_row_bytes(cols)), rk(cols / QK_K * sizeof(block_q8_K));
+    ref::quantize_q8a((block_q8a*)ra.data(), x.data(), cols);
+    ref::quantize_q8_K((block_q8_K*)rk.data(), x.data(), cols);
+    for (const KernelTable* T : kernel_tables()) {
+      std::vector<uint8_t> a(ra.size()), k(rk.size());
+      T->quantize_q8a((block_q8a*)a.data(), x.data(), cols);
+      T->quantize_q8K((block_q8_K*)k.data(), x.data(), cols);
+      CHECK(a == ra);
+      CHECK(k == rk);
+    }
+  }
+}

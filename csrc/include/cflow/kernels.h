@@ -61,6 +61,7 @@ struct KernelTable {
   GemmQ8Fn gemm_q8[kNumBlockTypes][2];  // [block_index][Pack]; nullptr: the ISA below
   GemmF32Fn gemm_f32;                   // every type and pack (rows dequantized once)
   void (*quantize_q8a)(block_q8a* out, const float* x, int cols);  // one row (and its sums)
+  void (*quantize_q8K)(block_q8_K* out, const float* x, int cols);  // one row of the K-quants' activations
 };
 // The table of one ISA; `isa` must be supported by this CPU (isa_supported).
 const KernelTable& kernel_table(Isa isa);
@@ -82,9 +83,14 @@ using GemvBatchFn = void (*)(float* y, int ldy, const void* x, int m, const uint
 // 16 tokens of one level, 8 of two).
 constexpr int kBatchGroupMin = 8;
 // The batched kernel matching gemv_fn(bt, pack, at, isa), or nullptr where there is none (the
-// caller then runs the GEMV token by token). Today: planes-packed Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K with int8
-// activations, on the AVX-512 path of a CPU with AMX (amx_usable()).
+// caller then runs the GEMV token by token). Today: planes-packed Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K
+// with int8 activations on the AVX-512 path: on AMX (amx_usable()) one tile dot product forms 16
+// (token, level) rows' integers at once; elsewhere (VNNI) each chunk is unpacked once per pass and
+// met by every token's vpdpbusd in turn.
 GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa);
+// Whether the batched kernel is also faster than the int8 GEMM for prompt rows (measured: on AMX
+// it is; the VNNI batched kernel is not, docs/KERNELS.md).
+bool gemv_batch_beats_gemm(Isa isa);
 
 // Scalar references outside the table.
 namespace ref {

@@ -327,6 +327,32 @@ inline void quantize_q8a_v(block_q8a* out, const float* x, int cols) {
   }
 }
 
+// Activations -> one row of block_q8_K (the K-quants' activations), bit for bit the reference's
+// (ref::quantize_q8_K: max |x| / 127, round to nearest even) at 256 bits: both ISAs run it.
+inline void quantize_q8K_v(block_q8_K* out, const float* x, int cols) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int b = 0; b < cols / QK_K; ++b, x += QK_K) {
+    block_q8_K& o = out[b];
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < QK_K; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float d = _mm_cvtss_f32(h) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id);
+    for (int c = 0; c < QK_K / 16; ++c) {  // 16 values: 16 bytes of qs and their sum, bsums[c]
+      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * c), vid));
+      const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * c + 8), vid));
+      const __m128i w0 = _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
+      const __m128i w1 = _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
+      _mm_storeu_si128((__m128i*)(o.qs + 16 * c), _mm_packs_epi16(w0, w1));
+      const __m256i s = _mm256_add_epi32(q0, q1);
+      o.bsums[c] = (int16_t)hsum_i32(_mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+    }
+    o.d = d;
+  }
+}
+
 // Fills the table entries every ISA shares (a file may then replace some with its own kernels).
 template <class K>
 void set_kind(KernelTable& t) {
@@ -345,4 +371,5 @@ inline void fill_table(KernelTable& t) {
   set_kind<KQ4_K>(t);
   set_kind<KQ6_K>(t);
   t.quantize_q8a = quantize_q8a_v;
+  t.quantize_q8K = quantize_q8K_v;
 }

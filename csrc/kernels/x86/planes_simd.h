@@ -66,6 +66,35 @@ struct KPlanesKind {
   static int asum(const block_q8_K& a, int s) { return kQ4 ? a.bsums[2 * s] + a.bsums[2 * s + 1] : a.bsums[s]; }
 };
 
+// f(std::integral_constant<int, n>) for 1 <= n <= N: a token count as a template argument.
+template <int N, class F>
+inline void with_count(int n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) return f(std::integral_constant<int, N>{});
+    with_count<N - 1>(n, f);
+  }
+}
+
+// The batched GEMV (kernels.h GemvBatchFn) of a planes type with int8 activations:
+// pick(integral_constant<BlockType>, integral_constant<bool, two levels>) names the kernel;
+// nullptr for other types, packs and activations.
+template <class Pick>
+inline GemvBatchFn planes_batch_fn(BlockType bt, Pack pack, AType at, Pick&& pick) {
+  if (pack != Pack::Planes || (at != AType::Q8 && at != AType::Q8x2)) return nullptr;
+  auto both = [&](auto wt) {
+    return at == AType::Q8x2 ? pick(wt, std::true_type{}) : pick(wt, std::false_type{});
+  };
+  switch (bt) {
+    case BlockType::Q4_0: return both(std::integral_constant<BlockType, BlockType::Q4_0>{});
+    case BlockType::Q4_1: return both(std::integral_constant<BlockType, BlockType::Q4_1>{});
+    case BlockType::Q5_0: return both(std::integral_constant<BlockType, BlockType::Q5_0>{});
+    case BlockType::Q8_0: return both(std::integral_constant<BlockType, BlockType::Q8_0>{});
+    case BlockType::Q4_K: return both(std::integral_constant<BlockType, BlockType::Q4_K>{});
+    case BlockType::Q6_K: return both(std::integral_constant<BlockType, BlockType::Q6_K>{});
+    default: return nullptr;
+  }
+}
+
 template <BlockType WT, bool TWO>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end);
 template <BlockType WT, bool TWO>

@@ -3,6 +3,8 @@
 // as two halves of 8).
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include <cstring>
 #include <vector>
 

@@ -5,6 +5,8 @@
 // instead of ones).
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include <cstring>
 
 #include "../../isa_kernels.h"

@@ -2,6 +2,8 @@
 // and vpdpbusd, and its planes kernel (16 rows in one zmm).
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include <algorithm>
 #include <cstring>
 #include <vector>

@@ -161,15 +161,6 @@ void token_group(float* y, int ldy, const block_q8a* const* x, const int8_t* apa
   });
 }
 
-// f(std::integral_constant<int, n>) for 1 <= n <= N.
-template <int N, class F>
-inline void with_count(int n, F&& f) {
-  if constexpr (N >= 1) {
-    if (n == N) return f(std::integral_constant<int, N>{});
-    with_count<N - 1>(n, f);
-  }
-}
-
 template <BlockType WT, bool TWO>
 void gemv_batch_planes(float* y, int ldy, const void* xv, int m, const uint8_t* w, const TileLayout& L,
                        int row_begin, int row_end) {
@@ -276,17 +267,11 @@ void gemv_batch_kplanes(float* y, int ldy, const void* xv, int m, const uint8_t*
 }  // namespace
 
 GemvBatchFn amx_gemv_batch(BlockType bt, Pack pack, AType at) {
-  if (pack != Pack::Planes || (at != AType::Q8 && at != AType::Q8x2)) return nullptr;
-  const bool two = at == AType::Q8x2;
-  switch (bt) {
-    case BlockType::Q4_0: return two ? gemv_batch_planes<BlockType::Q4_0, true> : gemv_batch_planes<BlockType::Q4_0, false>;
-    case BlockType::Q4_1: return two ? gemv_batch_planes<BlockType::Q4_1, true> : gemv_batch_planes<BlockType::Q4_1, false>;
-    case BlockType::Q5_0: return two ? gemv_batch_planes<BlockType::Q5_0, true> : gemv_batch_planes<BlockType::Q5_0, false>;
-    case BlockType::Q8_0: return two ? gemv_batch_planes<BlockType::Q8_0, true> : gemv_batch_planes<BlockType::Q8_0, false>;
-    case BlockType::Q4_K: return two ? gemv_batch_kplanes<BlockType::Q4_K, true> : gemv_batch_kplanes<BlockType::Q4_K, false>;
-    case BlockType::Q6_K: return two ? gemv_batch_kplanes<BlockType::Q6_K, true> : gemv_batch_kplanes<BlockType::Q6_K, false>;
-    default: return nullptr;
-  }
+  return planes_batch_fn(bt, pack, at, [](auto wt, auto two) -> GemvBatchFn {
+    constexpr BlockType WT = decltype(wt)::value;
+    if constexpr (WT == BlockType::Q4_K || WT == BlockType::Q6_K) return gemv_batch_kplanes<WT, decltype(two)::value>;
+    else return gemv_batch_planes<WT, decltype(two)::value>;
+  });
 }
 
 }  // namespace avx512

@@ -13,6 +13,8 @@
 // q8a_sums.
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "../../isa_kernels.h"
 #include "../../tile_walk.h"
 #include "cflow/planes.h"
@@ -292,19 +294,17 @@ struct KQ6_K512 : BlkQ6_K {
 // TWO (AType::Q8x2): a second int8 activation (the residual level, a2) is dotted with the same
 // unpacked planes, so the second level costs arithmetic, not a second pass over the weights.
 template <BlockType WT, bool TWO>
-inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
-                           const q8a_sums* la2, __m512 acc) {
+inline __m512 planes_dot(const uint8_t* c, const __m512i (&u)[8], const block_q8a& a, const q8a_sums& la,
+                         const block_q8a* a2, const q8a_sums* la2, __m512 acc) {
   auto start = [](const q8a_sums& l) {  // the exact integer offset term
     return _mm512_set1_epi32(-PlanesKind<WT>::kZero * (l.lsum4[0] + l.lsum4[1] + l.lsum4[2] + l.lsum4[3]));
   };
   int32_t xw[8], xw2[8];  // the activations' 4-byte slices
   std::memcpy(xw, a.qs, 32);
   if (TWO) std::memcpy(xw2, a2->qs, 32);
-  __m512i u[8];  // slice j of the 16 rows meets the activation's slice j
-  planes_unpack<WT>(c, u);
   __m512i s0 = start(la), s1 = _mm512_setzero_si512();
   __m512i t0 = TWO ? start(*la2) : s1, t1 = s1;
-  for (int j = 0; j < 8; j += 2) {
+  for (int j = 0; j < 8; j += 2) {  // slice j of the 16 rows meets the activation's slice j
     s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(xw[j]));
     s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(xw[j + 1]));
     if (TWO) {
@@ -313,6 +313,14 @@ inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums&
     }
   }
   return planes_finish<WT, TWO>(c, _mm512_add_epi32(s0, s1), _mm512_add_epi32(t0, t1), a, a2, acc);
+}
+
+template <BlockType WT, bool TWO>
+inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
+                           const q8a_sums* la2, __m512 acc) {
+  __m512i u[8];
+  planes_unpack<WT>(c, u);
+  return planes_dot<WT, TWO>(c, u, a, la, a2, la2, acc);
 }
 
 // TWO: x holds the cols/32 blocks of the first level, then those of the second (AType::Q8x2).
@@ -333,31 +341,38 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
 // sub-block's D_s, started at -kZero * (its sum of x), by one vpdpbusd per slice against the 4
 // activation bytes broadcast, times the sub-block's 16 row scales (vpmulld), into I; then
 // kplanes_finish. TWO: the second level meets the same unpacked slices (one pass).
+// Group q's share of I (and I2) from its unpacked slices u.
+template <BlockType WT, bool TWO>
+inline void kplanes_group(const uint8_t* c, const __m512i (&u)[16], int q, const block_q8_K& a, const block_q8_K* a2,
+                          __m512i& I, __m512i& I2) {
+  using K = KPlanesKind<WT>;
+  for (int r = 0; r < K::kSubs; ++r) {
+    const int s = K::sub(q, r);
+    __m512i D = _mm512_set1_epi32(-K::kZero * K::asum(a, s));
+    __m512i T = TWO ? _mm512_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
+    for (int j = 0; j < K::kSlices; ++j) {
+      int32_t x4, x24;
+      std::memcpy(&x4, a.qs + K::kSubW * s + 4 * j, 4);
+      D = _mm512_dpbusd_epi32(D, u[r * K::kSlices + j], _mm512_set1_epi32(x4));
+      if (TWO) {
+        std::memcpy(&x24, a2->qs + K::kSubW * s + 4 * j, 4);
+        T = _mm512_dpbusd_epi32(T, u[r * K::kSlices + j], _mm512_set1_epi32(x24));
+      }
+    }
+    const __m512i sc = kplanes_scale<WT>(c, s);
+    I = _mm512_add_epi32(I, _mm512_mullo_epi32(D, sc));
+    if (TWO) I2 = _mm512_add_epi32(I2, _mm512_mullo_epi32(T, sc));
+  }
+}
+
 template <BlockType WT, bool TWO>
 inline __m512 kplanes_block(const uint8_t* c, const block_q8_K& a, const block_q8_K* a2, __m512 acc) {
-  using K = KPlanesKind<WT>;
   __m512i I = _mm512_setzero_si512(), I2 = I, M, M2;
   kplanes_mins<WT, TWO>(c, a, a2, M, M2);
   for (int q = 0; q < 4; ++q) {
     __m512i u[16];
     kplanes_unpack<WT>(c, q, u);
-    for (int r = 0; r < K::kSubs; ++r) {
-      const int s = K::sub(q, r);
-      __m512i D = _mm512_set1_epi32(-K::kZero * K::asum(a, s));
-      __m512i T = TWO ? _mm512_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
-      for (int j = 0; j < K::kSlices; ++j) {
-        int32_t x4, x24;
-        std::memcpy(&x4, a.qs + K::kSubW * s + 4 * j, 4);
-        D = _mm512_dpbusd_epi32(D, u[r * K::kSlices + j], _mm512_set1_epi32(x4));
-        if (TWO) {
-          std::memcpy(&x24, a2->qs + K::kSubW * s + 4 * j, 4);
-          T = _mm512_dpbusd_epi32(T, u[r * K::kSlices + j], _mm512_set1_epi32(x24));
-        }
-      }
-      const __m512i sc = kplanes_scale<WT>(c, s);
-      I = _mm512_add_epi32(I, _mm512_mullo_epi32(D, sc));
-      if (TWO) I2 = _mm512_add_epi32(I2, _mm512_mullo_epi32(T, sc));
-    }
+    kplanes_group<WT, TWO>(c, u, q, a, a2, I, I2);
   }
   return kplanes_finish<WT, TWO>(c, I, M, I2, M2, a, a2, acc);
 }
@@ -374,6 +389,173 @@ void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayou
   });
 }
 
+// ---- the batched GEMV (kernels.h GemvBatchFn) without AMX ----
+// Up to kVnniGroup tokens per pass over a thread's rows: each chunk (or K-quant group) is
+// unpacked once and met by every token's activations in turn, through the GEMV's own
+// planes_dot / kplanes_group and float finish, in the GEMV's block order: a token's result is
+// bit for bit the GEMV's. What the pass saves is the weight traffic and the unpacking of every
+// token after the first; the dot products stay one token's each.
+constexpr int kVnniGroup = 8;
+static_assert(kVnniGroup >= kBatchGroupMin, "kernels.h promises this many tokens per pass");
+
+// The activations of a pass's tokens: token t's level 1 (x, its sums xs) and level 2 (x2, xs2).
+template <class B, int NT>
+struct TokenActs {
+  const B *x[NT], *x2[NT];
+  const q8a_sums *xs[NT], *xs2[NT];  // block_q8a only
+  TokenActs(const uint8_t* xv, size_t ab, int cols) {
+    for (int t = 0; t < NT; ++t) {
+      x[t] = (const B*)(xv + t * ab);
+      if constexpr (std::is_same_v<B, block_q8a>) {
+        x2[t] = (const B*)(xv + t * ab + q8a_row_bytes(cols));
+        xs[t] = q8a_sums_of(x[t], cols), xs2[t] = q8a_sums_of(x2[t], cols);
+      } else {
+        x2[t] = x[t] + cols / QK_K;
+      }
+    }
+  }
+};
+
+// K tokens T0 .. T0+K-1 of A on one unpacked chunk u: their integer dot products as K (two: 2K)
+// independent vpdpbusd chains, so that the chains' latencies overlap, then each token's
+// planes_finish, as planes_dot runs it.
+template <BlockType WT, bool TWO, int K, class A>
+inline void planes_dots(const uint8_t* c, const __m512i (&u)[8], const A& x, int T0, int cb, __m512* acc) {
+  auto start = [](const q8a_sums& l) {
+    return _mm512_set1_epi32(-PlanesKind<WT>::kZero * (l.lsum4[0] + l.lsum4[1] + l.lsum4[2] + l.lsum4[3]));
+  };
+  auto slice = [](const block_q8a& a, int j) {
+    int32_t v;
+    std::memcpy(&v, a.qs + 4 * j, 4);
+    return _mm512_set1_epi32(v);
+  };
+  __m512i S[K], T[K];
+  for (int k = 0; k < K; ++k) {
+    S[k] = start(x.xs[T0 + k][cb]);
+    T[k] = TWO ? start(x.xs2[T0 + k][cb]) : S[k];
+  }
+  for (int j = 0; j < 8; ++j)
+    for (int k = 0; k < K; ++k) {
+      S[k] = _mm512_dpbusd_epi32(S[k], u[j], slice(x.x[T0 + k][cb], j));
+      if (TWO) T[k] = _mm512_dpbusd_epi32(T[k], u[j], slice(x.x2[T0 + k][cb], j));
+    }
+  for (int k = 0; k < K; ++k)
+    acc[k] = planes_finish<WT, TWO>(c, S[k], T[k], x.x[T0 + k][cb], TWO ? x.x2[T0 + k] + cb : nullptr, acc[k]);
+}
+
+// planes_dots over tokens T0 .. NT-1, KMAX at a time.
+template <BlockType WT, bool TWO, int NT, int KMAX, int T0 = 0, class A>
+inline void planes_dots_all(const uint8_t* c, const __m512i (&u)[8], const A& x, int cb, __m512* acc) {
+  if constexpr (T0 < NT) {
+    constexpr int K = NT - T0 < KMAX ? NT - T0 : KMAX;
+    planes_dots<WT, TWO, K>(c, u, x, T0, cb, acc + T0);
+    planes_dots_all<WT, TWO, NT, KMAX, T0 + K>(c, u, x, cb, acc);
+  }
+}
+
+template <BlockType WT, bool TWO, int NT>
+void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8_t* w, const TileLayout& L,
+                   int row_begin, int row_end) {
+  const TokenActs<block_q8a, NT> x(xv, ab, L.cols);
+  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+    __m512 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* c = chunk(b);
+      __m512i u[8];
+      planes_unpack<WT>(c, u);
+      planes_dots_all<WT, TWO, NT, 4>(c, u, x, cb0 + b, acc);
+    }
+    for (int t = 0; t < NT; ++t) planes_store(y + (size_t)t * ldy + r, gg, acc[t]);
+  });
+}
+
+// K tokens T0 .. T0+K-1 of A on group q's unpacked slices: kplanes_group's sums, K (two: 2K)
+// chains side by side.
+template <BlockType WT, bool TWO, int K, class A>
+inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, const A& x, int T0, int cb, __m512i* I,
+                           __m512i* I2) {
+  using Q = KPlanesKind<WT>;
+  auto slice = [](const block_q8_K& a, int at) {
+    int32_t v;
+    std::memcpy(&v, a.qs + at, 4);
+    return _mm512_set1_epi32(v);
+  };
+  for (int r = 0; r < Q::kSubs; ++r) {
+    const int s = Q::sub(q, r);
+    __m512i D[K], T[K];
+    for (int k = 0; k < K; ++k) {
+      D[k] = _mm512_set1_epi32(-Q::kZero * Q::asum(x.x[T0 + k][cb], s));
+      T[k] = TWO ? _mm512_set1_epi32(-Q::kZero * Q::asum(x.x2[T0 + k][cb], s)) : D[k];
+    }
+    for (int j = 0; j < Q::kSlices; ++j)
+      for (int k = 0; k < K; ++k) {
+        D[k] = _mm512_dpbusd_epi32(D[k], u[r * Q::kSlices + j], slice(x.x[T0 + k][cb], Q::kSubW * s + 4 * j));
+        if (TWO) T[k] = _mm512_dpbusd_epi32(T[k], u[r * Q::kSlices + j], slice(x.x2[T0 + k][cb], Q::kSubW * s + 4 * j));
+      }
+    const __m512i sc = kplanes_scale<WT>(c, s);
+    for (int k = 0; k < K; ++k) {
+      I[k] = _mm512_add_epi32(I[k], _mm512_mullo_epi32(D[k], sc));
+      if (TWO) I2[k] = _mm512_add_epi32(I2[k], _mm512_mullo_epi32(T[k], sc));
+    }
+  }
+}
+
+template <BlockType WT, bool TWO, int NT, int KMAX, int T0 = 0, class A>
+inline void kplanes_groups_all(const uint8_t* c, const __m512i (&u)[16], int q, const A& x, int cb, __m512i* I,
+                               __m512i* I2) {
+  if constexpr (T0 < NT) {
+    constexpr int K = NT - T0 < KMAX ? NT - T0 : KMAX;
+    kplanes_groups<WT, TWO, K>(c, u, q, x, T0, cb, I + T0, I2 + T0);
+    kplanes_groups_all<WT, TWO, NT, KMAX, T0 + K>(c, u, q, x, cb, I, I2);
+  }
+}
+
+template <BlockType WT, bool TWO, int NT>
+void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8_t* w, const TileLayout& L,
+                    int row_begin, int row_end) {
+  const TokenActs<block_q8_K, NT> x(xv, ab, L.cols);
+  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+    __m512 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* c = chunk(b);
+      const int cb = cb0 + b;
+      __m512i I[NT], I2[NT];
+      for (int t = 0; t < NT; ++t) I[t] = I2[t] = _mm512_setzero_si512();
+      for (int q = 0; q < 4; ++q) {
+        __m512i u[16];
+        kplanes_unpack<WT>(c, q, u);
+        kplanes_groups_all<WT, TWO, NT, 2>(c, u, q, x, cb, I, I2);
+      }
+      for (int t = 0; t < NT; ++t) {
+        __m512i M, M2;
+        kplanes_mins<WT, TWO>(c, x.x[t][cb], x.x2[t] + cb, M, M2);
+        acc[t] = kplanes_finish<WT, TWO>(c, I[t], M, I2[t], M2, x.x[t][cb], x.x2[t] + cb, acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) planes_store(y + (size_t)t * ldy + r, gg, acc[t]);
+  });
+}
+
+template <BlockType WT, bool TWO>
+void gemv_batch_vnni(float* y, int ldy, const void* xv, int m, const uint8_t* w, const TileLayout& L, int row_begin,
+                     int row_end) {
+  const int n = std::min(row_end, L.rows) - row_begin;
+  if (n <= 0 || m <= 0) return;
+  const size_t ab = act_bytes(WT, TWO ? AType::Q8x2 : AType::Q8, L.cols);
+  for (int k = 0; k < m; ++k) std::memset(y + (size_t)k * ldy, 0, sizeof(float) * n);
+  for (int t0 = 0; t0 < m; t0 += kVnniGroup) {
+    const uint8_t* x = (const uint8_t*)xv + t0 * ab;
+    with_count<kVnniGroup>(std::min(kVnniGroup, m - t0), [&](auto NT) {
+      if constexpr (WT == BlockType::Q4_K || WT == BlockType::Q6_K)
+        kplanes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, w, L, row_begin, row_end);
+      else
+        planes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, w, L, row_begin, row_end);
+    });
+  }
+}
+
 // The wider kernels above in place of the shared ones (after fill_table).
 void fill_wide(KernelTable& t) {
   set_gemv_q8<gemv_nib_q8<Q4_0>>(t, BlockType::Q4_0);
@@ -384,6 +566,13 @@ void fill_wide(KernelTable& t) {
 }
 
 }  // namespace
+
+GemvBatchFn vnni_gemv_batch(BlockType bt, Pack pack, AType at) {
+  return planes_batch_fn(bt, pack, at, [](auto wt, auto two) -> GemvBatchFn {
+    return gemv_batch_vnni<decltype(wt)::value, decltype(two)::value>;
+  });
+}
+
 }  // namespace avx512
 
 const KernelTable& kernel_table_avx512() {
