@@ -121,6 +121,22 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
 TOP_P_SHORTLIST = 256
 
 
+def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """The ids top_k_filter keeps (the k largest of x and any ties of the k-th), in id order. They
+    are searched among the values within a margin of the maximum first: when at least k values are
+    there, the k largest are among them, and a comparison over the vocabulary costs a tenth of a
+    selection over it (argpartition of 50k logits: 0.4 ms, a twentieth of a batched step)."""
+    top = x.max()
+    for margin in (8.0, 32.0):
+        near = np.flatnonzero(x >= top - margin)
+        if near.size >= k:
+            break
+    else:
+        near = np.arange(x.size)
+    kth = np.partition(x[near], near.size - k)[near.size - k]
+    return near[x[near] >= kth]
+
+
 def _top_k_top_p(x: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     """(ids, p): the tokens softmax(x / temperature) keeps through top_k_filter then top_p_filter,
     in id order, and their (unnormalised) probabilities: what those filters give over the whole
@@ -128,7 +144,7 @@ def _top_k_top_p(x: np.ndarray, temperature: float, top_k: int, top_p: float) ->
     and sorting a 50k-token vocabulary per token cost more than the engine's batched step."""
     v = x.size
     if 0 < top_k < v:  # the k largest, then top-p among them (relative to their mass, as the filters)
-        ids = np.sort(np.argpartition(x, v - top_k)[v - top_k:])
+        ids = _top_k_ids(x, top_k)
         z = x[ids].astype(np.float64) / temperature
         z -= z.max()
         np.exp(z, out=z)
