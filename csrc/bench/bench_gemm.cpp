@@ -1,7 +1,10 @@
 // The prefill GEMM of every ISA this CPU runs, on one matrix, one thread (the kernel called
 // directly, no thread pool): GMAC/s, best and median of --repeats runs, int8 activations.
 //   build/dev/cflow_bench_gemm [--type q4_1] [--pack planes|blocks] [--rows 3072] [--cols 576]
-//                              [--tokens 512] [--levels 1|2] [--repeats 7]
+//                              [--tokens 512] [--levels 1|2] [--repeats 7] [--batched 1]
+// --batched 1: the batched decode GEMV (gemv_batch_fn, any planes type, the K-quants included)
+// over the tokens in passes of 8, as a decode step of 8 sequences runs it, against the one-token
+// GEMV run token by token; also ns per (token, 16 x 32 weights).
 // Defaults: SmolLM2-135M's gate+up (3072 x 576, Q4_1, planes at interleave 16, as `cflow
 // convert` writes it) against a 512-token prompt. Weights are random bytes with sane fp16
 // scales: a GEMM's speed does not depend on the values.
@@ -14,14 +17,60 @@
 #include <string>
 #include <vector>
 
+#include "cflow/cpu.h"
 #include "cflow/gemm.h"
+#include "cflow/kernels.h"
 #include "cflow/planes.h"
 
 using namespace cflow;
 
+// Seconds of f(), best and median of `repeats` runs.
+template <class F>
+static std::pair<double, double> timed(int repeats, F&& f) {
+  std::vector<double> sec;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    sec.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(sec.begin(), sec.end());
+  return {sec[0], sec[sec.size() / 2]};
+}
+
+static int bench_batched(BlockType bt, const TileLayout& L, const std::vector<uint8_t>& w,
+                         const std::vector<float>& x, int tokens, int levels, int repeats) {
+  const AType at = levels == 2 ? AType::Q8x2 : AType::Q8;
+  const Isa isa = best_isa();
+  const GemvFn one = gemv_fn(bt, Pack::Planes, at, isa);
+  const GemvBatchFn batch = gemv_batch_fn(bt, Pack::Planes, at, isa);
+  if (!one || !batch) {
+    std::fprintf(stderr, "no batched GEMV for this type on %s\n", isa_name(isa));
+    return 2;
+  }
+  const size_t ab = act_bytes(bt, at, L.cols);
+  std::vector<uint8_t> xa((size_t)tokens * ab);
+  for (int k = 0; k < tokens; ++k) prepare_act(bt, at, xa.data() + k * ab, x.data() + (size_t)k * L.cols, L.cols);
+  std::vector<float> y((size_t)tokens * L.rows);
+  const double units = (double)tokens * L.rows * L.cols / (16.0 * 32.0), macs = (double)tokens * L.rows * L.cols;
+  std::printf("%s planes, %d x %d, %d tokens, %d level(s), 1 thread, %s, best / median of %d\n", block_name(bt), L.rows,
+              L.cols, tokens, levels, isa_name(isa), repeats);
+  const auto b = timed(repeats, [&] {
+    for (int k0 = 0; k0 < tokens; k0 += 8)
+      batch(y.data() + (size_t)k0 * L.rows, L.rows, xa.data() + k0 * ab, std::min(8, tokens - k0), w.data(), L, 0, L.rows);
+  });
+  const auto o = timed(repeats, [&] {
+    for (int k = 0; k < tokens; ++k) one(y.data() + (size_t)k * L.rows, xa.data() + k * ab, w.data(), L, 0, L.rows);
+  });
+  std::printf("  batched (8 a pass) %7.1f / %7.1f GMAC/s, %.2f ns per (token, 16x32)\n", macs / b.first * 1e-9,
+              macs / b.second * 1e-9, b.first / units * 1e9);
+  std::printf("  gemv (1 a pass)    %7.1f / %7.1f GMAC/s, %.2f ns per (token, 16x32)\n", macs / o.first * 1e-9,
+              macs / o.second * 1e-9, o.first / units * 1e9);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::string type = "q4_1", pack = "planes";
-  int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1;
+  int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1, batched = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--type") type = v;
@@ -31,11 +80,12 @@ int main(int argc, char** argv) {
     else if (k == "--tokens") tokens = std::atoi(v.c_str());
     else if (k == "--repeats") repeats = std::atoi(v.c_str());
     else if (k == "--levels") levels = std::atoi(v.c_str());
+    else if (k == "--batched") batched = std::atoi(v.c_str());
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
   BlockType bt;
-  if (!block_from_name(type.c_str(), &bt) || !has_int8_path(bt, true)) {
-    std::fprintf(stderr, "--type: one of q4_0, q4_1, q5_0, q8_0\n");
+  if (!block_from_name(type.c_str(), &bt) || !(batched ? planes_header(bt) > 0 : has_int8_path(bt, true))) {
+    std::fprintf(stderr, batched ? "--type: a type with a planes pack\n" : "--type: one of q4_0, q4_1, q5_0, q8_0\n");
     return 2;
   }
   const char* err = nullptr;
@@ -58,6 +108,7 @@ int main(int argc, char** argv) {
   std::vector<float> x((size_t)tokens * cols), y((size_t)tokens * rows);
   std::uniform_real_distribution<float> u(-1, 1);
   for (auto& v : x) v = u(rng);
+  if (batched) return bench_batched(bt, L, w, x, tokens, levels, repeats);
   QActs qa{tokens, cols, levels, nullptr};
   std::vector<uint8_t> b(qa.bytes());
   qa.data = b.data();
