@@ -11,7 +11,7 @@ from cflow import hub  # noqa: E402
 from test_models_smollm2 import TEXT  # noqa: E402
 
 
-ONE_LEVEL_TOP1_MIN = 0.90
+ONE_LEVEL_TOP1_MIN = 0.85
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,8 @@ def test_top1_agrees_with_transformers(llm, gguf_path):
     # two-level int8 activations (the default fast path): the 98% acceptance
     assert llm.engine.activations == "int8x2"
     assert (llm.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= 0.98
-    # one-level int8 (--activations int8): measured 93.8% on these 128 tokens (docs/MODELS.md,
+    # one-level int8 (--activations int8): measured 88.3% on these 128 tokens (113) since the
+    # K-quant weights' prompt rows run int8 too (93.8% when they took the fp32 GEMM; docs/MODELS.md,
     # Parity); guarded so that a regression shows
     one = LLM(str(gguf_path), quiet=True, n_ctx=1024, precise=False)
     assert (one.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= ONE_LEVEL_TOP1_MIN
