@@ -194,8 +194,10 @@ GemvFn gemv_fn(BlockType bt, Pack pack, AType at, Isa isa, Isa* used) {
 GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa) {
 #if defined(CFLOW_X86)
   Isa used;
-  // the batched kernels match the AVX-512 GEMV: only where that is the one a token alone gets
-  if (isa != Isa::Avx512 || !gemv_fn(bt, pack, at, isa, &used) || used != Isa::Avx512) return nullptr;
+  // a batched kernel matches its ISA's GEMV: only where that is the one a token alone gets
+  if (!gemv_fn(bt, pack, at, isa, &used)) return nullptr;
+  if (used == Isa::Avx2) return avx2::gemv_batch(bt, pack, at);
+  if (used != Isa::Avx512) return nullptr;
 #if defined(CFLOW_AMX)
   if (amx_usable()) return avx512::amx_gemv_batch(bt, pack, at);
 #endif

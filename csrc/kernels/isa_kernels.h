@@ -22,6 +22,8 @@ namespace avx512 { GemvBatchFn amx_gemv_batch(BlockType bt, Pack pack, AType at)
 // The same without AMX, on AVX-512 VNNI (x86/avx512/gemv_avx512.cpp): several tokens per pass,
 // each chunk unpacked once, every token's dot products by vpdpbusd.
 namespace avx512 { GemvBatchFn vnni_gemv_batch(BlockType bt, Pack pack, AType at); }
+// The same at 256 bits (x86/avx2/gemv_avx2.cpp), matching the AVX2 GEMV.
+namespace avx2 { GemvBatchFn gemv_batch(BlockType bt, Pack pack, AType at); }
 
 // get(table) of the best ISA at or below `isa` that this CPU runs and whose entry is set;
 // *used (optional) receives that ISA. nullptr when none has one.

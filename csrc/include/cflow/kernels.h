@@ -84,9 +84,9 @@ using GemvBatchFn = void (*)(float* y, int ldy, const void* x, int m, const uint
 constexpr int kBatchGroupMin = 8;
 // The batched kernel matching gemv_fn(bt, pack, at, isa), or nullptr where there is none (the
 // caller then runs the GEMV token by token). Today: planes-packed Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K
-// with int8 activations on the AVX-512 path: on AMX (amx_usable()) one tile dot product forms 16
-// (token, level) rows' integers at once; elsewhere (VNNI) each chunk is unpacked once per pass and
-// met by every token's vpdpbusd in turn.
+// with int8 activations on the AVX2 and AVX-512 paths: on AMX (amx_usable()) one tile dot product
+// forms 16 (token, level) rows' integers at once; elsewhere each chunk is unpacked once per pass and
+// met by every token's dot products in turn (vpdpbusd; AVX2 maddubs + madd).
 GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa);
 // Whether the batched kernel is also faster than the int8 GEMM for prompt rows (measured: on AMX
 // it is; the VNNI batched kernel is not, docs/KERNELS.md).

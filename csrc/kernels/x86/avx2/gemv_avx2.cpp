@@ -78,41 +78,59 @@ inline float quantize_block(const float* x, block_q8a& o) {
 // Nibbles: maddubs of slices k and 4 + k (a plane's low and high nibbles), their int16 sums
 // added (at most 2 * 2 * kMaxU * 127 = 15748 for Q5_0, no saturation), one madd to int32; the
 // start value -kZero * sum(x) as the AVX-512 kernel. Q8_0: |w| times sign(x, w).
+// y[0 .. gg) += a group's outputs: rows 0..7 in a0, 8..15 in a1 (rows past gg dropped).
+inline void add_group(float* y, int gg, __m256 a0, __m256 a1) {
+  alignas(32) float t[16];
+  _mm256_store_ps(t, a0);
+  _mm256_store_ps(t + 8, a1);
+  for (int i = 0; i < gg; ++i) y[i] += t[i];
+}
+
+// Rows 8h .. 8h+7 (their unpacked slices u): the exact int32 dot products with the activation
+// block a, started at -kZero * sum(a).
 template <BlockType WT>
-inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, __m256& acc0, __m256& acc1) {
+inline __m256i planes_half_dot(const __m256i (&u)[8], const block_q8a& a, const q8a_sums& la) {
   using K = PlanesKind<WT>;
   const __m256i ones = _mm256_set1_epi16(1);
   int32_t xw[8];
   std::memcpy(xw, a.qs, 32);
   const int isum = la.lsum4[0] + la.lsum4[1] + la.lsum4[2] + la.lsum4[3];
+  __m256i s = _mm256_set1_epi32(K::kNib ? -K::kZero * isum : 0);
+  if (K::kNib) {
+    for (int k = 0; k < 4; ++k) {
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[k], _mm256_set1_epi32(xw[k])),
+                                         _mm256_maddubs_epi16(u[4 + k], _mm256_set1_epi32(xw[4 + k])));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+    }
+  } else {
+    for (int k = 0; k < 8; ++k) {
+      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[k]), _mm256_sign_epi8(_mm256_set1_epi32(xw[k]), u[k]));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+    }
+  }
+  return s;
+}
+
+// Rows 8h .. 8h+7: acc + (d_w d_a) s (+ m_w s_a for Q4_1), the float part of one level.
+template <BlockType WT>
+inline __m256 planes_half_finish(const uint8_t* c, int h, __m256i s, const block_q8a& a, __m256 acc) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d)), _mm256_cvtepi32_ps(s), acc);
+  if (WT == BlockType::Q4_1)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h))), _mm256_set1_ps(a.s), acc);
+  return acc;
+}
+
+template <BlockType WT>
+inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, __m256& acc0, __m256& acc1) {
   __m256i s[2];
-  s[0] = s[1] = _mm256_set1_epi32(K::kNib ? -K::kZero * isum : 0);
   for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h+7
     __m256i u[8];
     planes_unpack<WT>(c, h, u);
-    if (K::kNib) {
-      for (int k = 0; k < 4; ++k) {
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[k], _mm256_set1_epi32(xw[k])),
-                                           _mm256_maddubs_epi16(u[4 + k], _mm256_set1_epi32(xw[4 + k])));
-        s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(p, ones));
-      }
-    } else {
-      for (int k = 0; k < 8; ++k) {
-        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[k]), _mm256_sign_epi8(_mm256_set1_epi32(xw[k]), u[k]));
-        s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(p, ones));
-      }
-    }
+    s[h] = planes_half_dot<WT>(u, a, la);
   }
-  const __m256 dx = _mm256_set1_ps(a.d);
-  const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
-  const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16)));
-  acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s[0]), acc0);
-  acc1 = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s[1]), acc1);
-  if (WT == BlockType::Q4_1) {
-    const __m256 sx = _mm256_set1_ps(a.s);
-    acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32))), sx, acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 48))), sx, acc1);
-  }
+  acc0 = planes_half_finish<WT>(c, 0, s[0], a, acc0);
+  acc1 = planes_half_finish<WT>(c, 1, s[1], a, acc1);
 }
 
 // TWO (AType::Q8x2): x holds the first level's cols/32 blocks, then the second's; both are
@@ -129,10 +147,7 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
       planes_block<WT>(c, x[cb0 + b], xs[cb0 + b], acc0, acc1);
       if (TWO) planes_block<WT>(c, x2[cb0 + b], xs2[cb0 + b], acc0, acc1);
     }
-    alignas(32) float t[16];
-    _mm256_store_ps(t, acc0);
-    _mm256_store_ps(t + 8, acc1);
-    for (int i = 0; i < gg; ++i) y[r + i] += t[i];
+    add_group(y + r, gg, acc0, acc1);
   });
 }
 
@@ -141,29 +156,37 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
 // maddubs of its slices against the broadcast activation bytes, int16 sums of up to 32004
 // (Q4_K: 8 slices of at most 2 * 15 * 127; Q6_K: 2 of 2 * 63 * 127: no saturation), one madd to
 // int32 per sub-block, started at -kZero * (its sum of x), times its row scales (vpmulld).
+// Rows 8h .. 8h+7: group q's share of I for a token, from slices unpacked into u (L1).
+template <BlockType WT>
+inline __m256i kplanes_group_isum(const uint8_t* c, int h, int q, const __m256i* u, const block_q8_K& a) {
+  using K = KPlanesKind<WT>;
+  constexpr int kPer16 = K::kQ4 ? 8 : 2;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i I = _mm256_setzero_si256();
+  for (int r = 0; r < K::kSubs; ++r) {
+    const int s = K::sub(q, r);
+    __m256i D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
+    for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
+      __m256i p = _mm256_setzero_si256();
+      for (int j = j0; j < j0 + kPer16; ++j) {
+        int32_t x4;
+        std::memcpy(&x4, a.qs + K::kSubW * s + 4 * j, 4);
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_load_si256(u + r * K::kSlices + j), _mm256_set1_epi32(x4)));
+      }
+      D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));
+    }
+    I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, kplanes_scale<WT>(c, h, s)));
+  }
+  return I;
+}
+
 template <BlockType WT>
 inline __m256i kplanes_isum(const uint8_t* c, int h, const block_q8_K& a) {
-  using K = KPlanesKind<WT>;
-  constexpr int kPer16 = K::kQ4 ? 8 : 2;  // slices summed in int16 before a madd
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256i I = _mm256_setzero_si256();
   for (int q = 0; q < 4; ++q) {
     __m256i u[16];
     kplanes_unpack<WT>(c, h, q, u);
-    for (int r = 0; r < K::kSubs; ++r) {
-      const int s = K::sub(q, r);
-      __m256i D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
-      for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
-        __m256i p = _mm256_setzero_si256();
-        for (int j = j0; j < j0 + kPer16; ++j) {
-          int32_t x4;
-          std::memcpy(&x4, a.qs + K::kSubW * s + 4 * j, 4);
-          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[r * K::kSlices + j], _mm256_set1_epi32(x4)));
-        }
-        D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));
-      }
-      I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, kplanes_scale<WT>(c, h, s)));
-    }
+    I = _mm256_add_epi32(I, kplanes_group_isum<WT>(c, h, q, u, a));
   }
   return I;
 }
@@ -185,14 +208,102 @@ void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayou
         acc[h] = kplanes_finish<WT, TWO>(c, h, I, M, I2, M2, a, a2, acc[h]);
       }
     }
-    alignas(32) float t[16];
-    _mm256_store_ps(t, acc[0]);
-    _mm256_store_ps(t + 8, acc[1]);
-    for (int i = 0; i < gg; ++i) y[r + i] += t[i];
+    add_group(y + r, gg, acc[0], acc[1]);
   });
 }
 
+// ---- the batched GEMV (kernels.h GemvBatchFn) at 256 bits ----
+// As the AVX-512 one (gemv_avx512.cpp): up to 8 tokens per pass over the rows, each chunk half
+// unpacked once (the K-quants: each group of 16 slices, kept in L1 for the tokens in turn) and
+// met by every token's levels through the GEMV's own integer and float code, each half's float
+// operations in the GEMV's order (level 1, then level 2, block by block): bit for bit the GEMV.
+constexpr int kAvx2Group = 8;
+
+// The walk of nt tokens over rows [row_begin, row_end): block(c, cb, acc) adds chunk c (column
+// block cb) into acc[t][h], token t's rows 8h .. 8h+7 of the group; then each token's outputs.
+template <BlockType WT, class Block>
+void walk_tokens(float* y, int ldy, int nt, const uint8_t* w, const TileLayout& L, int row_begin, int row_end,
+                 Block&& block) {
+  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
+    __m256 acc[kAvx2Group][2];
+    for (int t = 0; t < nt; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) block(chunk(b), cb0 + b, acc);
+    for (int t = 0; t < nt; ++t) add_group(y + (size_t)t * ldy + r, gg, acc[t][0], acc[t][1]);
+  });
+}
+
+template <BlockType WT, bool TWO>
+void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, const uint8_t* w, const TileLayout& L,
+                   int row_begin, int row_end) {
+  constexpr int LV = TWO ? 2 : 1;
+  const block_q8a* x[kAvx2Group][LV];
+  const q8a_sums* xs[kAvx2Group][LV];
+  for (int t = 0; t < nt; ++t)
+    for (int l = 0; l < LV; ++l) {
+      x[t][l] = (const block_q8a*)(xv + t * ab + l * q8a_row_bytes(L.cols));
+      xs[t][l] = q8a_sums_of(x[t][l], L.cols);
+    }
+  walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
+    for (int h = 0; h < 2; ++h) {
+      __m256i u[8];
+      planes_unpack<WT>(c, h, u);
+      for (int t = 0; t < nt; ++t)
+        for (int l = 0; l < LV; ++l)
+          acc[t][h] = planes_half_finish<WT>(c, h, planes_half_dot<WT>(u, x[t][l][cb], xs[t][l][cb]), x[t][l][cb], acc[t][h]);
+    }
+  });
+}
+
+template <BlockType WT, bool TWO>
+void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, const uint8_t* w, const TileLayout& L,
+                    int row_begin, int row_end) {
+  const block_q8_K *x[kAvx2Group], *x2[kAvx2Group];
+  for (int t = 0; t < nt; ++t) x[t] = (const block_q8_K*)(xv + t * ab), x2[t] = x[t] + L.cols / QK_K;
+  walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
+    for (int h = 0; h < 2; ++h) {
+      __m256i I[kAvx2Group], I2[kAvx2Group];
+      for (int t = 0; t < nt; ++t) I[t] = I2[t] = _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q) {
+        __m256i u[16];
+        kplanes_unpack<WT>(c, h, q, u);
+        for (int t = 0; t < nt; ++t) {
+          I[t] = _mm256_add_epi32(I[t], kplanes_group_isum<WT>(c, h, q, u, x[t][cb]));
+          if (TWO) I2[t] = _mm256_add_epi32(I2[t], kplanes_group_isum<WT>(c, h, q, u, x2[t][cb]));
+        }
+      }
+      for (int t = 0; t < nt; ++t) {
+        const __m256i M = kplanes_mins<WT>(c, h, x[t][cb]), M2 = TWO ? kplanes_mins<WT>(c, h, x2[t][cb]) : M;
+        acc[t][h] = kplanes_finish<WT, TWO>(c, h, I[t], M, TWO ? I2[t] : I[t], M2, x[t][cb], x2[t] + cb, acc[t][h]);
+      }
+    }
+  });
+}
+
+template <BlockType WT, bool TWO>
+void gemv_batch_avx2(float* y, int ldy, const void* xv, int m, const uint8_t* w, const TileLayout& L, int row_begin,
+                     int row_end) {
+  const int n = std::min(row_end, L.rows) - row_begin;
+  if (n <= 0 || m <= 0) return;
+  const size_t ab = act_bytes(WT, TWO ? AType::Q8x2 : AType::Q8, L.cols);
+  for (int k = 0; k < m; ++k) std::memset(y + (size_t)k * ldy, 0, sizeof(float) * n);
+  for (int t0 = 0; t0 < m; t0 += kAvx2Group) {
+    const uint8_t* x = (const uint8_t*)xv + t0 * ab;
+    const int nt = std::min(kAvx2Group, m - t0);
+    if constexpr (WT == BlockType::Q4_K || WT == BlockType::Q6_K)
+      kplanes_tokens<WT, TWO>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);
+    else
+      planes_tokens<WT, TWO>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);
+  }
+}
+
 }  // namespace
+
+GemvBatchFn gemv_batch(BlockType bt, Pack pack, AType at) {
+  return planes_batch_fn(bt, pack, at, [](auto wt, auto two) -> GemvBatchFn {
+    return gemv_batch_avx2<decltype(wt)::value, decltype(two)::value>;
+  });
+}
+
 }  // namespace avx2
 
 const KernelTable& kernel_table_avx2() {
