@@ -115,3 +115,49 @@ def test_ddp_two_processes_match_one(tmp_path, tok):
     assert len(a) == len(b) == 4
     # same data and weights; only float summation order and the per-process balance loss differ
     assert a == pytest.approx(b, abs=2e-3)
+
+
+def test_ternary_qat_trains_evaluates_and_exports_ternary_weights(tmp_path, tok, capsys):
+    # --ternary: the loss falls, eval runs the quantized model (the same perplexity as the run's
+    # final one), and the exported matrices hold three values each (-s, 0, s), s = their mean |w|
+    import numpy as np
+    import torch
+
+    from cflow.format.reader import CflowFile
+    from cflow.models.pnt import int8_per_token, ternary_weight
+    from cflow.train import checkpoint
+
+    run = tmp_path / "t"
+    args = ["train", "--arch", "arch2_4_combined", "--data", SAMPLE, "--tokenizer", tok, "--steps", "6",
+            "--out", str(run), "--ternary"] + TINY
+    assert main(args) == 0
+    a = losses(run)
+    assert a[-1] < a[0]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", SAMPLE, "--json"]) == 0
+    final = json.loads((run / "final.json").read_text())
+    assert json.loads(capsys.readouterr().out)["ppl"] == pytest.approx(final["test_ppl"], rel=1e-6)
+    out = tmp_path / "t.cflow"
+    assert main(["export", str(run), "-o", str(out), "--type", "f32"]) == 0
+    sd = checkpoint.load(run)["model"]
+    with CflowFile(out, verify=True) as f:
+        assert f.metadata["ternary_qat"] is True
+        down = f.dequantize("blk.1.ffn_down")
+        s = sd["layers.1.ffn_down"].abs().mean().item()
+        np.testing.assert_allclose(np.unique(np.abs(down)), [0.0, s], rtol=1e-6)
+        e = f.dequantize("blk.0.exp.3.ffn_down")  # per expert: its own scale
+        np.testing.assert_allclose(np.unique(np.abs(e)), [0.0, sd["layers.0.moe.w_down"][3].abs().mean().item()],
+                                   rtol=1e-6)
+        router = f.dequantize("blk.0.ffn_gate_inp")  # the router stays full precision
+        assert len(np.unique(router)) > 3
+    # the straight-through roundings: values rounded, gradients of the identity
+    w = torch.randn(8, 16, requires_grad=True)
+    ternary_weight(w).sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))
+    x = torch.randn(3, 16)
+    q = int8_per_token(x)
+    steps = q / (x.abs().amax(-1, keepdim=True) / 127)
+    assert torch.allclose(steps, steps.round(), atol=1e-4) and (q - x).abs().max() <= x.abs().max() / 254 + 1e-6
+    # resuming needs the same choice
+    assert main(args[:-len(TINY) - 1] + ["--resume"] + TINY) == 2
+    assert "--ternary must match" in capsys.readouterr().err

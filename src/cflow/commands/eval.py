@@ -30,7 +30,7 @@ def main(args) -> int:
     tokenizer.check_vocab(tok, cfg.vocab_size, f"checkpoint {args.checkpoint}")
     train_txt, test_txt = data.split(data.read_texts(args.data))
     stream = data.encode(tok, test_txt if args.split == "test" else train_txt)
-    model = PNT(cfg)
+    model = PNT(cfg, ternary=bool(ck["train_args"].get("ternary", False)))
     model.load_state_dict(ck["model"])
     seq = args.seq_len or ck["train_args"].get("seq_len", cfg.max_seq_len)
     ev = evaluate(model, stream, min(seq, cfg.max_seq_len), args.batch)

@@ -23,6 +23,9 @@ def add_arguments(p):
     o.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
     o.add_argument("--lb-coef", type=float, default=0.01, help="weight of the load-balancing loss")
     o.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast matmuls to bfloat16")
+    o.add_argument("--ternary", action="store_true",
+                   help="quantization-aware training as BitNet b1.58: absmean ternary weights and per-token int8 "
+                        "activations, straight-through gradients (export writes the ternary weights)")
     o.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("run")
     r.add_argument("--threads", type=int, default=1, help="torch threads per process")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from cflow.format.writer import CflowWriter
+from cflow.models.pnt import ternarized
 from cflow.train import checkpoint
 
 
@@ -67,9 +68,11 @@ def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q
     """Write `path`; returns the number of tensors written."""
     ck = checkpoint.load(ckpt)
     cfg = ck["config"]
-    dense, experts = tensor_map(ck["model"], cfg)
+    ternary = bool(ck["train_args"].get("ternary", False))
+    sd = ternarized(ck["model"]) if ternary else ck["model"]  # what a ternary QAT model computed with
+    dense, experts = tensor_map(sd, cfg)
     n = 0
-    meta = {"source": "cflow train", "step": ck["step"]}
+    meta = {"source": "cflow train", "step": ck["step"], "ternary_qat": ternary}
     with CflowWriter(path, cfg, tokenizer_json=ck["tokenizer"], special_tokens={"eos": "<|endoftext|>"},
                      metadata=meta) as w:
         for name, kind, data in dense:

@@ -12,6 +12,13 @@ has the equations):
 - post_norms: each block's output passes an RMSNorm "register" before it joins (arch3);
 - n_iter: the n_layer unique layers are applied n_iter times with shared weights (arch5).
 
+Ternary quantization-aware training (`PNT(cfg, ternary=True)`, `cflow train --ternary`), as
+BitNet b1.58 trains: every weight matrix that the engine quantizes (attention, dense FFN,
+experts; not the router, embeddings or head) meets its input as absmean ternary weights
+(w / mean|w| rounded to -1, 0, +1, times mean|w|, per matrix and per expert) and per-token absmax
+int8 activations; gradients pass both roundings straight through to the fp32 weights. Export
+writes the ternarized weights (`ternarized`), so the file holds exactly what the model trained.
+
 One code path serves full-sequence training (no cache) and token-by-token decode (KV cache):
 the ring buffer and the pending-expert queue live only inside one call, because every delay
 is between layers of the same token. Config, weights and state are apart: PNTConfig, the
@@ -60,10 +67,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
 
 
-def geglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def ternary_values(w: torch.Tensor) -> torch.Tensor:
+    """w as absmean ternary values (BitNet b1.58): mean|w| * round(w / mean|w|) clipped to -1..1."""
+    s = w.abs().mean().clamp(min=1e-8)
+    return (w / s).round().clamp(-1, 1) * s
+
+
+def ternary_weight(w: torch.Tensor) -> torch.Tensor:
+    """ternary_values(w), the gradient passing straight through to w."""
+    return w + (ternary_values(w) - w).detach()
+
+
+def int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x with each token's (last-axis) values rounded to 127 levels of its absmax; straight-through."""
+    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+    return x + ((x / s).round().clamp(-127, 127) * s - x).detach()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, ternary: bool = False) -> torch.Tensor:
+    """x @ w.T, or under ternary QAT int8_per_token(x) @ ternary_weight(w).T."""
+    return F.linear(int8_per_token(x), ternary_weight(w)) if ternary else F.linear(x, w)
+
+
+def geglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ternary: bool = False) -> torch.Tensor:
     """GeGLU FFN. x (N, d); w_gate_up (2h, d) = [W_gate; W_up]; w_down (d, h)."""
-    g, u = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.gelu(g, approximate="tanh") * u, w_down)
+    g, u = linear(x, w_gate_up, ternary).chunk(2, dim=-1)
+    return linear(F.gelu(g, approximate="tanh") * u, w_down, ternary)
 
 
 class Attention(nn.Module):
@@ -72,11 +101,12 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.wqkv = nn.Linear(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, bias=False)  # fused [Wq; Wk; Wv]
         self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=False)
+        self.ternary = False  # set by PNT
 
     def forward(self, x, cos, sin, kv: list | None, pos0: int) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+        q, k, v = linear(x, self.wqkv.weight, self.ternary).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
         q = q.view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = v.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
@@ -92,7 +122,7 @@ class Attention(nn.Module):
             qpos = torch.arange(pos0, pos0 + T)[:, None]
             mask = torch.arange(S)[None, :] <= qpos  # (T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, cfg.q_dim))
+        return linear(y.transpose(1, 2).reshape(B, T, cfg.q_dim), self.wo.weight, self.ternary)
 
 
 class MoE(nn.Module):
@@ -105,6 +135,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(d, E, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(E, 2 * h, d))  # per expert [W_gate; W_up]
         self.w_down = nn.Parameter(torch.empty(E, d, h))
+        self.ternary = False  # set by PNT
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, d) -> (y (B, T, d), load-balancing loss (scalar))."""
@@ -118,7 +149,7 @@ class MoE(nn.Module):
             rows, slot = (top_i == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            out = geglu(xs[rows], self.w_gate_up[e], self.w_down[e])
+            out = geglu(xs[rows], self.w_gate_up[e], self.w_down[e], self.ternary)
             y.index_add_(0, rows, out * gates[rows, slot, None])
         # Switch-style balance: E * sum_e (fraction of routed slots) * (mean router probability)
         frac = F.one_hot(top_i, cfg.n_expert).float().sum((0, 1)) / top_i.numel()
@@ -165,16 +196,20 @@ def check_pnt_config(cfg: PNTConfig) -> None:
 
 
 class PNT(nn.Module):
-    """The pipeline-native transformer. forward(idx) -> (logits, load-balancing loss)."""
+    """The pipeline-native transformer. forward(idx) -> (logits, load-balancing loss).
+    ternary: quantization-aware training with ternary weights and int8 activations (above)."""
 
-    def __init__(self, cfg: PNTConfig):
+    def __init__(self, cfg: PNTConfig, ternary: bool = False):
         super().__init__()
         check_pnt_config(cfg)
         self.cfg = cfg
+        self.ternary = ternary
         self.tok_embd = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layer))
         self.output_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        for lay in self.layers:
+            lay.attn.ternary = lay.moe.ternary = ternary
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -238,7 +273,7 @@ class PNT(nn.Module):
             lay = self.layers[j % cfg.n_layer]
             x_attn = h + m if decoupled else h
             a = lay.attn(lay.attn_norm(x_attn), cos, sin, state.kv[j] if state is not None else None, pos0)
-            f = geglu(lay.ffn_norm(ring[0]), lay.ffn_gate_up, lay.ffn_down)  # ring[0] = h[j - delta_d]
+            f = geglu(lay.ffn_norm(ring[0]), lay.ffn_gate_up, lay.ffn_down, self.ternary)  # ring[0] = h[j - delta_d]
             x_exp = m if decoupled else h
             if cfg.routing_anchor == "post_dense":
                 x_exp = x_exp + f
@@ -256,3 +291,21 @@ class PNT(nn.Module):
         if state is not None:
             state.pos = pos0 + T
         return logits, lb_total / L
+
+
+# The state-dict entries ternary QAT quantizes: (name suffix, per expert).
+TERNARY_WEIGHTS = (("attn.wqkv.weight", False), ("attn.wo.weight", False), ("ffn_gate_up", False),
+                   ("ffn_down", False), ("moe.w_gate_up", True), ("moe.w_down", True))
+
+
+def ternarized(sd: dict) -> dict:
+    """A copy of a PNT state dict with the matrices ternary QAT trains replaced by the ternary values
+    the model computed with (ternary_values, per matrix; per expert for the experts' stacks)."""
+    out = dict(sd)
+    for name, t in sd.items():
+        for suffix, per_expert in TERNARY_WEIGHTS:
+            if name.endswith(suffix):
+                with torch.no_grad():
+                    w = t.float()
+                    out[name] = torch.stack([ternary_values(x) for x in w]) if per_expert else ternary_values(w)
+    return out

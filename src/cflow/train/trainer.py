@@ -150,8 +150,12 @@ def train(args) -> dict:
         geo = {k: getattr(args, k) for k in GEOMETRY}
         cfg = preset(args.arch, vocab_size=tok.get_vocab_size(), max_seq_len=args.seq_len, **geo)
 
+    ternary = bool(getattr(args, "ternary", False))
+    if ck is not None and bool(ck["train_args"].get("ternary", False)) != ternary:
+        raise CflowError(f"--ternary must match the checkpoint being resumed ({ck_path}: "
+                         f"ternary={bool(ck['train_args'].get('ternary', False))})")
     torch.manual_seed(args.seed)
-    model = PNT(cfg)
+    model = PNT(cfg, ternary=ternary)
     step0 = 0
     if ck is not None:
         model.load_state_dict(ck["model"])
