@@ -1,7 +1,9 @@
 """Table and loss curves of the PNT experiment: python scripts/pnt_results.py runs/exp [docs/img/pnt_loss.png]
+Ternary QAT against full precision: python scripts/pnt_results.py --ternary runs/exp runs/exp-ternary
 
 Prints a Markdown table (one row per preset; mean and spread when several seeds ran) built from
-each run's final.json and `cflow analyze`'s arithmetic at the trained and at the paper's size.
+each run's final.json and `cflow analyze`'s arithmetic at the trained and at the paper's size;
+with --ternary, each preset's held-out perplexity and top-1 in both runs side by side.
 """
 
 import json
@@ -15,13 +17,41 @@ from cflow.config import ModelConfig  # noqa: E402
 from cflow.models.presets import PRESETS, preset  # noqa: E402
 
 
-def main() -> None:
-    root = Path(sys.argv[1])
-    png = Path(sys.argv[2]) if len(sys.argv) > 2 else None
+def finished(root: Path) -> dict:
+    """{preset: [run folders with a final.json]}"""
     runs = {}
     for d in sorted(root.glob("*-s*")):
         if (d / "final.json").exists():
             runs.setdefault(d.name.rsplit("-s", 1)[0], []).append(d)
+    return runs
+
+
+def fmt(v: list[float], p: int) -> str:
+    """mean (± sample standard deviation when several runs)"""
+    return f"{statistics.mean(v):.{p}f} ± {statistics.stdev(v):.{p}f}" if len(v) > 1 else f"{v[0]:.{p}f}"
+
+
+def ternary_table(fp_root: Path, t_root: Path) -> None:
+    fp, tq = finished(fp_root), finished(t_root)
+    print("| arch | seeds | full precision: test ppl | top-1 | ternary QAT: test ppl | top-1 | ppl ratio | top-1 change |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in PRESETS:
+        seeds = sorted({d.name for d in fp.get(name, [])} & {d.name for d in tq.get(name, [])})
+        if not seeds:
+            continue
+        a, b = ([json.loads((root / s / "final.json").read_text()) for s in seeds] for root in (fp_root, t_root))
+        pa, pb = [r["test_ppl"] for r in a], [r["test_ppl"] for r in b]
+        ca, cb = [100 * r["test_acc"] for r in a], [100 * r["test_acc"] for r in b]
+        print(f"| {name} | {len(seeds)} | {fmt(pa, 2)} | {fmt(ca, 2)}% | {fmt(pb, 2)} | {fmt(cb, 2)}% | "
+              f"{statistics.mean(pb) / statistics.mean(pa):.3f}x | {statistics.mean(cb) - statistics.mean(ca):+.2f} points |")
+
+
+def main() -> None:
+    if sys.argv[1] == "--ternary":
+        return ternary_table(Path(sys.argv[2]), Path(sys.argv[3]))
+    root = Path(sys.argv[1])
+    png = Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    runs = finished(root)
     print("| arch | seeds | params | active/token | test ppl | top-1 acc | MB/token total / crit. (trained, Q4) "
           "| MB/token total / crit. (paper size, Q4) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -33,7 +63,6 @@ def main() -> None:
         cfg = ModelConfig.from_dict(head["config"])
         ppl = [r["test_ppl"] for r in fin]
         acc = [100 * r["test_acc"] for r in fin]
-        fmt = (lambda v, p: f"{statistics.mean(v):.{p}f} ± {statistics.stdev(v):.{p}f}" if len(v) > 1 else f"{v[0]:.{p}f}")
         a_t, a_p = analyze(cfg), analyze(preset(name))
         cell = lambda a: f"{a['total_mb_per_token']:.3f} / {a['critical_path_mb_per_token']['vertical_pipeline']:.3f}"  # noqa: E731
         print(f"| {name} | {len(fin)} | {fin[0]['params'] / 1e6:.2f}M | {fin[0]['active_params'] / 1e6:.2f}M | "
