@@ -5,6 +5,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
 #include "cflow/engine.h"
@@ -37,15 +38,29 @@ void bind_engine(nb::module_& m) {
       .def(
           "__init__",
           [](PyEngine* self, nb::object owner, Arr<const uint8_t> buf, const Plan& plan, int n_ctx, int threads,
-             bool fast) {
+             bool fast, const std::string& schedule, bool all_experts) {
             if (buf.ndim() != 1) throw nb::value_error("weights must be a 1-D uint8 buffer");
-            new (self) PyEngine{owner, std::make_unique<Engine>(buf.data(), buf.size(), plan, n_ctx, threads, fast)};
+            EngineOptions opt;
+            if (schedule == "pipeline") opt.schedule = Schedule::Pipeline;
+            else if (schedule != "sequential") throw nb::value_error("schedule must be 'sequential' or 'pipeline'");
+            opt.all_experts = all_experts;
+            new (self) PyEngine{owner, std::make_unique<Engine>(buf.data(), buf.size(), plan, n_ctx, threads, fast, opt)};
           },
-          "owner"_a, "buf"_a, "plan"_a, "n_ctx"_a, "threads"_a, "fast"_a)
+          "owner"_a, "buf"_a, "plan"_a, "n_ctx"_a, "threads"_a, "fast"_a, "schedule"_a = "sequential",
+          "all_experts"_a = false)
       .def("new_state", [](PyEngine& e) { return e.eng->new_state(); })
       .def_prop_ro("threads", [](PyEngine& e) { return e.eng->threads(); })
       .def_prop_ro("vocab", [](PyEngine& e) { return e.eng->vocab(); })
       .def("profile", [](PyEngine& e) { return e.eng->profile(); })
+      .def("byte_counts",
+           [](PyEngine& e) {
+             const ByteCounts c = e.eng->byte_counts();
+             return nb::make_tuple(std::vector<uint64_t>(c.bytes, c.bytes + kNumStreams), c.steps, c.rows);
+           },
+           "(bytes per stream, steps, rows) since the engine was made")
+      .def_prop_ro("critical_path_bytes", [](PyEngine& e) { return e.eng->critical_path_bytes(); })
+      .def_prop_ro("stream_bytes", [](PyEngine& e) { return e.eng->stream_bytes(); })
+      .def_prop_ro("teams", [](PyEngine& e) { return e.eng->teams(); }, "per team: (lane bits, threads)")
       .def(
           "forward",
           [](PyEngine& e, std::vector<State*> states, std::vector<Arr<const int32_t>> tokens, bool all_logits,

@@ -72,6 +72,7 @@ void bind_plan(nb::module_& m) {
 #undef CFLOW_BIND_OP
   CFLOW_BIND_CLASS(TensorRef, CFLOW_TENSOR_FIELDS)
   CFLOW_BIND_CLASS(BufferSpec, CFLOW_BUFFER_FIELDS)
+  CFLOW_BIND_CLASS(ExpertRef, CFLOW_EXPERT_FIELDS)
   {
     nb::list kinds;
 #define CFLOW_KIND_NAME(Kind, TABLE) kinds.append(m.attr(#Kind));
@@ -88,6 +89,8 @@ void bind_plan(nb::module_& m) {
       .def_prop_rw("buffers", [](const Plan& p) { return p.buffers; },
                    [](Plan& p, std::vector<BufferSpec> v) { p.buffers = std::move(v); })
       .def_prop_rw("ops", [](const Plan& p) { return p.ops; }, [](Plan& p, std::vector<Op> v) { p.ops = std::move(v); })
+      .def_prop_rw("experts", [](const Plan& p) { return p.experts; },
+                   [](Plan& p, std::vector<ExpertRef> v) { p.experts = std::move(v); })
       .def_rw("logits", &Plan::logits)
       .def_rw("norm_eps", &Plan::norm_eps)
       .def_rw("norm_offset", &Plan::norm_offset);

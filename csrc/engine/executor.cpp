@@ -1,11 +1,15 @@
 // The plan executor: validates a plan against the mapped file, then runs forwards, each on a
-// workspace of its own (one pool.run per forward; barriers only where the plan places them).
+// workspace of its own (one pool.run per forward). Sequential schedule: barriers only where the
+// plan places them; pipeline schedule: teams of threads per lane, waiting on each other's ops
+// only where the ops' buffers say they must (plan_schedule).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <stdexcept>
+#include <thread>
 #include <type_traits>
 
 #if defined(CFLOW_X86)
@@ -25,18 +29,56 @@ struct Scratch {
   std::vector<float> y;              // (n, rows of a share) GEMM output before an epilogue
   std::vector<float> scores;         // (n_ctx,) attention scores
   std::vector<uint8_t> xa;           // one token's activation prepared for a GEMV kernel
+  std::vector<float> gather;         // (seqs, C): the last row of each sequence (the head)
+  // Experts: the step's (row, expert) assignments sorted by expert, then row
+  std::vector<int32_t> ex_start;     // (n_expert + 1,) first assignment of each expert
+  std::vector<int32_t> ex_row;       // per assignment: its row
+  std::vector<int32_t> ex_of;        // (n, top_k): the assignment of each (row, slot), slots by expert id
+  std::vector<float> ex_gate;        // (n, top_k): its gate
+  std::vector<float> ex_in, ex_h, ex_out;  // per assignment: input (C), hidden (F), output (C)
+};
+
+// A barrier of a few threads of the pool (a team of the pipeline schedule): spins, then yields.
+class SpinBarrier {
+ public:
+  void reset(int n) { n_ = n; }
+  void wait() {
+    const uint32_t g = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == (uint32_t)n_) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int i = 1; gen_.load(std::memory_order_acquire) == g; ++i) relax(i);
+  }
+  static void relax(int i) {
+#if defined(CFLOW_X86)
+    _mm_pause();
+#endif
+    if (!(i & 1023)) std::this_thread::yield();
+  }
+
+ private:
+  int n_ = 1;
+  alignas(64) std::atomic<uint32_t> count_{0};
+  alignas(64) std::atomic<uint32_t> gen_{0};
 };
 
 // One forward's pool, buffers and scratch, and the rows of its step.
 struct Engine::Workspace {
-  explicit Workspace(int threads) : pool(threads) {
+  Workspace(int threads, int teams, int ops) : pool(threads), bars(teams), done(ops) {
     for (int t = 0; t < threads; ++t) priv.push_back(std::make_unique<Scratch>());
+    for (int t = 0; t < teams; ++t) shared.push_back(std::make_unique<Scratch>());
   }
   ThreadPool pool;
   std::vector<std::vector<float>> bufs;  // per plan buffer: (n, width)
-  std::vector<std::unique_ptr<Scratch>> priv;  // per thread
-  Scratch shared;                        // written by all threads, each its rows
-  std::vector<float> gather;             // (seqs, C): the last row of each sequence
+  std::vector<std::unique_ptr<Scratch>> priv;    // per thread
+  std::vector<std::unique_ptr<Scratch>> shared;  // per team: written by all its threads, each its rows
+  std::vector<SpinBarrier> bars;                 // per team (pipeline schedule)
+  std::vector<std::atomic<uint64_t>> done;       // per op: threads that finished it, over all forwards
+  uint64_t epoch = 0;                            // forwards run on this workspace
+  std::atomic<bool> failed{false};               // a thread met bad data (error below)
+  std::string error;
   std::vector<double> prof;              // per op kind, seconds
   // the step: n rows, sequence by sequence
   int n = 0;
@@ -45,6 +87,23 @@ struct Engine::Workspace {
   int n_pre = 0;                                  // rows [0, n_pre): sequences with several new tokens
   std::vector<int32_t> first_row, last_row;       // per sequence, in the caller's order
   std::vector<State*> states;                     // per sequence, in row order
+};
+
+// The threads that run one op together: the whole pool (sequential schedule) or a team of it
+// (pipeline schedule). tid: this thread's index in the team; nth: the team's size.
+struct Engine::Team {
+  int tid = 0, nth = 1;
+  ThreadPool* pool = nullptr;  // the whole pool's barrier, else bar's
+  SpinBarrier* bar = nullptr;
+  Scratch* shared = nullptr;
+  Scratch* priv = nullptr;
+  int op = 0;  // index of the op running
+  bool lead() const { return tid == 0; }
+  void barrier() const {
+    if (nth <= 1) return;
+    if (pool) pool->barrier();
+    else bar->wait();
+  }
 };
 
 struct Engine::Input {
@@ -87,10 +146,11 @@ void State::copy_prefix(const State& src, int n) {
   tokens_.assign(src.tokens_.begin(), src.tokens_.begin() + n);
 }
 
-Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threads, bool fast)
-    : base_(base), size_(size), plan_(std::move(plan)), n_ctx_(n_ctx), threads_(threads > 0 ? threads : 1),
+Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threads, bool fast, EngineOptions opt)
+    : base_(base), size_(size), plan_(std::move(plan)), opt_(opt), n_ctx_(n_ctx), threads_(threads > 0 ? threads : 1),
       fast_(fast), isa_(best_isa()) {
   validate();
+  plan_schedule();
   vecs_.resize(W_.size());
   // Norm and bias vectors are small: dequantize them once.
   auto keep_vec = [&](int id) {
@@ -105,7 +165,9 @@ Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threa
       using T = std::decay_t<decltype(o)>;
       if constexpr (std::is_same_v<T, Matmul>) { keep_vec(o.norm); keep_vec(o.bias); any_precise_ |= o.two_level; }
       if constexpr (std::is_same_v<T, GateUp>) { keep_vec(o.norm); any_precise_ |= o.two_level; }
-      if constexpr (std::is_same_v<T, NormAdd>) keep_vec(o.norm);
+      if constexpr (std::is_same_v<T, Add>) { keep_vec(o.norm); keep_vec(o.gain); }
+      if constexpr (std::is_same_v<T, Router>) { keep_vec(o.weight); keep_vec(o.norm); }
+      if constexpr (std::is_same_v<T, Experts>) { keep_vec(o.norm); any_precise_ |= o.two_level; }
       if constexpr (std::is_same_v<T, Attention>) {
         keep_vec(o.q_norm);
         keep_vec(o.k_norm);
@@ -129,7 +191,7 @@ Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threa
   const char* pe = std::getenv("CFLOW_PROFILE");
   profile_on_ = pe && *pe && *pe != '0';
   prof_.assign(std::variant_size_v<Op>, 0.0);
-  free_.push_back(std::make_unique<Workspace>(threads_));  // the first caller's, threads started now
+  free_.push_back(new_workspace());  // the first caller's: its threads start now
 }
 
 Engine::~Engine() = default;
@@ -141,6 +203,26 @@ std::vector<double> Engine::profile() const {
   return prof_;
 }
 
+ByteCounts Engine::byte_counts() const {
+  ByteCounts c;
+  for (int i = 0; i < kNumStreams; ++i) c.bytes[i] = counts_[i].load(std::memory_order_relaxed);
+  c.steps = counts_[kNumStreams].load(std::memory_order_relaxed);
+  c.rows = counts_[kNumStreams + 1].load(std::memory_order_relaxed);
+  return c;
+}
+
+std::vector<std::pair<int, int>> Engine::teams() const {
+  std::vector<std::pair<int, int>> out;
+  for (size_t t = 0; t < team_size_.size(); ++t) out.emplace_back(team_lanes_[t], team_size_[t]);
+  return out;
+}
+
+std::unique_ptr<Engine::Workspace> Engine::new_workspace() const {
+  auto ws = std::make_unique<Workspace>(threads_, (int)team_size_.size(), (int)plan_.ops.size());
+  for (size_t t = 0; t < team_size_.size(); ++t) ws->bars[t].reset(team_size_[t]);
+  return ws;
+}
+
 std::unique_ptr<Engine::Workspace> Engine::take_workspace() {
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -150,7 +232,7 @@ std::unique_ptr<Engine::Workspace> Engine::take_workspace() {
       return ws;
     }
   }
-  return std::make_unique<Workspace>(threads_);  // another thread's forward is running
+  return new_workspace();  // another thread's forward is running
 }
 
 void Engine::give_workspace(std::unique_ptr<Workspace> ws) {
@@ -198,6 +280,35 @@ void Engine::validate() {
     return plan_.buffers[id].width;
   };
   auto numel = [](const TileLayout* L) { return (int64_t)L->rows * L->cols; };
+  // The expert table: each entry's range 4096-aligned inside the file, its two tensors inside
+  // the range with matching shapes.
+  std::map<std::pair<int, int>, const ExpertRef*> expert_at;  // (layer, expert)
+  for (const ExpertRef& e : plan_.experts) {
+    const std::string at = "expert (layer " + std::to_string(e.layer) + ", expert " + std::to_string(e.expert) + "): ";
+    if (e.layer < 0 || e.expert < 0 || e.expert >= (1 << 24)) fail(at + "layer and expert must be in 0..2^24");
+    if (e.offset < 0 || e.length <= 0 || (uint64_t)e.offset > size_ || (uint64_t)e.length > size_ - (uint64_t)e.offset)
+      fail(at + "byte range [" + std::to_string(e.offset) + ", +" + std::to_string(e.length) +
+           ") lies outside the mapped file of " + std::to_string(size_) + " bytes");
+    if (e.offset % 4096) fail(at + "offset " + std::to_string(e.offset) + " is not a multiple of 4096");
+    for (int id : {e.gate_up, e.down}) {
+      if (id < 0 || id >= nt) fail(at + "bad tensor id");
+      const TensorRef& t = plan_.tensors[id];
+      if (t.offset < e.offset || t.offset + t.nbytes > e.offset + e.length)
+        fail(at + "tensor " + t.name + " [" + std::to_string(t.offset) + ", +" + std::to_string(t.nbytes) +
+             ") lies outside the expert's range [" + std::to_string(e.offset) + ", +" + std::to_string(e.length) + ")");
+    }
+    const TileLayout &GU = W_[e.gate_up].L, &D = W_[e.down].L;
+    if (GU.rows != 2 * D.cols || GU.cols != D.rows)
+      fail(at + "gate_up (" + std::to_string(GU.rows) + ", " + std::to_string(GU.cols) + ") and down (" +
+           std::to_string(D.rows) + ", " + std::to_string(D.cols) + ") do not make one gated FFN");
+    if (e.chunk <= 0 || e.chunk % GU.g) fail(at + "gate_up chunk must be a positive multiple of the interleave");
+    if (!expert_at.emplace(std::make_pair(e.layer, e.expert), &e).second) fail(at + "listed twice in the expert table");
+  }
+  expert_slot_.assign(plan_.ops.size(), -1);
+  auto same_layout = [](const TileLayout& a, const TileLayout& b) {
+    return a.type == b.type && a.rows == b.rows && a.cols == b.cols && a.tr == b.tr && a.tc == b.tc && a.g == b.g &&
+           a.pack == b.pack;
+  };
   for (size_t i = 0; i < plan_.ops.size(); ++i) {
     const std::string at = "plan op #" + std::to_string(i) + ": ";
     auto check = [&](bool ok, const std::string& msg) {
@@ -210,6 +321,8 @@ void Engine::validate() {
     try {
       std::visit([&](const auto& o) {
         using T = std::decay_t<decltype(o)>;
+        if constexpr (!std::is_same_v<T, std::monostate> && !std::is_same_v<T, Barrier>)
+          check(o.stream >= 0 && o.stream < kNumStreams, "stream " + std::to_string(o.stream) + " is not one of 0..5");
         if constexpr (std::is_same_v<T, std::monostate>) {
           check(false, "empty op");
         } else if constexpr (std::is_same_v<T, Embed>) {
@@ -246,17 +359,62 @@ void Engine::validate() {
           const int q = o.n_head * o.head_dim, kv = o.n_kv_head * o.head_dim;
           check(buffer(o.src, "attention src") == q + 2 * kv, "attention input is not (q | k | v)");
           check(buffer(o.dst, "attention dst") == q, "attention output width");
-          norm_of(o.q_norm, o.head_dim, "q norm");
-          norm_of(o.k_norm, o.head_dim, "k norm");
+          if (const TileLayout* N = tensor(o.q_norm, "q norm"))
+            check(numel(N) == o.head_dim || numel(N) == q, "q norm size: head_dim or n_head head_dim");
+          if (const TileLayout* N = tensor(o.k_norm, "k norm"))
+            check(numel(N) == o.head_dim || numel(N) == kv, "k norm size: head_dim or n_kv_head head_dim");
           check(o.window >= 0 && o.rope_theta > 0 && o.scale >= 0, "bad window, RoPE base or scale");
           if ((int)kv_width_.size() <= o.kv) kv_width_.resize(o.kv + 1, 0);
           check(kv_width_[o.kv] == 0 || kv_width_[o.kv] == kv, "KV slot used with two widths");
           kv_width_[o.kv] = kv;
-        } else if constexpr (std::is_same_v<T, NormAdd>) {
-          const int w = buffer(o.src, "norm_add src");
-          check(buffer(o.dst, "norm_add dst") == w, "norm_add widths");
-          check(tensor(o.norm, "norm") != nullptr, "norm_add without a norm");
+        } else if constexpr (std::is_same_v<T, Add>) {
+          const int w = buffer(o.src, "add src");
+          check(buffer(o.dst, "add dst") == w, "add: src and dst widths differ");
           norm_of(o.norm, w, "norm");
+          norm_of(o.gain, w, "gain");
+          check(std::isfinite(o.scale), "bad scale");
+        } else if constexpr (std::is_same_v<T, Router>) {
+          const TileLayout* R = tensor(o.weight, "router weight");
+          check(R != nullptr, "no router weight");
+          const int C = buffer(o.src, "router src");
+          check(R->cols == C, "router columns " + std::to_string(R->cols) + " != input width " + std::to_string(C));
+          norm_of(o.norm, C, "norm");
+          check(o.top_k >= 1 && o.top_k <= R->rows,
+                "top_k " + std::to_string(o.top_k) + " must be in 1..n_expert (" + std::to_string(R->rows) + ")");
+          check(buffer(o.dst, "router dst") == 2 * o.top_k, "router output width must be 2 top_k");
+        } else if constexpr (std::is_same_v<T, Experts>) {
+          const int C = buffer(o.src, "experts src");
+          check(buffer(o.dst, "experts dst") == C, "experts output width != input width");
+          const int rw = buffer(o.route, "experts route");
+          check(rw % 2 == 0, "route width must be 2 top_k");
+          check(o.n_expert >= 1 && o.n_expert <= (1 << 16), "n_expert must be in 1..65536");
+          check(rw / 2 <= o.n_expert,
+                "top_k " + std::to_string(rw / 2) + " > n_expert " + std::to_string(o.n_expert));
+          check(rw / 2 <= 64, "top_k above 64");
+          norm_of(o.norm, C, "norm");
+          check(o.act == 0 || o.act == 1, "unknown activation");
+          check(std::isfinite(o.scale), "bad scale");
+          std::vector<const ExpertRef*> set(o.n_expert);
+          for (int e = 0; e < o.n_expert; ++e) {
+            auto it = expert_at.find({o.layer, e});
+            check(it != expert_at.end(), "the expert table has no entry for layer " + std::to_string(o.layer) +
+                                             ", expert " + std::to_string(e));
+            set[e] = it->second;
+            const TileLayout &GU = W_[set[e]->gate_up].L, &D = W_[set[e]->down].L;
+            check(GU.cols == C, "expert " + std::to_string(e) + ": gate_up columns != input width");
+            if (e) {
+              check(same_layout(GU, W_[set[0]->gate_up].L) && same_layout(D, W_[set[0]->down].L) &&
+                        set[e]->chunk == set[0]->chunk,
+                    "expert " + std::to_string(e) + " of layer " + std::to_string(o.layer) +
+                        " is stored unlike expert 0 (shape, type or tiles)");
+            }
+          }
+          const int F = W_[set[0]->down].L.cols, S = opt_.all_experts ? o.n_expert : rw / 2;
+          ex_in_width_ = std::max(ex_in_width_, (size_t)S * C);
+          ex_h_width_ = std::max(ex_h_width_, (size_t)S * F);
+          max_width_ = std::max(max_width_, F);
+          expert_slot_[i] = (int)experts_of_.size();
+          experts_of_.push_back(std::move(set));
         }
       }, op);
     } catch (const std::runtime_error& e) {
@@ -294,17 +452,16 @@ void Engine::rope(float* x, const RopeTable& t, int pos) const {
 
 // Input of a GEMM: optionally normalised, optionally quantized. One row: each thread makes its
 // own copy (no barrier). Several rows: threads split the rows into shared scratch, barrier.
-Engine::Input Engine::prepare(Workspace& ws, const float* src, int lds, int n, int cols, int norm, bool q8,
-                              bool precise, int tid) {
+Engine::Input Engine::prepare(Team& t, const float* src, int lds, int n, int cols, int norm, bool q8, bool precise) {
   Input in;
   in.x = src;
   in.ldx = lds;
   if (norm < 0 && !q8) return in;
   const bool one = n == 1;
-  Scratch& s = one ? *ws.priv[tid] : ws.shared;
-  const int nth = one ? 1 : ws.pool.size();
-  if (!one) ws.pool.barrier();  // the shared scratch may still be read by the previous op
-  const int k0 = one ? 0 : (int)((int64_t)n * tid / nth), k1 = one ? 1 : (int)((int64_t)n * (tid + 1) / nth);
+  Scratch& s = one ? *t.priv : *t.shared;
+  const int nth = one ? 1 : t.nth, tid = one ? 0 : t.tid;
+  if (!one) t.barrier();  // the shared scratch may still be read by the previous op
+  const int k0 = (int)((int64_t)n * tid / nth), k1 = (int)((int64_t)n * (tid + 1) / nth);
   const float* x = src;
   int ldx = lds;
   if (norm >= 0) {
@@ -325,7 +482,7 @@ Engine::Input Engine::prepare(Workspace& ws, const float* src, int lds, int n, i
     part.data = (uint8_t*)in.qa.row(k0);
     if (k1 > k0) quantize_acts(x + (size_t)k0 * ldx, ldx, k1 - k0, cols, part);
   }
-  if (!one) ws.pool.barrier();
+  if (!one) t.barrier();
   return in;
 }
 
@@ -358,11 +515,12 @@ static void act_mul(int act, const float* g, const float* u, float* h, int n) {
 }
 
 // ---------------------------------------------------------------- ops
-void Engine::run_op(const Embed& op, Workspace& ws, int tid) {
+void Engine::run_op(const Embed& op, Workspace& ws, Team& t) {
   const Weight& E = W_[op.table];
-  const int d = E.L.cols, nth = ws.pool.size();
+  const int d = E.L.cols;
   float* dst = ws.bufs[op.dst].data();
-  for (int k = tid; k < ws.n; k += nth) {
+  if (t.lead()) counts_[op.stream].fetch_add((uint64_t)ws.n * (layout_nbytes(E.L) / E.L.rows), std::memory_order_relaxed);
+  for (int k = t.tid; k < ws.n; k += t.nth) {
     float* row = dst + (size_t)k * d;
     dequant_row(E.L, E.data, ws.tokens[k], row);
     if (op.scale != 1.f)
@@ -434,54 +592,59 @@ void Engine::epilogue(const Matmul& op, float* y, int ldy, int m, int r0, int r1
   }
 }
 
-void Engine::run_op(const Matmul& op, Workspace& ws, int tid) {
-  const int lds = plan_.buffers[op.src].width, ldd = plan_.buffers[op.dst].width, nth = ws.pool.size();
+void Engine::run_op(const Matmul& op, Workspace& ws, Team& t) {
+  const int lds = plan_.buffers[op.src].width, ldd = plan_.buffers[op.dst].width;
   const float* src = ws.bufs[op.src].data();
   float* dst = ws.bufs[op.dst].data() + op.dst_col;  // this weight's columns of the output
+  if (t.lead()) counts_[op.stream].fetch_add(plan_.tensors[op.weight].nbytes, std::memory_order_relaxed);
   if (op.last_token && !ws.all_logits) {  // one row per sequence, its last: single rows
     const int m = (int)ws.last_row.size(), C = W_[op.weight].L.cols;
     if (m == 1) {
       src += (size_t)ws.last_row[0] * lds;
     } else {
-      for (int i = tid; i < m; i += nth)
-        std::memcpy(ws.gather.data() + (size_t)i * lds, src + (size_t)ws.last_row[i] * lds, sizeof(float) * C);
-      ws.pool.barrier();
-      src = ws.gather.data();
+      float* g = t.shared->gather.data();
+      for (int i = t.tid; i < m; i += t.nth)
+        std::memcpy(g + (size_t)i * lds, src + (size_t)ws.last_row[i] * lds, sizeof(float) * C);
+      t.barrier();
+      src = g;
     }
-    matmul_single(op, ws, src, lds, m, dst, ldd, tid);
+    matmul_single(op, t, src, lds, m, dst, ldd);
     return;
   }
-  if (ws.n_pre) {
+  matmul_rows(op, ws, t, src, lds, ws.n_pre, ws.n, dst, ldd);
+}
+
+void Engine::matmul_rows(const Matmul& op, Workspace&, Team& t, const float* src, int lds, int n_pre, int n,
+                         float* dst, int ldd) {
+  if (n_pre) {
     // a type without an int8 GEMM (the K-quants) but with a batched decode kernel: prompt rows
     // as single rows, through that kernel, rather than through the fp32 GEMM
     const TileLayout& L = W_[op.weight].L;
     AType at;
     const bool as_single = fast_ && !has_int8_path(L.bt(), true) && decode_kernel(L, op.two_level, &at) &&
                            batch_kernel(L, at);
-    if (as_single) matmul_single(op, ws, src, lds, ws.n_pre, dst, ldd, tid);
-    else matmul_gemm(op, ws, src, lds, ws.n_pre, dst, ldd, tid);
+    if (as_single) matmul_single(op, t, src, lds, n_pre, dst, ldd);
+    else matmul_gemm(op, t, src, lds, n_pre, dst, ldd);
   }
-  if (ws.n > ws.n_pre)
-    matmul_single(op, ws, src + (size_t)ws.n_pre * lds, lds, ws.n - ws.n_pre, dst + (size_t)ws.n_pre * ldd, ldd, tid);
+  if (n > n_pre) matmul_single(op, t, src + (size_t)n_pre * lds, lds, n - n_pre, dst + (size_t)n_pre * ldd, ldd);
 }
 
 // n >= 2 rows through the tile GEMM (int8 activations where the type has an int8 GEMM).
-void Engine::matmul_gemm(const Matmul& op, Workspace& ws, const float* src, int lds, int n, float* dst, int ldd,
-                         int tid) {
+void Engine::matmul_gemm(const Matmul& op, Team& t, const float* src, int lds, int n, float* dst, int ldd) {
   const Weight& W = W_[op.weight];
   const TileLayout& L = W.L;
   const bool q8 = fast_ && has_int8_path(L.bt(), true);
-  Input in = prepare(ws, src, lds, n, L.cols, op.norm, q8, q8 && op.two_level, tid);
+  Input in = prepare(t, src, lds, n, L.cols, op.norm, q8, q8 && op.two_level);
   // where decode has a batched kernel that is faster than the GEMM (AMX), prompt rows take it
   // too (by whole stripes): each token then gets what it gets as a single row
   const GemvBatchFn batch =
       q8 && gemv_batch_beats_gemm(isa_) ? batch_kernel(L, in.qa.levels == 2 ? AType::Q8x2 : AType::Q8) : nullptr;
   int r0, r1;
-  if (batch) stripe_share(L, tid, ws.pool.size(), &r0, &r1);
-  else row_share(L, tid, ws.pool.size(), &r0, &r1);
+  if (batch) stripe_share(L, t.tid, t.nth, &r0, &r1);
+  else row_share(L, t.tid, t.nth, &r0, &r1);
   if (r0 >= r1) return;
   int ldy;
-  float* y = output_rows(op.accumulate, ws.priv[tid]->y, dst, ldd, n, r0, r1, &ldy);
+  float* y = output_rows(op.accumulate, t.priv->y, dst, ldd, n, r0, r1, &ldy);
   if (batch) batched_runs(batch, L, W.data, in.qa.data, n, r0, r1, y, ldy);
   else if (q8) gemm_q8(L, W.data, r0, r1, in.qa, y, ldy);
   else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, y, ldy);
@@ -489,22 +652,20 @@ void Engine::matmul_gemm(const Matmul& op, Workspace& ws, const float* src, int 
 }
 
 // m single rows, each as a one-token step computes it.
-void Engine::matmul_single(const Matmul& op, Workspace& ws, const float* src, int lds, int m, float* dst, int ldd,
-                           int tid) {
+void Engine::matmul_single(const Matmul& op, Team& t, const float* src, int lds, int m, float* dst, int ldd) {
   const Weight& W = W_[op.weight];
   const TileLayout& L = W.L;
-  const int nth = ws.pool.size();
-  Scratch& s = *ws.priv[tid];
+  Scratch& s = *t.priv;
   AType at;
   const GemvFn gemv = decode_kernel(L, fast_ && op.two_level, &at);
   int r0, r1;
-  if (gemv) stripe_share(L, tid, nth, &r0, &r1);
-  else row_share(L, tid, nth, &r0, &r1);
+  if (gemv) stripe_share(L, t.tid, t.nth, &r0, &r1);
+  else row_share(L, t.tid, t.nth, &r0, &r1);
   // each row's input, normalised and prepared for the kernel (thread-private: no barrier)
   const size_t ab = gemv ? act_bytes(L.bt(), at, L.cols) : (size_t)L.cols * sizeof(float);
   grow(s.xa, (size_t)m * ab);
   for (int k = 0; k < m; ++k) {
-    Input in = prepare(ws, src + (size_t)k * lds, lds, 1, L.cols, op.norm, false, false, tid);
+    Input in = prepare(t, src + (size_t)k * lds, lds, 1, L.cols, op.norm, false, false);
     if (gemv) prepare_act(L.bt(), at, s.xa.data() + k * ab, in.x, L.cols);
     else std::memcpy(s.xa.data() + k * ab, in.x, ab);
   }
@@ -530,26 +691,30 @@ void Engine::matmul_single(const Matmul& op, Workspace& ws, const float* src, in
 // Rows as for Matmul: prompt rows through the GEMM; single rows through the decode GEMV when a
 // piece pair is one stripe (each piece one GEMV row range, visited by every single row in turn),
 // else each through the GEMM alone.
-void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
+void Engine::run_op(const GateUp& op, Workspace& ws, Team& t) {
+  if (t.lead()) counts_[op.stream].fetch_add(plan_.tensors[op.weight].nbytes, std::memory_order_relaxed);
+  gate_up_rows(op, t, ws.bufs[op.src].data(), plan_.buffers[op.src].width, ws.n_pre, ws.n, ws.bufs[op.dst].data(),
+               plan_.buffers[op.dst].width);
+}
+
+void Engine::gate_up_rows(const GateUp& op, Team& t, const float* src, int lds, int n_pre, int n, float* h, int ldh) {
   const Weight& W = W_[op.weight];
   const TileLayout& L = W.L;
-  const int C = L.cols, F = L.rows / 2, c = op.chunk, lds = plan_.buffers[op.src].width, nth = ws.pool.size();
+  const int C = L.cols, F = L.rows / 2, c = op.chunk, nth = t.nth, tid = t.tid;
   const int P = (F + c - 1) / c;
   const int p0 = (int)((int64_t)P * tid / nth), p1 = (int)((int64_t)P * (tid + 1) / nth);
   const bool precise = fast_ && op.two_level, q8 = fast_ && has_int8_path(L.bt(), true);
-  const float* src = ws.bufs[op.src].data();
-  float* h = ws.bufs[op.dst].data();
-  Scratch& s = *ws.priv[tid];
+  Scratch& s = *t.priv;
   // rows [k0, k0 + n) prepared as `in`, through the GEMM, piece by piece
-  auto gemm_rows = [&](const Input& in, int k0, int n) {
-    grow(s.y, (size_t)n * 2 * std::min(c, F));
+  auto gemm_rows = [&](const Input& in, int k0, int nr) {
+    grow(s.y, (size_t)nr * 2 * std::min(c, F));
     for (int p = p0; p < p1; ++p) {
       const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
       if (in.qa.data) gemm_q8(L, W.data, r0, r1, in.qa, s.y.data(), 2 * cp);
-      else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, n, s.y.data(), 2 * cp);
-      for (int k = 0; k < n; ++k) {
+      else gemm_f32(L, W.data, r0, r1, in.x, in.ldx, nr, s.y.data(), 2 * cp);
+      for (int k = 0; k < nr; ++k) {
         const float* g = s.y.data() + (size_t)k * 2 * cp;
-        act_mul(op.act, g, g + cp, h + (size_t)(k0 + k) * F + (size_t)p * c, cp);
+        act_mul(op.act, g, g + cp, h + (size_t)(k0 + k) * ldh + (size_t)p * c, cp);
       }
     }
   };
@@ -557,19 +722,19 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
   // stripe and the kernel exists: the thread's pieces in one call, or for more rows than one
   // pass takes in runs of about kVisitBytes, all rows over each run (as batched_runs). False
   // where it does not apply.
-  auto batched_rows = [&](AType at, const void* x, int k0, int n) {
+  auto batched_rows = [&](AType at, const void* x, int k0, int nr) {
     const GemvBatchFn batch = 2 * c == L.tr ? batch_kernel(L, at) : nullptr;
     if (!batch) return false;
-    const int per_run = n <= kBatchGroupMin ? p1 - p0 : visit_rows(L) / L.tr;  // pieces are stripes here
+    const int per_run = nr <= kBatchGroupMin ? p1 - p0 : visit_rows(L) / L.tr;  // pieces are stripes here
     for (int pa = p0; pa < p1; pa += per_run) {
       const int pb = std::min(p1, pa + per_run), ra = 2 * pa * c, rb = std::min(2 * pb * c, L.rows), ly = rb - ra;
-      grow(s.y, (size_t)n * ly);
-      batch(s.y.data(), ly, x, n, W.data, L, ra, rb);
+      grow(s.y, (size_t)nr * ly);
+      batch(s.y.data(), ly, x, nr, W.data, L, ra, rb);
       for (int p = pa; p < pb; ++p) {
         const int cp = std::min(c, F - p * c);
-        for (int k = 0; k < n; ++k) {
+        for (int k = 0; k < nr; ++k) {
           const float* g = s.y.data() + (size_t)k * ly + (2 * p * c - ra);
-          act_mul(op.act, g, g + cp, h + (size_t)(k0 + k) * F + (size_t)p * c, cp);
+          act_mul(op.act, g, g + cp, h + (size_t)(k0 + k) * ldh + (size_t)p * c, cp);
         }
       }
     }
@@ -579,25 +744,25 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
   const GemvFn gemv = 2 * c == L.tr ? decode_kernel(L, precise, &at) : nullptr;
   // prompt rows of a type without an int8 GEMM (the K-quants) but with a batched decode kernel
   // run as single rows through that kernel (as Matmul's), rather than through the fp32 GEMM
-  const bool pre_single = ws.n_pre && fast_ && !q8 && gemv && batch_kernel(L, at);
-  if (ws.n_pre && !pre_single) {
-    const Input in = prepare(ws, src, lds, ws.n_pre, C, op.norm, q8, q8 && precise, tid);
+  const bool pre_single = n_pre && fast_ && !q8 && gemv && batch_kernel(L, at);
+  if (n_pre && !pre_single) {
+    const Input in = prepare(t, src, lds, n_pre, C, op.norm, q8, q8 && precise);
     if (!q8 || !gemv_batch_beats_gemm(isa_) ||
-        !batched_rows(in.qa.levels == 2 ? AType::Q8x2 : AType::Q8, in.qa.data, 0, ws.n_pre))
-      gemm_rows(in, 0, ws.n_pre);
+        !batched_rows(in.qa.levels == 2 ? AType::Q8x2 : AType::Q8, in.qa.data, 0, n_pre))
+      gemm_rows(in, 0, n_pre);
   }
-  const int k0 = pre_single ? 0 : ws.n_pre, m = ws.n - k0;  // the single rows
+  const int k0 = pre_single ? 0 : n_pre, m = n - k0;  // the single rows
   if (!m) return;
   if (!gemv) {
-    for (int k = k0; k < ws.n; ++k)
-      gemm_rows(prepare(ws, src + (size_t)k * lds, lds, 1, C, op.norm, q8, q8 && precise, tid), k, 1);
+    for (int k = k0; k < n; ++k)
+      gemm_rows(prepare(t, src + (size_t)k * lds, lds, 1, C, op.norm, q8, q8 && precise), k, 1);
     return;
   }
   if (p0 >= p1) return;
   const size_t ab = act_bytes(L.bt(), at, C);
   grow(s.xa, (size_t)m * ab);
   for (int k = 0; k < m; ++k) {
-    Input in = prepare(ws, src + (size_t)(k0 + k) * lds, lds, 1, C, op.norm, false, false, tid);
+    Input in = prepare(t, src + (size_t)(k0 + k) * lds, lds, 1, C, op.norm, false, false);
     prepare_act(L.bt(), at, s.xa.data() + k * ab, in.x, C);
   }
   if (m > 1 && batched_rows(at, s.xa.data(), k0, m)) return;
@@ -606,14 +771,14 @@ void Engine::run_op(const GateUp& op, Workspace& ws, int tid) {
     const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
     for (int k = 0; k < m; ++k) {
       gemv(s.y.data(), s.xa.data() + k * ab, W.data, L, r0, r1);
-      act_mul(op.act, s.y.data(), s.y.data() + cp, h + (size_t)(k0 + k) * F + (size_t)p * c, cp);
+      act_mul(op.act, s.y.data(), s.y.data() + cp, h + (size_t)(k0 + k) * ldh + (size_t)p * c, cp);
     }
   }
 }
 
 // Gate and up computed by two matmuls into one (n, 2F) buffer; threads split the columns.
-void Engine::run_op(const ActMul& op, Workspace& ws, int tid) {
-  const int F = plan_.buffers[op.dst].width, nth = ws.pool.size();
+void Engine::run_op(const ActMul& op, Workspace& ws, Team& t) {
+  const int F = plan_.buffers[op.dst].width, nth = t.nth, tid = t.tid;
   const int j0 = (int)((int64_t)F * tid / nth), j1 = (int)((int64_t)F * (tid + 1) / nth);
   const float* src = ws.bufs[op.src].data();
   float* dst = ws.bufs[op.dst].data();
@@ -624,13 +789,32 @@ void Engine::run_op(const ActMul& op, Workspace& ws, int tid) {
 }
 
 // Each row attends within its own sequence: its state's cache, positions up to its own.
-void Engine::run_op(const Attention& op, Workspace& ws, int tid) {
+void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   const int hd = op.head_dim, nh = op.n_head, nkv = op.n_kv_head, n = ws.n;
-  const int qdim = nh * hd, kvdim = nkv * hd, ld = qdim + 2 * kvdim, nth = ws.pool.size();
+  const int qdim = nh * hd, kvdim = nkv * hd, ld = qdim + 2 * kvdim, nth = t.nth, tid = t.tid;
   float* qkv = ws.bufs[op.src].data();
-  const float* qn = op.q_norm >= 0 ? vec(op.q_norm) : nullptr;
-  const float* kn = op.k_norm >= 0 ? vec(op.k_norm) : nullptr;
+  // per-head norms; a norm over the whole q (or k) runs first, row by row (OLMoE)
+  const bool q_all = op.q_norm >= 0 && W_[op.q_norm].L.cols * W_[op.q_norm].L.rows != hd;
+  const bool k_all = op.k_norm >= 0 && W_[op.k_norm].L.cols * W_[op.k_norm].L.rows != hd;
+  const float* qn = op.q_norm >= 0 && !q_all ? vec(op.q_norm) : nullptr;
+  const float* kn = op.k_norm >= 0 && !k_all ? vec(op.k_norm) : nullptr;
   const RopeTable& table = *rope_table(op.rope_theta, hd);  // built for every Attention op
+  if (q_all || k_all) {
+    Scratch& s = *t.priv;
+    grow(s.xn, (size_t)std::max(qdim, kvdim));
+    for (int k = tid; k < n; k += nth) {
+      float* row = qkv + (size_t)k * ld;
+      if (q_all) {
+        rmsnorm(row, vec(op.q_norm), qdim, s.xn.data());
+        std::memcpy(row, s.xn.data(), sizeof(float) * qdim);
+      }
+      if (k_all) {
+        rmsnorm(row + qdim, vec(op.k_norm), kvdim, s.xn.data());
+        std::memcpy(row + qdim, s.xn.data(), sizeof(float) * kvdim);
+      }
+    }
+    t.barrier();
+  }
   float tmp[1024];
   auto norm_rope = [&](float* x, const float* nw, int p) {
     if (nw) {
@@ -655,14 +839,14 @@ void Engine::run_op(const Attention& op, Workspace& ws, int tid) {
       std::memcpy(st.v_[op.kv].get() + (size_t)p * kvdim + j * hd, row + qdim + kvdim + j * hd, sizeof(float) * hd);
     }
   }
-  ws.pool.barrier();
+  t.barrier();
   // Phase B: softmax(q K^T * scale) V per (row, head); units interleaved over the threads so
   // causal work balances. With enough rows a unit is the `group` query heads of one (row, KV
   // head), items it .. it + group - 1, so their keys and values come from memory once, not once
   // per query head; else a unit is one head.
   const float scale = op.scale > 0 ? op.scale : 1.f / std::sqrt((float)hd);
   const int group = nh / nkv, per_unit = n * nkv >= 4 * nth ? group : 1;
-  Scratch& s = *ws.priv[tid];
+  Scratch& s = *t.priv;
   grow(s.scores, (size_t)n_ctx_);
   float* out = ws.bufs[op.dst].data();
   for (int u = tid; u < n * nh / per_unit; u += nth)
@@ -683,16 +867,204 @@ void Engine::run_op(const Attention& op, Workspace& ws, int tid) {
   }
 }
 
-void Engine::run_op(const NormAdd& op, Workspace& ws, int tid) {
-  const int w = plan_.buffers[op.src].width, nth = ws.pool.size();
+// dst (+)= scale * gain * rmsnorm?(src), row by row: residual adds, copies, post norms.
+void Engine::run_op(const Add& op, Workspace& ws, Team& t) {
+  const int w = plan_.buffers[op.src].width;
   const float* src = ws.bufs[op.src].data();
   float* dst = ws.bufs[op.dst].data();
-  Scratch& s = *ws.priv[tid];
+  const float* gain = op.gain >= 0 ? vec(op.gain) : nullptr;
+  const float scale = op.scale;
+  Scratch& s = *t.priv;
   grow(s.xn, (size_t)w);
-  for (int k = tid; k < ws.n; k += nth) {
-    rmsnorm(src + (size_t)k * w, vec(op.norm), w, s.xn.data());
+  for (int k = t.tid; k < ws.n; k += t.nth) {
+    const float* x = src + (size_t)k * w;
+    if (op.norm >= 0) {
+      rmsnorm(x, vec(op.norm), w, s.xn.data());
+      x = s.xn.data();
+    }
     float* d = dst + (size_t)k * w;
-    for (int i = 0; i < w; ++i) d[i] += s.xn[i];
+    if (!gain && scale == 1.f) {
+      if (op.accumulate)
+        for (int i = 0; i < w; ++i) d[i] += x[i];
+      else if (d != x)
+        std::memmove(d, x, sizeof(float) * w);
+      continue;
+    }
+    for (int i = 0; i < w; ++i) {
+      const float y = (gain ? x[i] * gain[i] : x[i]) * scale;
+      d[i] = op.accumulate ? d[i] + y : y;
+    }
+  }
+}
+
+// p = softmax(R x) per row (fp32, R dequantized once), the top_k largest by a partial selection
+// (ties: the lower id), their gates, renormalised over the top_k when asked.
+void Engine::run_op(const Router& op, Workspace& ws, Team& t) {
+  const TileLayout& L = W_[op.weight].L;
+  const int E = L.rows, C = L.cols, K = op.top_k, lds = plan_.buffers[op.src].width;
+  const float* R = vec(op.weight);
+  const float* src = ws.bufs[op.src].data();
+  float* dst = ws.bufs[op.dst].data();
+  if (t.lead()) counts_[op.stream].fetch_add(plan_.tensors[op.weight].nbytes, std::memory_order_relaxed);
+  Scratch& s = *t.priv;
+  grow(s.xn, (size_t)C);
+  grow(s.scores, (size_t)E);
+  for (int k = t.tid; k < ws.n; k += t.nth) {
+    const float* x = src + (size_t)k * lds;
+    if (op.norm >= 0) {
+      rmsnorm(x, vec(op.norm), C, s.xn.data());
+      x = s.xn.data();
+    }
+    float* p = s.scores.data();
+    for (int e = 0; e < E; ++e) {
+      const float* r = R + (size_t)e * C;
+      float acc = 0.f;
+      for (int c = 0; c < C; ++c) acc += r[c] * x[c];
+      p[e] = acc;
+    }
+    softmax(p, 1, E);
+    float* ids = dst + (size_t)k * 2 * K;
+    float* gates = ids + K;
+    float sum = 0.f;
+    for (int j = 0; j < K; ++j) {  // the j-th largest: greater than every later pick
+      int best = -1;
+      for (int e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int i = 0; i < j; ++i) taken |= (int)ids[i] == e;
+        if (!taken && (best < 0 || p[e] > p[best])) best = e;
+      }
+      ids[j] = (float)best;
+      gates[j] = p[best];
+      sum += p[best];
+    }
+    if (op.renorm)
+      for (int j = 0; j < K; ++j) gates[j] /= sum;
+  }
+}
+
+// Each row's top_k experts (from the Router's dst), grouped by expert: every chosen expert's
+// weights are read once for all the rows that chose it, prompt rows through the GEMM and single
+// rows through the decode GEMV as for a Matmul (so a row's result does not depend on the others
+// in its step). Phases, the team meeting between them: the assignments (row, expert) sorted by
+// expert, then row; each assignment's input row (normalised); gate/up of each expert over its
+// rows; down of each expert; per row, the gated sum over its experts in ascending id.
+// With all_experts every expert takes every row (and is read), and only the chosen ones count.
+void Engine::run_op(const Experts& op, Workspace& ws, Team& t) {
+  const std::vector<const ExpertRef*>& X = experts_of_[expert_slot_[t.op]];
+  const int n = ws.n, E = op.n_expert, K = plan_.buffers[op.route].width / 2, C = plan_.buffers[op.src].width;
+  const int F = W_[X[0]->down].L.cols, S = opt_.all_experts ? E : K;  // assignments per row
+  Scratch& sh = *t.shared;
+  const float* route = ws.bufs[op.route].data();
+  const float* src = ws.bufs[op.src].data();
+  if (t.lead()) {
+    sh.ex_start.assign(E + 2, 0);
+    sh.ex_row.resize((size_t)n * S);
+    sh.ex_of.resize((size_t)n * K);
+    sh.ex_gate.resize((size_t)n * K);
+    int32_t* count = sh.ex_start.data() + 2;  // count[e] of expert e, then prefix sums in place
+    for (int r = 0; r < n; ++r) {
+      const float* ids = route + (size_t)r * 2 * K;
+      for (int j = 0; j < K; ++j) {
+        const float v = ids[j];
+        bool ok = v >= 0.f && v < (float)E && v == (float)(int)v;
+        for (int i = 0; ok && i < j; ++i) ok = ids[i] != v;
+        if (!ok) {
+          std::lock_guard<std::mutex> lk(mu_);
+          ws.error = "experts of layer " + std::to_string(op.layer) + ": routed expert id " + std::to_string(v) +
+                     " is not a distinct expert of 0.." + std::to_string(E - 1);
+          ws.failed = true;
+          break;
+        }
+        if (!opt_.all_experts) ++count[(int)v];
+      }
+    }
+    if (opt_.all_experts)
+      for (int e = 0; e < E; ++e) count[e] = n;
+    if (!ws.failed) {
+      // fill[e] = ex_start[e + 1] walks expert e's assignments; afterwards ex_start[e + 1] is its end
+      for (int e = 0; e < E; ++e) sh.ex_start[e + 2] += sh.ex_start[e + 1];
+      int32_t* fill = sh.ex_start.data() + 1;
+      uint64_t bytes = 0;
+      for (int e = 0; e < E; ++e)
+        if (sh.ex_start[e + 2] > sh.ex_start[e + 1])
+          bytes += plan_.tensors[X[e]->gate_up].nbytes + plan_.tensors[X[e]->down].nbytes;
+      counts_[op.stream].fetch_add(bytes, std::memory_order_relaxed);
+      for (int r = 0; r < n; ++r) {
+        const float* ids = route + (size_t)r * 2 * K;
+        int order[64], nk = 0;  // the row's slots by ascending expert id (K <= 64 is checked at load)
+        for (int j = 0; j < K; ++j) {
+          int q = nk++;
+          for (; q > 0 && ids[order[q - 1]] > ids[j]; --q) order[q] = order[q - 1];
+          order[q] = j;
+        }
+        int q = 0;
+        for (int e = 0; e < E; ++e) {
+          const bool chosen = q < K && (int)ids[order[q]] == e;
+          if (!chosen && !opt_.all_experts) continue;
+          const int a = fill[e]++;
+          sh.ex_row[a] = r;
+          if (chosen) {
+            sh.ex_of[(size_t)r * K + q] = a;
+            sh.ex_gate[(size_t)r * K + q] = ids[K + order[q]];
+            ++q;
+          }
+          if (!opt_.all_experts && q == K) break;
+        }
+      }
+    }
+  }
+  t.barrier();
+  if (ws.failed) return;
+  const int32_t* start = sh.ex_start.data();  // expert e: assignments [start[e], start[e + 1])
+  const int M = start[E];
+  for (int a = t.tid; a < M; a += t.nth) {  // each assignment's input row
+    const float* x = src + (size_t)sh.ex_row[a] * C;
+    float* in = sh.ex_in.data() + (size_t)a * C;
+    if (op.norm >= 0) rmsnorm(x, vec(op.norm), C, in);
+    else std::memcpy(in, x, sizeof(float) * C);
+  }
+  t.barrier();
+  // prompt rows (rows < n_pre) come first among an expert's rows
+  auto prompt_rows = [&](int e) {
+    int k = start[e];
+    while (k < start[e + 1] && sh.ex_row[k] < ws.n_pre) ++k;
+    return k - start[e];
+  };
+  for (int e = 0; e < E; ++e) {
+    const int m = start[e + 1] - start[e];
+    if (!m) continue;
+    GateUp g;
+    g.weight = X[e]->gate_up;
+    g.chunk = X[e]->chunk;
+    g.act = op.act;
+    g.two_level = op.two_level;
+    gate_up_rows(g, t, sh.ex_in.data() + (size_t)start[e] * C, C, prompt_rows(e), m,
+                 sh.ex_h.data() + (size_t)start[e] * F, F);
+  }
+  t.barrier();
+  for (int e = 0; e < E; ++e) {
+    const int m = start[e + 1] - start[e];
+    if (!m) continue;
+    Matmul d;
+    d.weight = X[e]->down;
+    d.two_level = op.two_level;
+    matmul_rows(d, ws, t, sh.ex_h.data() + (size_t)start[e] * F, F, prompt_rows(e), m,
+                sh.ex_out.data() + (size_t)start[e] * C, C);
+  }
+  t.barrier();
+  float* dst = ws.bufs[op.dst].data();
+  Scratch& s = *t.priv;
+  grow(s.xn, (size_t)C);
+  for (int r = t.tid; r < n; r += t.nth) {
+    float* acc = s.xn.data();
+    std::fill(acc, acc + C, 0.f);
+    for (int q = 0; q < K; ++q) {
+      const float g = sh.ex_gate[(size_t)r * K + q];
+      const float* y = sh.ex_out.data() + (size_t)sh.ex_of[(size_t)r * K + q] * C;
+      for (int c = 0; c < C; ++c) acc[c] += g * y[c];
+    }
+    float* d = dst + (size_t)r * C;
+    for (int c = 0; c < C; ++c) d[c] = op.accumulate ? d[c] + op.scale * acc[c] : op.scale * acc[c];
   }
 }
 
@@ -713,19 +1085,215 @@ class FlushDenormals {
 #endif
 };
 
+void Engine::run_one(const Op& op, Workspace& ws, Team& t) {
+  std::visit([&](const auto& o) {
+    using T = std::decay_t<decltype(o)>;
+    if constexpr (std::is_same_v<T, Barrier>) t.barrier();
+    else if constexpr (!std::is_same_v<T, std::monostate>) run_op(o, ws, t);
+  }, op);
+}
+
 void Engine::run(Workspace& ws, int tid) {
-  using clk = std::chrono::steady_clock;
   FlushDenormals ftz;
+  if (team_size_.size() > 1) run_pipeline(ws, tid);
+  else run_sequential(ws, tid);
+}
+
+void Engine::run_sequential(Workspace& ws, int tid) {
+  using clk = std::chrono::steady_clock;
   const bool prof = profile_on_ && tid == 0;
-  for (const Op& op : plan_.ops) {
+  Team t;
+  t.tid = tid;
+  t.nth = ws.pool.size();
+  t.pool = &ws.pool;
+  t.shared = ws.shared[0].get();
+  t.priv = ws.priv[tid].get();
+  for (size_t i = 0; i < plan_.ops.size(); ++i) {
+    const Op& op = plan_.ops[i];
     clk::time_point t0;
     if (prof) t0 = clk::now();
+    t.op = (int)i;
+    run_one(op, ws, t);
+    if (prof) ws.prof[op.index()] += std::chrono::duration<double>(clk::now() - t0).count();
+  }
+}
+
+// A team runs its ops in plan order; before each, it meets where the op reads what the team
+// wrote since it last met, and waits for the ops of other teams it depends on (their threads
+// count themselves done, per forward: the epoch).
+void Engine::run_pipeline(Workspace& ws, int tid) {
+  using clk = std::chrono::steady_clock;
+  const bool prof = profile_on_ && tid == 0;
+  const int team = thread_team_[tid];
+  Team t;
+  t.tid = tid - team_first_[team];
+  t.nth = team_size_[team];
+  t.bar = &ws.bars[team];
+  t.shared = ws.shared[team].get();
+  t.priv = ws.priv[tid].get();
+  for (int i : team_ops_[team]) {
+    const OpSched& os = sched_[i];
+    clk::time_point t0;
+    if (prof) t0 = clk::now();
+    if (os.barrier_before) t.barrier();
+    for (int d : os.waits) {
+      const uint64_t target = ws.epoch * (uint64_t)team_size_[sched_[d].team];
+      for (int k = 1; ws.done[d].load(std::memory_order_acquire) < target; ++k) SpinBarrier::relax(k);
+    }
+    t.op = i;
+    run_one(plan_.ops[i], ws, t);
+    if (os.signals) ws.done[i].fetch_add(1, std::memory_order_acq_rel);
+    if (prof) ws.prof[plan_.ops[i].index()] += std::chrono::duration<double>(clk::now() - t0).count();
+  }
+}
+
+// ---------------------------------------------------------------- schedules
+// The lanes of the pipeline schedule, by stream: attention (with the embedding, the head and the
+// adds the builder gives the attention stream), dense FFN, experts (with their router).
+static int lane_of(int stream) { return stream == kDense ? 1 : stream == kExperts || stream == kRouter ? 2 : 0; }
+constexpr int kLanes = 3;
+
+// Dependencies from the buffers (and KV slots) each op reads and writes, in plan order: an op
+// depends on the last writer of what it reads or writes, and on the readers since then of what
+// it writes. The true ones (reading what an earlier op wrote) give the critical path; all of
+// them, between teams, what a team waits for.
+void Engine::plan_schedule() {
+  const int nops = (int)plan_.ops.size(), nb = (int)plan_.buffers.size();
+  const int nres = nb + (int)kv_width_.size();
+  std::vector<int> last_writer(nres, -1), stream(nops, -1);
+  std::vector<std::vector<int>> readers(nres), deps(nops), raw(nops);
+  std::vector<double> cost(nops, 0.0);  // weight bytes per token on the counted streams
+  auto counted = [](int st) { return st == kAttention || st == kDense || st == kExperts; };
+  for (int i = 0; i < nops; ++i) {
+    std::vector<int> R, W;
     std::visit([&](const auto& o) {
       using T = std::decay_t<decltype(o)>;
-      if constexpr (std::is_same_v<T, Barrier>) ws.pool.barrier();
-      else if constexpr (!std::is_same_v<T, std::monostate>) run_op(o, ws, tid);
-    }, op);
-    if (prof) ws.prof[op.index()] += std::chrono::duration<double>(clk::now() - t0).count();
+      if constexpr (std::is_same_v<T, Embed>) {
+        W = {o.dst};
+      } else if constexpr (std::is_same_v<T, Matmul>) {
+        R = {o.src};
+        W = {o.dst};
+        if (o.accumulate) R.push_back(o.dst);
+        if (counted(o.stream)) cost[i] = (double)plan_.tensors[o.weight].nbytes;
+      } else if constexpr (std::is_same_v<T, GateUp>) {
+        R = {o.src};
+        W = {o.dst};
+        if (counted(o.stream)) cost[i] = (double)plan_.tensors[o.weight].nbytes;
+      } else if constexpr (std::is_same_v<T, ActMul> || std::is_same_v<T, Router>) {
+        R = {o.src};
+        W = {o.dst};
+      } else if constexpr (std::is_same_v<T, Add>) {
+        R = {o.src};
+        W = {o.dst};
+        if (o.accumulate) R.push_back(o.dst);
+      } else if constexpr (std::is_same_v<T, Attention>) {
+        R = {o.src, nb + o.kv};
+        W = {o.src, o.dst, nb + o.kv};
+      } else if constexpr (std::is_same_v<T, Experts>) {
+        R = {o.src, o.route};
+        W = {o.dst};
+        if (o.accumulate) R.push_back(o.dst);
+        const auto& X = experts_of_[expert_slot_[i]];
+        const int K = plan_.buffers[o.route].width / 2;
+        if (counted(o.stream))
+          cost[i] = (double)K * (plan_.tensors[X[0]->gate_up].nbytes + plan_.tensors[X[0]->down].nbytes);
+      }
+      if constexpr (!std::is_same_v<T, Barrier> && !std::is_same_v<T, std::monostate>) stream[i] = o.stream;
+    }, plan_.ops[i]);
+    if (stream[i] < 0) continue;  // a barrier
+    for (int r : R)
+      if (last_writer[r] >= 0) raw[i].push_back(last_writer[r]);
+    for (int w : W) {
+      if (last_writer[w] >= 0) deps[i].push_back(last_writer[w]);
+      deps[i].insert(deps[i].end(), readers[w].begin(), readers[w].end());
+    }
+    deps[i].insert(deps[i].end(), raw[i].begin(), raw[i].end());
+    for (int r : R) readers[r].push_back(i);
+    for (int w : W) {
+      last_writer[w] = i;
+      readers[w].clear();
+    }
+    std::sort(deps[i].begin(), deps[i].end());
+    deps[i].erase(std::unique(deps[i].begin(), deps[i].end()), deps[i].end());
+    deps[i].erase(std::remove(deps[i].begin(), deps[i].end(), i), deps[i].end());
+  }
+  // the longest chain of true dependencies, in weight bytes
+  std::vector<double> finish(nops, 0.0);
+  crit_bytes_ = stream_bytes_ = 0;
+  for (int i = 0; i < nops; ++i) {
+    double start = 0;
+    for (int d : raw[i]) start = std::max(start, finish[d]);
+    finish[i] = start + cost[i];
+    crit_bytes_ = std::max(crit_bytes_, finish[i]);
+    stream_bytes_ += cost[i];
+  }
+  // teams: one of every thread (sequential), or the lanes shared out to teams by load
+  team_first_ = {0};
+  team_size_ = {threads_};
+  team_lanes_ = {(1 << kLanes) - 1};
+  thread_team_.assign(threads_, 0);
+  team_ops_.assign(1, {});
+  sched_.assign(nops, OpSched{});
+  double load[kLanes] = {};
+  bool used[kLanes] = {};
+  for (int i = 0; i < nops; ++i)
+    if (stream[i] >= 0) {
+      const int l = lane_of(stream[i]);
+      used[l] = true;
+      std::visit([&](const auto& o) {  // bytes per token the lane reads
+        using T = std::decay_t<decltype(o)>;
+        if constexpr (std::is_same_v<T, Matmul> || std::is_same_v<T, GateUp> || std::is_same_v<T, Router>)
+          load[l] += (double)plan_.tensors[o.weight].nbytes;
+        if constexpr (std::is_same_v<T, Experts>) load[l] += cost[i];
+      }, plan_.ops[i]);
+    }
+  std::vector<int> lanes;
+  for (int l = 0; l < kLanes; ++l)
+    if (used[l]) lanes.push_back(l);
+  const int nteams = std::min<int>(threads_, (int)lanes.size());
+  if (opt_.schedule != Schedule::Pipeline || nteams <= 1) {
+    for (int i = 0; i < nops; ++i) team_ops_[0].push_back(i);
+    return;
+  }
+  // lanes by falling load, each to the team with the least; threads to the teams by load per thread
+  std::sort(lanes.begin(), lanes.end(), [&](int a, int b) { return load[a] > load[b]; });
+  std::vector<double> tload(nteams, 0.0);
+  int lane_team[kLanes] = {};
+  team_lanes_.assign(nteams, 0);
+  for (int l : lanes) {
+    const int t = (int)(std::min_element(tload.begin(), tload.end()) - tload.begin());
+    lane_team[l] = t;
+    tload[t] += std::max(load[l], 1.0);
+    team_lanes_[t] |= 1 << l;
+  }
+  team_size_.assign(nteams, 1);
+  for (int extra = threads_ - nteams; extra > 0; --extra) {
+    int best = 0;
+    for (int t = 1; t < nteams; ++t)
+      if (tload[t] / team_size_[t] > tload[best] / team_size_[best]) best = t;
+    ++team_size_[best];
+  }
+  team_first_.assign(nteams, 0);
+  for (int t = 1; t < nteams; ++t) team_first_[t] = team_first_[t - 1] + team_size_[t - 1];
+  for (int t = 0; t < nteams; ++t)
+    for (int k = 0; k < team_size_[t]; ++k) thread_team_[team_first_[t] + k] = t;
+  team_ops_.assign(nteams, {});
+  std::vector<std::vector<int>> since(nteams);  // ops a team ran since it last met
+  for (int i = 0; i < nops; ++i) {
+    if (stream[i] < 0) continue;
+    OpSched& os = sched_[i];
+    os.team = lane_team[lane_of(stream[i])];
+    for (int d : deps[i]) {
+      if (sched_[d].team != os.team) {
+        os.waits.push_back(d);
+        sched_[d].signals = true;
+      } else if (std::find(since[os.team].begin(), since[os.team].end(), d) != since[os.team].end()) {
+        os.barrier_before = true;
+      }
+    }
+    if (os.barrier_before) since[os.team].clear();
+    since[os.team].push_back(i);
+    team_ops_[os.team].push_back(i);
   }
 }
 
@@ -793,16 +1361,30 @@ void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logit
   ws.bufs.resize(plan_.buffers.size());
   for (size_t b = 0; b < ws.bufs.size(); ++b) grow(ws.bufs[b], (size_t)n * plan_.buffers[b].width);
   const size_t maxc = (size_t)max_width_;
-  grow(ws.gather, seqs.size() * maxc);
   grow(ws.prof, prof_.size());
-  grow(ws.shared.xn, n * maxc);
-  grow(ws.shared.qa, n * (any_precise_ ? 2 : 1) * q8a_row_bytes(max_width_));
+  for (auto& sh : ws.shared) {
+    grow(sh->gather, seqs.size() * maxc);
+    grow(sh->xn, n * maxc);
+    grow(sh->qa, n * (any_precise_ ? 2 : 1) * q8a_row_bytes(max_width_));
+    grow(sh->ex_in, (size_t)n * ex_in_width_);
+    grow(sh->ex_out, (size_t)n * ex_in_width_);
+    grow(sh->ex_h, (size_t)n * ex_h_width_);
+  }
   for (auto& s : ws.priv) grow(s->xn, maxc);
+  ++ws.epoch;
+  ws.failed = false;
   try {
     ws.pool.run([this, &ws](int tid, int) { run(ws, tid); });
   } catch (...) {
     give_workspace(std::move(wsp));
     throw;
+  }
+  counts_[kNumStreams].fetch_add(1, std::memory_order_relaxed);
+  counts_[kNumStreams + 1].fetch_add(n, std::memory_order_relaxed);
+  if (ws.failed) {
+    const std::string err = ws.error;
+    give_workspace(std::move(wsp));
+    fail(err);  // the states are left as they were
   }
   for (const Seq& s : seqs) s.state->tokens_.insert(s.state->tokens_.end(), s.tokens, s.tokens + s.n);
   const float* lg = ws.bufs[plan_.logits].data();  // all rows in layout order, or one per sequence

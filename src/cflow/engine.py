@@ -207,21 +207,56 @@ class State:
             raise CflowError(str(e)) from None
 
 
+SCHEDULES = ("sequential", "pipeline")
+"""Engine(schedule=...): every thread on every op in plan order, or the weight streams' lanes on
+teams of threads that wait only on true dependencies (docs/ENGINE.md, "Schedules")."""
+
+
 class Engine(EngineBase):
-    """A converted model on the native executor; one per model, any number of States."""
+    """A converted model on the native executor; one per model, any number of States.
+
+    schedule: "sequential" or "pipeline" (SCHEDULES; the same logits either way).
+    all_experts: multiply every expert of each MoE layer and keep the chosen ones (same results,
+    all the expert bytes read: the A/B of conditional expert loading).
+    """
 
     def __init__(self, weights, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True,
-                 precise: bool | Iterable[str] = True):
+                 precise: bool | Iterable[str] = True, schedule: str = "sequential", all_experts: bool = False):
         from cflow._native import core
 
+        if schedule not in SCHEDULES:
+            raise CflowError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         super().__init__(weights, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise)
+        self.schedule, self.all_experts = schedule, bool(all_experts)
         buf = getattr(self.file, "buffer", None)
         if buf is None:
             raise CflowError("the native engine runs .cflow files (convert the model first: cflow convert)")
         try:
-            self._core = core.EngineCore(buf, buf, self.plan, self.n_ctx, self.threads, self.fast)
+            self._core = core.EngineCore(buf, buf, self.plan, self.n_ctx, self.threads, self.fast, schedule,
+                                         self.all_experts)
         except (RuntimeError, ValueError) as e:
             raise CflowFormatError(f"cannot run this model: {e}") from None
+
+    @property
+    def critical_path_bytes(self) -> float:
+        """Weight bytes per token on the longest chain of true dependencies through the attention,
+        dense and expert streams (top_k experts per layer): `cflow analyze`'s longest path."""
+        return self._core.critical_path_bytes
+
+    @property
+    def teams(self) -> list[dict]:
+        """The schedule's teams: the lanes each runs and its threads (one team: sequential)."""
+        lanes = ("attention", "dense", "experts")
+        return [{"lanes": [n for i, n in enumerate(lanes) if bits >> i & 1], "threads": k}
+                for bits, k in self._core.teams]
+
+    def byte_counts(self) -> dict:
+        """Weight bytes read since the engine was made, per stream (cflow.plan.STREAMS), with the
+        steps and rows (tokens) that read them: {"bytes": {stream: n}, "steps": s, "rows": r}."""
+        from cflow.plan import STREAMS
+
+        b, steps, rows = self._core.byte_counts()
+        return {"bytes": dict(zip(STREAMS, b)), "steps": steps, "rows": rows}
 
     def new_state(self) -> State:
         """A fresh, empty sequence."""

@@ -138,24 +138,65 @@ class RefEngine(EngineBase):
                 cols = slice(op.dst_col, op.dst_col + w.shape[0])
                 bufs[op.dst][:, cols] = bufs[op.dst][:, cols] + y if op.accumulate else y
             elif isinstance(op, P.GateUp):
-                w, c = self.weight(op.weight), op.chunk
-                F = w.shape[0] // 2
-                # the file's rows: piece p holds gate rows [p c, p c + cp) then the same up rows
-                gate = np.concatenate([np.arange(2 * s, 2 * s + min(c, F - s)) for s in range(0, F, c)])
-                up = np.concatenate([np.arange(2 * s + min(c, F - s), 2 * s + 2 * min(c, F - s)) for s in range(0, F, c)])
-                x = self.norm(bufs[op.src], op.norm)
-                bufs[op.dst] = ACT_FNS[op.act](x @ w[gate].T) * (x @ w[up].T)
+                bufs[op.dst] = self.gated(op.weight, op.chunk, op.act, self.norm(bufs[op.src], op.norm))
             elif isinstance(op, P.ActMul):
                 g, u = np.split(bufs[op.src], 2, axis=-1)
                 bufs[op.dst] = ACT_FNS[op.act](g) * u
             elif isinstance(op, P.Attention):
                 bufs[op.dst] = np.concatenate([self.attention(op, bufs[op.src][first[s]:last[s] + 1], st)
                                                for s, st in enumerate(states)])
-            elif isinstance(op, P.NormAdd):
-                bufs[op.dst] = bufs[op.dst] + self.norm(bufs[op.src], op.norm)
+            elif isinstance(op, P.Add):
+                y = self.norm(bufs[op.src], op.norm)
+                if op.gain >= 0:
+                    y = y * self.weight(op.gain)
+                y = y * np.float32(op.scale)
+                bufs[op.dst] = bufs[op.dst] + y if op.accumulate else y
+            elif isinstance(op, P.Router):
+                bufs[op.dst] = self.route(op, bufs[op.src])
+            elif isinstance(op, P.Experts):
+                y = self.experts(op, bufs[op.src], bufs[op.route]) * np.float32(op.scale)
+                bufs[op.dst] = bufs[op.dst] + y if op.accumulate else y
         for st, a in zip(states, ids):
             st.tokens.extend(int(t) for t in a)
         return bufs[self.plan.logits].astype(np.float32, copy=False)
+
+    def gated(self, weight: int, c: int, act: int, x: np.ndarray) -> np.ndarray:
+        """act(gate x) * (up x) of a gate/up tensor whose rows come in pieces: piece p holds gate
+        rows [p c, p c + cp), then the same up rows (GateUp's chunk)."""
+        w = self.weight(weight)
+        F = w.shape[0] // 2
+        gate = np.concatenate([np.arange(2 * s, 2 * s + min(c, F - s)) for s in range(0, F, c)])
+        up = np.concatenate([np.arange(2 * s + min(c, F - s), 2 * s + 2 * min(c, F - s)) for s in range(0, F, c)])
+        return ACT_FNS[act](x @ w[gate].T) * (x @ w[up].T)
+
+    def route(self, op, x: np.ndarray) -> np.ndarray:
+        """(T, C) -> (T, 2 top_k): the top_k expert ids (as floats; ties: the lower id) and gates."""
+        logits = self.norm(x, op.norm) @ self.weight(op.weight).T  # (T, E)
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        ids = np.argsort(-p, axis=-1, kind="stable")[:, :op.top_k]
+        gates = np.take_along_axis(p, ids, axis=-1)
+        if op.renorm:
+            gates = gates / gates.sum(axis=-1, keepdims=True)
+        return np.concatenate([ids.astype(np.float32), gates.astype(np.float32)], axis=-1)
+
+    def experts(self, op, x: np.ndarray, route: np.ndarray) -> np.ndarray:
+        """sum over each row's experts (ascending id) of gate * down(act(gate x) * up x)."""
+        x = self.norm(x, op.norm)
+        K = route.shape[1] // 2
+        table = {(e.layer, e.expert): e for e in self.plan.experts}
+        y = np.zeros_like(x)
+        ids = route[:, :K].astype(np.int64)
+        for e in range(op.n_expert):
+            rows, slot = np.nonzero(ids == e)
+            if rows.size == 0:
+                continue
+            ent = table.get((op.layer, e))
+            if ent is None:
+                raise CflowError(f"the expert table has no entry for layer {op.layer}, expert {e}")
+            h = self.gated(ent.gate_up, ent.chunk, op.act, x[rows])
+            y[rows] += (h @ self.weight(ent.down).T) * route[rows, K + slot][:, None]
+        return y
 
     def attention(self, op, qkv: np.ndarray, st: RefState) -> np.ndarray:
         """One sequence's rows (T, q + 2 kv) -> (T, q): causal (and windowed) softmax attention."""
@@ -163,8 +204,14 @@ class RefEngine(EngineBase):
         p0 = st.pos
         pos = np.arange(p0, p0 + T)
         q, k, v = np.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+        per_head = lambda i: i < 0 or self.weight(i).size == hd  # noqa: E731 (else a norm over all of q or k)
+        if not per_head(op.q_norm):
+            q = self.norm(q, op.q_norm)
+        if not per_head(op.k_norm):
+            k = self.norm(k, op.k_norm)
         q, k, v = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
-        q, k = self.norm(q, op.q_norm), self.norm(k, op.k_norm)
+        q = self.norm(q, op.q_norm) if per_head(op.q_norm) else q
+        k = self.norm(k, op.k_norm) if per_head(op.k_norm) else k
         q, k = rope(q, pos, op.rope_theta), rope(k, pos, op.rope_theta)
         st.k[op.kv][p0:p0 + T], st.v[op.kv][p0:p0 + T] = k, v
         K, V = st.k[op.kv][:p0 + T], st.v[op.kv][:p0 + T]  # (S, nkv, hd)

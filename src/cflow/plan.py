@@ -23,12 +23,18 @@ from cflow._native import core
 from cflow.engine import ROLES
 from cflow.errors import CflowError, CflowFormatError
 
-Barrier, Embed, Matmul, GateUp, ActMul, Attention, NormAdd = (core.Barrier, core.Embed, core.Matmul, core.GateUp,
-                                                           core.ActMul, core.Attention, core.NormAdd)
+Barrier, Embed, Matmul, GateUp, ActMul, Attention = (core.Barrier, core.Embed, core.Matmul, core.GateUp, core.ActMul,
+                                                     core.Attention)
+Add, Router, Experts = core.Add, core.Router, core.Experts
 OP_KINDS = core.OP_KINDS
-Plan, TensorRef, BufferSpec = core.Plan, core.TensorRef, core.BufferSpec
+Plan, TensorRef, BufferSpec, ExpertRef = core.Plan, core.TensorRef, core.BufferSpec, core.ExpertRef
 
-TENSOR_FIELDS = ("table", "weight", "bias", "norm", "q_norm", "k_norm")
+TENSOR_FIELDS = ("table", "weight", "bias", "norm", "q_norm", "k_norm", "gain")
+# The weight streams (an op's `stream`, plan.h Stream): byte counters and the pipeline's lanes.
+STREAMS = ("embed", "attention", "dense", "router", "experts", "head")
+ROLE_STREAMS = {"qkv": "attention", "attn_output": "attention", "gate_up": "dense", "down": "dense", "head": "head",
+                "experts": "experts"}
+KIND_STREAMS = {"Embed": "embed", "Attention": "attention", "Router": "router", "Experts": "experts"}
 ACTS = {"silu": 0, "gelu_tanh": 1}  # GateUp / ActMul `act`
 PACK_CODES = {"blocks": 0, "planes": 1}
 
@@ -67,7 +73,9 @@ class PlanBuilder:
         self.tensors: list[TensorRef] = []
         self.buffers: list[BufferSpec] = []
         self.ops: list = []
+        self.experts: list[ExpertRef] = []
         self._ids: dict[str, int] = {}
+        self.stream = "attention"  # of ops that name none (ActMul, Add): the last one named
 
     # ---------------------------------------------------------------- tensors and buffers
     def has(self, name: str) -> bool:
@@ -98,18 +106,43 @@ class PlanBuilder:
         return len(self.buffers) - 1
 
     # ---------------------------------------------------------------- ops
-    def op(self, kind, *, role: str | None = None, **fields):
-        """Append kind(**fields); tensor fields may be names; role: one of ROLES (two-level)."""
+    def op(self, kind, *, role: str | None = None, stream: str | None = None, **fields):
+        """Append kind(**fields); tensor fields may be names; role: one of ROLES (two-level; the
+        experts' role is "experts", two-level with "gate_up"); stream: one of STREAMS, else the
+        role's, the kind's (Embed, Attention, Router, Experts), or the last op's."""
         for f in TENSOR_FIELDS:
             if isinstance(fields.get(f), str):
                 fields[f] = self.tensor(fields[f])
         if role is not None:
-            if role not in ROLES:
+            if role not in ROLES and role != "experts":
                 raise CflowError(f"unknown role {role!r}")
-            fields["two_level"] = role in self.precise
-        op = kind(**fields)
+            fields["two_level"] = (role if role != "experts" else "gate_up") in self.precise
+        stream = stream or ROLE_STREAMS.get(role) or KIND_STREAMS.get(kind.__name__) or self.stream
+        if stream not in STREAMS:
+            raise CflowError(f"unknown stream {stream!r}; the streams are {', '.join(STREAMS)}")
+        self.stream = stream
+        op = kind(stream=STREAMS.index(stream), **fields)
         self.ops.append(op)
         return op
+
+    def expert_table(self, layer: int, n_expert: int, name: str = "blk.{l}.exp.{e}.") -> None:
+        """Enter experts 0..n_expert-1 of `layer` (the file's expert offset table) in the plan's expert
+        table: each one's range and its `{name}ffn_gate_up` (stripe-fused gate/up) and `{name}ffn_down`."""
+        ranges = getattr(self.weights, "experts", {})
+        for e in range(n_expert):
+            p = name.format(l=layer, e=e)
+            ent = ranges.get((layer, e))
+            gu = self.entry(p + "ffn_gate_up")
+            if ent is None:  # a checkpoint in memory (reference engine): no file range
+                off, length = -1, 0
+            else:
+                off, length = ent.offset, ent.length
+            chunk = gu.stripe_rows if getattr(gu, "fuse", None) == "stripe" else gu.shape[0] // 2
+            if not chunk:
+                raise CflowFormatError(f"{p}ffn_gate_up: stripe fusion without stripe rows")
+            self.experts.append(ExpertRef(layer=layer, expert=e, offset=int(off), length=int(length),
+                                          gate_up=self.tensor(p + "ffn_gate_up"), down=self.tensor(p + "ffn_down"),
+                                          chunk=int(chunk)))
 
     def barrier(self) -> None:
         if self.ops and not isinstance(self.ops[-1], Barrier):
@@ -117,22 +150,37 @@ class PlanBuilder:
 
     def finish(self, *, logits: int, norm_eps: float, norm_offset: float = 0.0) -> Plan:
         p = Plan()
-        p.tensors, p.buffers, p.ops = self.tensors, self.buffers, self.ops
+        p.tensors, p.buffers, p.ops, p.experts = self.tensors, self.buffers, self.ops, self.experts
         p.logits, p.norm_eps, p.norm_offset = int(logits), float(norm_eps), float(norm_offset)
         return p
 
 
-def bytes_per_token(plan: Plan) -> int:
-    """Weight bytes one decode step reads: every matrix an op multiplies by, once per op, and one
-    row of each embedding table."""
-    total = 0
+def stream_bytes_per_token(plan: Plan) -> dict[str, int]:
+    """Weight bytes one decode step of one sequence reads, per stream: every matrix an op multiplies
+    by, once per op, one row of each embedding table, each router, and top_k experts of each
+    Experts op (of the layer's first expert's size: a layer's experts share one shape)."""
+    out = dict.fromkeys(STREAMS, 0)
+    routes = {}
+    experts = {}
+    for e in plan.experts:
+        experts.setdefault(e.layer, plan.tensors[e.gate_up].nbytes + plan.tensors[e.down].nbytes)
     for op in plan.ops:
-        if isinstance(op, (Matmul, GateUp)):
-            total += plan.tensors[op.weight].nbytes
+        st = STREAMS[op.stream] if not isinstance(op, Barrier) else None
+        if isinstance(op, (Matmul, GateUp, Router)):
+            out[st] += plan.tensors[op.weight].nbytes
+            if isinstance(op, Router):
+                routes[op.dst] = op.top_k
         elif isinstance(op, Embed):
             t = plan.tensors[op.table]
-            total += t.nbytes // t.rows
-    return total
+            out[st] += t.nbytes // t.rows
+        elif isinstance(op, Experts):
+            out[st] += routes.get(op.route, 0) * experts.get(op.layer, 0)
+    return out
+
+
+def bytes_per_token(plan: Plan) -> int:
+    """All the weight bytes one decode step of one sequence reads (stream_bytes_per_token summed)."""
+    return sum(stream_bytes_per_token(plan).values())
 
 
 def kv_slots(plan: Plan) -> list[tuple[int, int]]:

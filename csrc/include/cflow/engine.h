@@ -10,14 +10,25 @@
 // One forward advances one or several states by their new tokens (n_i >= 1 each): the rows of
 // all of them go through every op together, so each weight is read once per step for all the
 // rows (decode of many sequences, prefill of one, or both); attention reads each row's own
-// state. Every thread runs every op and takes its share of the work; threads meet only at the
-// plan's Barrier ops.
+// state.
+//
+// Two schedules (docs/ENGINE.md, "Schedules"):
+//   sequential: every thread runs every op and takes its share of the work; threads meet only
+//               at the plan's Barrier ops;
+//   pipeline  : the ops are grouped by weight stream into lanes (attention with embedding, head
+//               and the residual adds; dense FFN; router and experts), the lanes shared out to
+//               teams of threads; a team runs its ops in plan order and waits only for the ops of
+//               other teams that write what it reads (or read what it overwrites), so independent
+//               weight streams (the dense FFN of layer l beside the attention of layer l + 1 when
+//               the dense FFN is delayed) stream at the same time. Both give the same logits: every
+//               op computes each row the same way whatever the number of threads that share it.
 #pragma once
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cflow/gemm.h"
@@ -62,11 +73,25 @@ struct Seq {
   int n = 0;
 };
 
+enum class Schedule : int { Sequential = 0, Pipeline = 1 };
+
+struct EngineOptions {
+  Schedule schedule = Schedule::Sequential;
+  bool all_experts = false;  // read (and multiply) every expert of an Experts op, keep the chosen
+};
+
+// Weight bytes read since the engine was made, per Stream (plan.h), and the steps and rows that
+// read them.
+struct ByteCounts {
+  uint64_t bytes[kNumStreams] = {};
+  uint64_t steps = 0, rows = 0;
+};
+
 class Engine {
  public:
   // base/size: the mapped file. Throws std::runtime_error naming the problem when a tensor's
-  // byte range or shape, or an op's fields, do not check out.
-  Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threads, bool fast);
+  // byte range or shape, an expert table entry, or an op's fields, do not check out.
+  Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threads, bool fast, EngineOptions opt = {});
   ~Engine();
   // Appends each seq's tokens to its state. logits: per seq, (vocab,) for its last token, or
   // (n_i, vocab) for every token when all_logits; seqs one after another.
@@ -77,8 +102,18 @@ class Engine {
   int threads() const { return threads_; }
   // Wall time per op kind (the index in Op) summed over forwards, seconds (CFLOW_PROFILE=1).
   std::vector<double> profile() const;
+  ByteCounts byte_counts() const;
+  // Weight bytes one token reads on the longest chain of true dependencies (an op reads what an
+  // earlier one wrote) through the attention, dense and expert streams (top_k experts per
+  // Experts op), and in all of them: the figures of `cflow analyze` for the same model.
+  double critical_path_bytes() const { return crit_bytes_; }
+  double stream_bytes() const { return stream_bytes_; }
+  Schedule schedule() const { return opt_.schedule; }
+  // The pipeline schedule's teams: per team, its lanes (bit i: lane i) and threads.
+  std::vector<std::pair<int, int>> teams() const;
 
   struct Workspace;  // executor.cpp
+  struct Team;
 
  private:
   struct Weight {
@@ -86,21 +121,33 @@ class Engine {
     TileLayout L;
   };
   void validate();
+  void plan_schedule();
   void run(Workspace& ws, int tid);
-  void run_op(const Embed& op, Workspace& ws, int tid);
-  void run_op(const Matmul& op, Workspace& ws, int tid);
-  void run_op(const GateUp& op, Workspace& ws, int tid);
-  void run_op(const ActMul& op, Workspace& ws, int tid);
-  void run_op(const Attention& op, Workspace& ws, int tid);
-  void run_op(const NormAdd& op, Workspace& ws, int tid);
+  void run_sequential(Workspace& ws, int tid);
+  void run_pipeline(Workspace& ws, int tid);
+  void run_one(const Op& op, Workspace& ws, Team& t);
+  void run_op(const Embed& op, Workspace& ws, Team& t);
+  void run_op(const Matmul& op, Workspace& ws, Team& t);
+  void run_op(const GateUp& op, Workspace& ws, Team& t);
+  void run_op(const ActMul& op, Workspace& ws, Team& t);
+  void run_op(const Attention& op, Workspace& ws, Team& t);
+  void run_op(const Add& op, Workspace& ws, Team& t);
+  void run_op(const Router& op, Workspace& ws, Team& t);
+  void run_op(const Experts& op, Workspace& ws, Team& t);
   struct Input;
-  Input prepare(Workspace& ws, const float* src, int lds, int n, int cols, int norm, bool q8, bool precise, int tid);
+  Input prepare(Team& t, const float* src, int lds, int n, int cols, int norm, bool q8, bool precise);
   // The decode (one-token) GEMV kernel of W and the activation type it takes; nullptr when none
   // applies.
   GemvFn decode_kernel(const TileLayout& L, bool precise, AType* at) const;
   GemvBatchFn batch_kernel(const TileLayout& L, AType at) const;
-  void matmul_gemm(const Matmul& op, Workspace& ws, const float* src, int lds, int n, float* dst, int ldd, int tid);
-  void matmul_single(const Matmul& op, Workspace& ws, const float* src, int lds, int m, float* dst, int ldd, int tid);
+  // Rows [0, n) of src through op's weight, the first n_pre of them prompt rows (docs/ENGINE.md,
+  // "Buffers and rows"); dst row k at dst + k * ldd.
+  void matmul_rows(const Matmul& op, Workspace& ws, Team& t, const float* src, int lds, int n_pre, int n, float* dst,
+                   int ldd);
+  void matmul_gemm(const Matmul& op, Team& t, const float* src, int lds, int n, float* dst, int ldd);
+  void matmul_single(const Matmul& op, Team& t, const float* src, int lds, int m, float* dst, int ldd);
+  // The same for a gate/up weight: h row k (F wide) at h + k * ldh.
+  void gate_up_rows(const GateUp& op, Team& t, const float* src, int lds, int n_pre, int n, float* h, int ldh);
   void epilogue(const Matmul& op, float* y, int ldy, int m, int r0, int r1, float* dst, int ldd) const;
   void rmsnorm(const float* x, const float* w, int cols, float* out) const;
   const float* vec(int tensor) const { return vecs_[tensor].data(); }  // norms, biases
@@ -111,12 +158,30 @@ class Engine {
   };
   const RopeTable* rope_table(float theta, int head_dim) const;  // nullptr: not built
   void rope(float* x, const RopeTable& t, int pos) const;
+  std::unique_ptr<Workspace> new_workspace() const;
   std::unique_ptr<Workspace> take_workspace();
   void give_workspace(std::unique_ptr<Workspace> ws);
 
   const uint8_t* base_;
   size_t size_;
   Plan plan_;
+  EngineOptions opt_;
+  // per Experts op layer: the expert table's entries of experts 0 .. n_expert - 1
+  std::vector<std::vector<const ExpertRef*>> experts_of_;  // indexed by an Experts op's `layer` slot
+  std::vector<int> expert_slot_;                           // per op: its slot in experts_of_, or -1
+  // the pipeline schedule (plan_schedule): per op its team, the ops of other teams it waits for,
+  // whether its team meets before it, whether others wait for it; per team its threads
+  struct OpSched {
+    int team = 0;
+    std::vector<int> waits;
+    bool barrier_before = false, signals = false;
+  };
+  std::vector<OpSched> sched_;
+  std::vector<int> team_first_, team_size_, team_lanes_, thread_team_;
+  std::vector<std::vector<int>> team_ops_;
+  double crit_bytes_ = 0, stream_bytes_ = 0;
+  size_t ex_in_width_ = 0, ex_h_width_ = 0;  // floats per row of the experts' scratch
+  mutable std::atomic<uint64_t> counts_[kNumStreams + 2] = {};  // bytes per stream, steps, rows
   int n_ctx_, threads_, vocab_ = 0, max_width_ = 0;
   bool fast_;
   bool any_precise_ = false;  // some op runs two-level activations

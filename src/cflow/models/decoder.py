@@ -14,7 +14,7 @@ tmp (d, only with post norms), logits (vocab).
 from __future__ import annotations
 
 from cflow.errors import CflowFormatError, UnsupportedError
-from cflow.plan import ACTS, ActMul, Attention, Embed, GateUp, Matmul, NormAdd, Plan, PlanBuilder
+from cflow.plan import ACTS, ActMul, Add, Attention, Embed, GateUp, Matmul, Plan, PlanBuilder
 
 
 def build_decoder(b: PlanBuilder, cfg) -> Plan:
@@ -40,7 +40,7 @@ def build_decoder(b: PlanBuilder, cfg) -> Plan:
         if cfg.post_norms:
             b.op(Matmul, weight=weight, src=src, dst=TMP, role=role)
             b.barrier()
-            b.op(NormAdd, norm=post_norm, src=TMP, dst=X)
+            b.op(Add, norm=post_norm, src=TMP, dst=X)
         else:
             b.op(Matmul, weight=weight, src=src, dst=X, accumulate=True, role=role)
         b.barrier()
