@@ -17,7 +17,7 @@ PAPER = {"arch1": 9.00, "arch2_4_combined": 4.50, "arch2_4_sync": 4.50, "arch3":
 def test_paper_critical_path(name, capsys):
     assert main(["analyze", "--arch", name, "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert set(rec) == {"arch", "total_mb_per_token", "critical_path_mb_per_token"}
+    assert set(rec) == {"arch", "total_mb_per_token", "critical_path_mb_per_token", "longest_path_mb_per_token"}
     assert rec["arch"] == name
     assert round(rec["critical_path_mb_per_token"]["vertical_pipeline"], 2) == PAPER[name]
     assert round(rec["critical_path_mb_per_token"]["sequential"], 2) == 9.00

@@ -30,7 +30,8 @@ from cflow.errors import CflowError
 
 MIB = 1 << 20
 # bytes per parameter; "q4" is the paper's count, q4_0 as stored (18 B per 32 weights)
-BYTES_PER_PARAM = {"q4": 0.5, "q4_0": 18 / 32, "q8_0": 34 / 32, "f16": 2.0, "bf16": 2.0, "f32": 4.0}
+BYTES_PER_PARAM = {"q4": 0.5, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_0": 22 / 32, "q8_0": 34 / 32, "q4_k": 144 / 256,
+                   "q6_k": 210 / 256, "f16": 2.0, "bf16": 2.0, "f32": 4.0}
 
 
 @dataclass
@@ -95,7 +96,18 @@ def analyze(cfg: PNTConfig, quant: str = "q4") -> dict:
             "sequential": round(cp["sequential"] / MIB, 4),
             "vertical_pipeline": round(cp["vertical_pipeline"] / MIB, 4),
         },
+        "longest_path_mb_per_token": round(cp["longest_path"] / MIB, 4),
     }
+
+
+def file_quant(f) -> str:
+    """The BYTES_PER_PARAM key of a .cflow file's layer matrices (CflowError when they mix types:
+    the per-parameter arithmetic needs one)."""
+    types = {t.type.name for n, t in f.tensors.items()
+             if n.startswith("blk.") and len(t.shape) == 2 and not n.endswith("ffn_gate_inp")}
+    if len(types) != 1 or next(iter(types)) not in BYTES_PER_PARAM:
+        raise CflowError(f"the layer matrices are stored as {sorted(types)}: analyze needs one type of {', '.join(BYTES_PER_PARAM)}")
+    return types.pop()
 
 
 def unique_mb(cfg: PNTConfig, quant: str = "q4") -> float:

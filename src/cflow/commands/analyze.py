@@ -6,7 +6,9 @@ GEOMETRY = ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "
 
 
 def add_arguments(p):
-    p.add_argument("--arch", required=True, help="preset name (arch1, arch2_4_combined, ...) or 'all'")
+    p.add_argument("--arch", default=None, help="preset name (arch1, arch2_4_combined, ...) or 'all'")
+    p.add_argument("--model", default=None, help="a pipeline-native .cflow/.vflow file: its config and block type "
+                                                 "(instead of --arch and --quant)")
     for name in GEOMETRY:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="default: the paper's geometry")
     p.add_argument("--delta-d", type=int, default=None, help="override the preset's dense delay")
@@ -22,17 +24,32 @@ def main(args) -> int:
     from cflow.analysis.bandwidth import analyze, critical_paths, head_mb, layer_bytes, unique_mb, MIB
     from cflow.models.presets import PRESETS, preset
 
-    names = list(PRESETS) if args.arch == "all" else [args.arch]
+    from cflow.errors import CflowError
+
+    if (args.arch is None) == (args.model is None):
+        raise CflowError("give --arch PRESET (or all) or --model FILE")
     over = {k: getattr(args, k) for k in GEOMETRY + ("delta_d", "delta_e", "routing_anchor")}
-    for name in names:
-        cfg = preset(name, **over)
+    if args.model is not None:
+        from cflow.analysis.bandwidth import file_quant
+        from cflow.format import CflowFile
+        from cflow.models.pipeline_native import PNTConfig
+
+        with CflowFile(args.model) as f:
+            cfg = f.config
+            if not isinstance(cfg, PNTConfig):
+                raise CflowError(f"{args.model} is a {cfg.arch} model: analyze reads pipeline-native models")
+            args.quant = file_quant(f)
+        configs = [(cfg.variant or "pnt", cfg)]
+    else:
+        configs = [(name, preset(name, **over)) for name in (list(PRESETS) if args.arch == "all" else [args.arch])]
+    for name, cfg in configs:
         rec = analyze(cfg, args.quant)
         if args.json:
             print(json.dumps(rec))
             continue
         lb = layer_bytes(cfg, args.quant)
         cp = rec["critical_path_mb_per_token"]
-        print(f"{name}: {PRESETS[name][0]}  (delta_d={cfg.delta_d} delta_e={cfg.delta_e} "
+        print(f"{name}: {PRESETS[name][0] if name in PRESETS else ''}  (delta_d={cfg.delta_d} delta_e={cfg.delta_e} "
               f"anchor={cfg.routing_anchor} combine={cfg.combine} layers={cfg.n_layer}x{cfg.n_iter})")
         print(f"  per layer at {args.quant}: attention {lb.attn / MIB:.3f}  dense {lb.dense / MIB:.3f}  "
               f"top-{cfg.top_k} experts {lb.experts / MIB:.3f} MiB (router {lb.router / MIB:.4f}, not counted)")
