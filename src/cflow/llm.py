@@ -102,10 +102,12 @@ def load_model(model: str, *, cache=None, quiet: bool = False):
 ENGINES = ("native", "ref")
 
 
-def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None, precise: bool = True):
+def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None, precise: bool = True,
+                schedule: str = "sequential", all_experts: bool = False):
     """The engine for an opened model: "native" (the default; also CFLOW_ENGINE) or "ref", the numpy
     interpreter of the same plan. fast / precise: the native engine's activations
-    (cflow.engine.ACTIVATIONS); the reference engine always runs fp32 activations."""
+    (cflow.engine.ACTIVATIONS); the reference engine always runs fp32 activations. schedule,
+    all_experts: the native engine's (cflow.engine.Engine); the reference engine runs op by op."""
     choice = engine or os.environ.get("CFLOW_ENGINE") or "native"
     if choice not in ENGINES:
         raise CflowError(f"engine must be one of {', '.join(ENGINES)}, got {choice!r}")
@@ -115,7 +117,8 @@ def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None 
         return RefEngine(src, threads=threads, n_ctx=n_ctx)
     from cflow.engine import Engine
 
-    return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise)
+    return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise, schedule=schedule,
+                  all_experts=all_experts)
 
 
 class LLM:
@@ -126,7 +129,8 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", *, threads=None, n_ctx=None, fast=True,
-                 engine: str | None = None, cache=None, quiet: bool = False, precise: bool = True):
+                 engine: str | None = None, cache=None, quiet: bool = False, precise: bool = True,
+                 schedule: str = "sequential", all_experts: bool = False):
         self.name = model
         self.file = load_model(model, cache=cache, quiet=quiet)
         self.config = self.file.config
@@ -136,7 +140,8 @@ class LLM:
         # the source's generation_config.json, else llama.cpp's ("model" / "llama.cpp")
         self.generation_defaults, self.generation_defaults_source = generation_defaults(
             getattr(self.file, "generation", None))
-        self.engine = make_engine(self.file, threads=threads, n_ctx=n_ctx, fast=fast, engine=engine, precise=precise)
+        self.engine = make_engine(self.file, threads=threads, n_ctx=n_ctx, fast=fast, engine=engine, precise=precise,
+                                  schedule=schedule, all_experts=all_experts)
         self.n_ctx = self.engine.n_ctx
         self._template = None
 

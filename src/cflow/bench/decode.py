@@ -72,6 +72,19 @@ class CflowRunner:
         self.eng.forward(self.st, prompt)
         return len(prompt) / (time.perf_counter() - t0)
 
+    def bytes_read(self, prompt: list[int], n: int) -> dict[str, float] | None:
+        """Weight bytes per decoded token, per stream, by the engine's counters over n greedy steps
+        (None for an engine without counters)."""
+        if not hasattr(self.eng, "byte_counts"):
+            return None
+        self.st.reset()
+        logits = self.eng.forward(self.st, prompt)
+        a = self.eng.byte_counts()
+        for _ in range(n):
+            logits = self.eng.forward(self.st, [int(np.argmax(logits))])
+        b = self.eng.byte_counts()
+        return {k: (b["bytes"][k] - a["bytes"][k]) / (b["rows"] - a["rows"]) for k in b["bytes"]}
+
     def batched_steps(self, prompt: list[int], n_seq: int, n: int) -> list[float]:
         """Seconds of n decode steps that advance n_seq sequences (prompt, then greedy) together."""
         states = [self.eng.new_state() for _ in range(n_seq)]
@@ -214,20 +227,27 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
             + (f" | llama.cpp decode {ldec[-1]:.1f} tok/s, prefill {lpre[-1]:.1f} tok/s" if theirs else ""))
     from cflow.kernels import best_isa
 
+    # the bytes actually read (the counters: top-k experts, or all of them with --all-experts)
+    read = ours.bytes_read(short, min(tokens, 32))
+    per_token = sum(read.values()) if read else engine.bytes_per_token
     probe = statistics.median(probe_read(PROBE_MIB, threads, 5))
-    probe_model = statistics.median(probe_read(max(16.0, engine.bytes_per_token / 2**20), threads, 5))
+    probe_model = statistics.median(probe_read(max(16.0, per_token / 2**20), threads, 5))
     d, p = statistics.median(dec), statistics.median(pre)
-    gbps = engine.bytes_per_token * d / 1e9
+    gbps = per_token * d / 1e9
     rnd = lambda xs: [round(x, 2) for x in xs]
     rec = {"model": name, "threads": threads, "decode_tok_s": round(d, 2), "prefill_tok_s": round(p, 2),
-           "bytes_per_token": int(engine.bytes_per_token), "gbps": round(gbps, 2), "probe_gbps": round(probe, 2),
+           "bytes_per_token": int(per_token), "gbps": round(gbps, 2), "probe_gbps": round(probe, 2),
            "pct_of_probe": round(100 * gbps / probe, 1), "probe_model_gbps": round(probe_model, 2),
            "pct_of_probe_model": round(100 * gbps / probe_model, 1), "isa": best_isa(),
            "activations": getattr(engine, "activations", "fp32"), "decode_runs": rnd(dec), "prefill_runs": rnd(pre),
            # a host that stalls the VM for a second now and then drags a whole run's average;
            # the median single step is what the engine does when it runs
            "decode_step_ms_median": round(1e3 * statistics.median(ours.steps), 3),
+           "schedule": getattr(engine, "schedule", "sequential"), "all_experts": getattr(engine, "all_experts", False),
            "vs": {}}
+    if read:
+        rec["bytes_per_token_by_stream"] = {k: round(v) for k, v in read.items()}
+        rec["critical_path_bytes"] = int(engine.critical_path_bytes)
     if batch > 1:  # steps of `batch` sequences, interleaved with single steps run by run
         many, one = [], []
         for _ in range(runs):
@@ -257,8 +277,13 @@ def report(rec: dict) -> str:
              f"{rec['bytes_per_token'] / 1e6:.1f} MB/token, {rec['gbps']:.1f} GB/s = {rec['pct_of_probe']:.0f}% of "
              f"the probe's {rec['probe_gbps']:.1f} GB/s ({PROBE_MIB} MiB), {rec['pct_of_probe_model']:.0f}% of "
              f"{rec['probe_model_gbps']:.1f} GB/s over the model's bytes per token",
-             f"           median step {rec['decode_step_ms_median']:.2f} ms = {1e3 / rec['decode_step_ms_median']:.1f} tok/s",
-             f"  prefill  {rec['prefill_tok_s']:8.1f} tok/s  ({span(rec['prefill_runs'])})"]
+             f"           median step {rec['decode_step_ms_median']:.2f} ms = {1e3 / rec['decode_step_ms_median']:.1f} tok/s"
+             f", {rec['schedule']} schedule" + (", all experts read" if rec["all_experts"] else "")]
+    if "bytes_per_token_by_stream" in rec:
+        bs = rec["bytes_per_token_by_stream"]
+        lines.append("           read per token: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in bs.items() if v)
+                     + f"; critical path {rec['critical_path_bytes'] / 1e6:.2f} MB")
+    lines.append(f"  prefill  {rec['prefill_tok_s']:8.1f} tok/s  ({span(rec['prefill_runs'])})")
     if "batch" in rec:
         b = rec["batch"]
         lines.append(f"  batched  {b['sequences']} sequences: median step {b['step_ms_median']:.2f} ms = "

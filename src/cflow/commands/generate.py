@@ -39,13 +39,21 @@ def add_activation_arguments(p):
                    help="what the weights are multiplied with: int8x2, two-level int8 (about 14 bits; "
                         "the default), int8, one level as llama.cpp's q8 (the fastest), fp32 (the parity path)")
     p.add_argument("--exact", dest="activations", action="store_const", const="fp32", help="--activations fp32")
+    p.add_argument("--schedule", choices=("sequential", "pipeline"), default="sequential",
+                   help="sequential: every thread on every op (the default); pipeline: the attention, dense and "
+                        "expert streams on their own threads, overlapping where the model's delays allow "
+                        "(the same output)")
+    p.add_argument("--all-experts", action="store_true",
+                   help="multiply every expert of a mixture-of-experts layer, keep the chosen ones (the same "
+                        "output, every expert byte read: the A/B of conditional expert loading)")
 
 
 def activation_kwargs(args) -> dict:
-    """fast= and precise= of LLM / Engine for --activations."""
+    """fast=, precise=, schedule= and all_experts= of LLM / Engine for --activations, --schedule,
+    --all-experts."""
     from cflow.engine import ACTIVATIONS
 
-    return dict(ACTIVATIONS[args.activations])
+    return dict(ACTIVATIONS[args.activations], schedule=args.schedule, all_experts=args.all_experts)
 
 
 def add_arguments(p):
