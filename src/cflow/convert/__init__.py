@@ -134,7 +134,7 @@ def source_kind(path: str | os.PathLike) -> str:
         raise CflowError(f"cannot read {p}: {e.strerror or e}") from None
     if magic[:4] == b"GGUF":
         return "gguf"
-    if p.suffix == ".cflow" or magic == b"\x89CFLOW\r\n":
+    if p.suffix in (".cflow", ".vflow") or magic == b"\x89CFLOW\r\n":
         return "cflow"
     raise CflowFormatError(f"{p}: not a GGUF file, .cflow file or Hugging Face directory")
 
@@ -234,10 +234,36 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, quant: str = "kee
             pack: str = "planes") -> Path:
     """Convert a GGUF file or an HF directory into a .cflow file (atomic: no partial file; the
     source is never the file replaced). pack: "planes" (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K matrices in the planes
-    pack) or "blocks" (convert/write.py)."""
+    pack) or "blocks" (convert/write.py). An output ending in .vflow is written stage-major
+    (format/vflow.py); a .cflow source is then laid out again with its tensors' bytes unchanged."""
     from cflow.convert.write import write_cflow
 
     check_output(src, out)
+    if Path(out).suffix == ".vflow":
+        return _convert_vflow(src, out, quant=quant, progress=progress, pack=pack)
     ckpt = requantize(load_source(src), quant)
     write_cflow(ckpt, out, progress=progress, pack=pack)
+    return Path(out)
+
+
+def _convert_vflow(src, out, *, quant: str, progress: bool, pack: str) -> Path:
+    import tempfile
+
+    from cflow.format import CflowFile
+    from cflow.format.vflow import write_vflow
+
+    if source_kind(src) == "cflow":
+        if quant != "keep":
+            raise CflowError("a .cflow source is laid out stage-major as it is: --quant keep only")
+        with CflowFile(src) as f:
+            write_vflow(f, out, progress=progress)
+        return Path(out)
+    fd, tmp = tempfile.mkstemp(prefix=Path(out).name + ".layer-major-", suffix=".cflow", dir=Path(out).parent or ".")
+    os.close(fd)
+    try:
+        convert(src, tmp, quant=quant, progress=progress, pack=pack)
+        with CflowFile(tmp) as f:
+            write_vflow(f, out, progress=progress)
+    finally:
+        os.unlink(tmp)
     return Path(out)

@@ -65,6 +65,8 @@ class CflowFile:
         self.special_tokens: dict = h.get("special_tokens") or {}
         self.metadata: dict = h.get("metadata") or {}
         self.generation: dict = h.get("generation") or {}  # the source's sampling defaults; {} in older files
+        self.layout: str = h.get("layout") or "layer-major"  # "stage-major": a .vflow (format/vflow.py)
+        self.stages: list[dict] = h.get("stages") or []  # [{"stage", "section", "tensors"}] of a .vflow
         if verify:
             self.verify()
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r", shape=(size,))

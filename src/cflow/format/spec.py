@@ -431,5 +431,9 @@ def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
         for t in tensors.values():
             if t.pack != "blocks":
                 _fail(f"tensor {t.name!r}", "the key 'pack' needs version 2 (a version-1 reader would misread it)")
+    if "layout" in h or "stages" in h:  # a stage-major file (.vflow): its stages against the delays
+        from cflow.format.vflow import check_stages
+
+        check_stages(h, tensors)
     h["_sections"], h["_tensors"], h["_experts"] = sections, tensors, experts
     return h

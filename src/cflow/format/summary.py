@@ -39,6 +39,9 @@ def summary_lines(f: CflowFile) -> list[str]:
     if f.experts:
         layers = sorted({k[0] for k in f.experts})
         lines.append(f"experts   {len(f.experts)} over {len(layers)} layers, {_mb(sum(e.length for e in f.experts.values()))}")
+    if f.stages:
+        lines.append(f"layout    stage-major: {len(f.stages)} stages (delta_d {getattr(f.config, 'delta_d', 0)}), "
+                     "one section each (docs/FORMAT.md 3.5)")
     return lines
 
 

@@ -18,6 +18,7 @@ another; a section, once left, cannot be reopened. An exception inside the `with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -63,7 +64,8 @@ class CflowWriter:
     def __init__(self, path: str | os.PathLike, config: ModelConfig | dict, *, tokenizer_json: str | None = None,
                  chat_template: str | None = None, special_tokens: dict | None = None,
                  metadata: dict | None = None, generation: dict | None = None,
-                 tile: tuple[int, int] = DEFAULT_TILE, interleave: int = 1):
+                 tile: tuple[int, int] = DEFAULT_TILE, interleave: int = 1, layout: str | None = None):
+        """layout: None (layer by layer), or "stage-major" for a .vflow (stage() records its stages)."""
         if isinstance(config, dict):
             config = ModelConfig.from_dict(config)
         if not isinstance(config, ModelConfig):
@@ -75,6 +77,12 @@ class CflowWriter:
         self._head = {"format": "cflow", "version": VERSION, "config": config.to_dict(), "tokenizer": tokenizer_json,
                       "chat_template": chat_template, "special_tokens": dict(special_tokens or {}),
                       "metadata": dict(metadata or {}), "generation": dict(generation or {})}
+        if layout is not None:
+            from cflow.format.vflow import LAYOUT
+
+            if layout != LAYOUT:
+                raise CflowError(f"layout must be None or {LAYOUT!r}, got {layout!r}")
+            self._head.update(layout=layout, stages=[])
         json.dumps(self._head)  # fail now, not after the payload, on values JSON cannot hold
         check_special_tokens(self._head["special_tokens"])
         check_generation(self._head["generation"])
@@ -209,32 +217,62 @@ class CflowWriter:
         """Write one expert's tensors contiguously, starting on a 4096-byte boundary, and record
         (layer, expert) -> (offset, length) in the expert table. tensors: {name: (type, data)} or
         {name: dict(type=..., data=..., **add_tensor options)}; a "parts" entry means add_fused."""
+        if not tensors:
+            raise CflowError(f"expert (layer {layer}, expert {expert}) has no tensors")
+        with self.expert(layer, expert, section=section):
+            for n, spec in tensors.items():
+                if isinstance(spec, dict):
+                    kw = dict(spec)
+                    typ, data = kw.pop("type"), kw.pop("data")
+                    if "fuse" in kw and isinstance(data, (list, tuple)):
+                        self.add_fused(n, typ, data, kw.pop("fuse"), section=section, **kw)
+                        continue
+                    self.add_tensor(n, typ, data, section=section, **kw)
+                else:
+                    typ, data = spec
+                    self.add_tensor(n, typ, data, section=section)
+        return self._experts[(layer, expert)]
+
+    @contextlib.contextmanager
+    def expert(self, layer: int, expert: int, *, section: str = "experts"):
+        """The tensors added inside form expert (layer, expert): one 4096-aligned range, recorded
+        in the expert table when the block ends."""
         self._check_open()
         for v, what in ((layer, "layer"), (expert, "expert")):
             if not isinstance(v, int) or not 0 <= v <= 1 << 24:
                 raise CflowError(f"expert {what} must be an integer in 0..2^24, got {v!r}")
         if (layer, expert) in self._experts:
             raise CflowError(f"expert (layer {layer}, expert {expert}) was already added")
-        if not tensors:
-            raise CflowError(f"expert (layer {layer}, expert {expert}) has no tensors")
         self._enter_section(section)
         self._pad(ALIGN)
-        off = self._pos
-        for n, spec in tensors.items():
-            if isinstance(spec, dict):
-                kw = dict(spec)
-                typ, data = kw.pop("type"), kw.pop("data")
-                if "fuse" in kw and isinstance(data, (list, tuple)):
-                    self.add_fused(n, typ, data, kw.pop("fuse"), section=section, **kw)
-                    continue
-                self.add_tensor(n, typ, data, section=section, **kw)
-            else:
-                typ, data = spec
-                self.add_tensor(n, typ, data, section=section)
-        e = Expert(layer, expert, section, off, self._pos - off, tuple(tensors))
+        off, before = self._pos, set(self._tensors)
+        yield
+        names = tuple(n for n in self._tensors if n not in before)
+        if not names:
+            raise CflowError(f"expert (layer {layer}, expert {expert}) has no tensors")
+        self._experts[(layer, expert)] = Expert(layer, expert, section, off, self._pos - off, names)
         self._pad(ALIGN)
-        self._experts[(layer, expert)] = e
-        return e
+
+    def copy_tensor(self, t: Tensor, payload, *, section: str = "weights") -> Tensor:
+        """Write a tensor already tiled (another file's entry `t` and its bytes), unchanged."""
+        self._check_open()
+        if t.name in self._tensors:
+            raise CflowError(f"tensor {t.name!r} was already added")
+        payload = memoryview(np.ascontiguousarray(payload)).cast("B")
+        if len(payload) != t.nbytes:
+            raise CflowError(f"tensor {t.name!r}: {len(payload)} bytes given, its entry has {t.nbytes}")
+        self._enter_section(section)
+        self._pad(TENSOR_ALIGN)
+        new = dataclasses.replace(t, section=section, offset=self._pos)
+        self._write(payload)
+        self._tensors[t.name] = new
+        return new
+
+    def stage(self, k: int, section: str, names: list[str]) -> None:
+        """Record stage k of a stage-major file: its section and tensors (written before)."""
+        if "stages" not in self._head:
+            raise CflowError("stage(): the writer was not opened with layout='stage-major'")
+        self._head["stages"].append({"stage": int(k), "section": section, "tensors": list(names)})
 
     # ------------------------------------------------------------------ commit / abort
     def _check_open(self) -> None:
