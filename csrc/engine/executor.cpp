@@ -916,12 +916,7 @@ void Engine::run_op(const Router& op, Workspace& ws, Team& t) {
       x = s.xn.data();
     }
     float* p = s.scores.data();
-    for (int e = 0; e < E; ++e) {
-      const float* r = R + (size_t)e * C;
-      float acc = 0.f;
-      for (int c = 0; c < C; ++c) acc += r[c] * x[c];
-      p[e] = acc;
-    }
+    dot_rows(x, R, (size_t)C, E, C, p);  // (E,) = R x
     softmax(p, 1, E);
     float* ids = dst + (size_t)k * 2 * K;
     float* gates = ids + K;
