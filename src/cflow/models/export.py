@@ -55,13 +55,17 @@ def tensor_map(sd: dict, cfg) -> tuple[list, dict]:
 
 
 def _spec(kind, data, wtype, etype):
+    """add_tensor's arguments: norms (and the router) f32, matrices in the layout convert writes
+    (the planes pack where the type has one: the fast decode GEMV's)."""
+    from cflow.convert.write import tensor_layout
+
     if kind == "norm":
         return dict(type="f32", data=np.ascontiguousarray(data))
     if kind == "embd":
-        return dict(type=etype, data=data)
+        return dict(type=etype, data=data, **tensor_layout(etype, 2))
     if kind == "mat":
-        return dict(type=wtype, data=data)
-    return dict(type=wtype, data=data, fuse=kind)
+        return dict(type=wtype, data=data, **tensor_layout(wtype, 2))
+    return dict(type=wtype, data=data, fuse=kind, **tensor_layout(wtype, 2))
 
 
 def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q8_0") -> int:
@@ -77,10 +81,11 @@ def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q
                      metadata=meta) as w:
         for name, kind, data in dense:
             s = _spec(kind, data, wtype, etype)
+            typ, data = s.pop("type"), s.pop("data")
             if "fuse" in s:
-                w.add_fused(name, s["type"], s["data"], s["fuse"])
+                w.add_fused(name, typ, data, s.pop("fuse"), **s)
             else:
-                w.add_tensor(name, s["type"], s["data"])
+                w.add_tensor(name, typ, data, **s)
             n += 1
         for (l, e), ts in experts.items():
             w.add_expert(l, e, {name: _spec(kind, data, wtype, etype) for name, (kind, data) in ts.items()})
