@@ -166,3 +166,22 @@ def test_unknown_schedule(tmp_path, tok):
     _, path = make(tmp_path, tok, "arch1")
     with pytest.raises(CflowError, match="schedule must be one of sequential, pipeline"):
         Engine(path, schedule="vertical")
+
+
+def test_teams_of_several_threads_give_the_same_logits(tmp_path, tok):
+    """With more threads than lanes, teams have several threads (and meet at their own barriers);
+    with one thread the pipeline schedule is the sequential one."""
+    _, path = make(tmp_path, tok, "arch2_4_combined", "q8_0")
+    ids = [list(range(3, 50)), list(range(7, 20))]
+    outs = []
+    for threads, sched in ((1, "pipeline"), (2, "sequential"), (3, "pipeline"), (5, "pipeline")):
+        eng = Engine(path, threads=threads, schedule=sched)
+        if sched == "pipeline":
+            assert sum(t["threads"] for t in eng.teams) == threads
+            assert len(eng.teams) == min(threads, 3)
+        sts = [eng.new_state(), eng.new_state()]
+        out = [np.concatenate(eng.forward(sts, ids, all_logits=True))]
+        out += [np.stack(eng.forward(sts, [[1], [2]])) for _ in range(3)]
+        outs.append(np.concatenate(out))
+    for o in outs[1:]:
+        np.testing.assert_array_equal(outs[0], o)
