@@ -33,14 +33,14 @@ ARCHS = {"mixtral": ("llama", "llama", True), "qwen3_moe": ("qwen3moe", "qwen3mo
 Q8 = gguf.GGMLQuantizationType.Q8_0
 
 
-def hf_config(arch: str):
+def hf_config(arch: str, **kw):
     import transformers as tf
 
     common = dict(vocab_size=models_tiny.VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                   num_key_value_heads=KV_HEADS, max_position_embeddings=512, rms_norm_eps=1e-6,
                   num_experts_per_tok=K, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "mixtral":
-        return tf.MixtralConfig(**common, head_dim=HD, intermediate_size=F, num_local_experts=E)
+        return tf.MixtralConfig(**common, head_dim=HD, intermediate_size=F, num_local_experts=E, **kw)
     if arch == "qwen3_moe":  # intermediate_size: of dense layers, which it has none of
         return tf.Qwen3MoeConfig(**common, head_dim=HD, intermediate_size=128, moe_intermediate_size=F,
                                  num_experts=E, norm_topk_prob=True)
@@ -51,13 +51,11 @@ def is_router(name: str) -> bool:
     return name.endswith("gate.weight")  # mlp.gate / block_sparse_moe.gate
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
-def tiny(request, tmp_path_factory):
-    """(arch, HF directory, model) of a random model saved with save_pretrained."""
+def save_random(arch: str, d, **kw):
+    """A random model of `arch` (hf_config(arch, **kw)) saved to d with a tokenizer; returns it."""
     import transformers as tf
 
-    arch = request.param
-    cfg = hf_config(arch)
+    cfg = hf_config(arch, **kw)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
@@ -70,10 +68,16 @@ def tiny(request, tmp_path_factory):
             else:  # on the q8_0 grid, rows along the last axis as gguf-py blocks them
                 w = (0.08 * torch.randn_like(p)).numpy()
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, Q8), Q8).reshape(w.shape)))
-    d = tmp_path_factory.mktemp(arch)
     model.save_pretrained(d, safe_serialization=True)
     models_tiny.train_tokenizer(d)
-    return arch, d, model
+    return model
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def tiny(request, tmp_path_factory):
+    """(arch, HF directory, model) of a random model saved with save_pretrained."""
+    d = tmp_path_factory.mktemp(request.param)
+    return request.param, d, save_random(request.param, d)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,18 @@ def test_config_and_expert_tensors(tiny):
     if arch == "olmoe":  # norms over the whole of q and of k
         assert ck.tensors["blk.0.attn_q_norm"].shape == (HEADS * HD,)
         assert ck.tensors["blk.0.attn_k_norm"].shape == (KV_HEADS * HD,)
+
+
+def test_mixtral_sliding_window_is_every_layers(tmp_path):
+    model = save_random("mixtral", tmp_path / "hf", sliding_window=9)  # shorter than the prompt
+    out = tmp_path / "m.cflow"
+    assert main(["convert", str(tmp_path / "hf"), "-o", str(out), "--quiet"]) == 0
+    seq = ids(40)
+    with torch.no_grad():
+        ref = model(torch.tensor([seq])).logits[0].float().numpy()
+    eng = Engine(str(out), threads=2, fast=False)
+    assert eng.config.layer_types == ["sliding"] * LAYERS and eng.config.sliding_window == 9
+    assert rel_err(eng.forward(eng.new_state(), seq, all_logits=True), ref) <= 1e-3
 
 
 def test_packed_hf_experts_read_as_one_matrix_each(tiny, tmp_path):
