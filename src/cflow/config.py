@@ -29,7 +29,7 @@ RECONVERT = "re-convert the model with this version of cflow (cflow convert SRC 
 MAX_SIZE = 1 << 24  # bound of every count and width: far above any model's, far below int32 overflow
 SIZES = ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "max_seq_len")  # 1..MAX_SIZE
 COUNTS = ("d_ff", "sliding_window", "n_expert", "top_k", "d_expert")  # 0..MAX_SIZE
-SWITCHES = ("tie_embeddings", "qkv_bias", "qk_norm", "post_norms")
+SWITCHES = ("tie_embeddings", "qkv_bias", "qk_norm", "post_norms", "expert_renorm")
 # The float fields' ranges: (low (excluded), high, whether 0 stands for the default or "off").
 # A value outside is no trained model's, and it turns every activation into inf, NaN or noise:
 # norm_eps <= 0 divides a zero row by zero, a huge attention scale overflows the scores, and a
@@ -96,6 +96,7 @@ class ModelConfig:
     n_expert: int = 0
     top_k: int = 0
     d_expert: int = 0  # expert gated-FFN hidden size
+    expert_renorm: bool = True  # gates renormalised over the top_k (Mixtral; Qwen3-MoE, OLMoE: norm_topk_prob)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "ModelConfig":
         """ModelConfig(arch=..., ...) builds the config class of that arch's family (cflow.models):

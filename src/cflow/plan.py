@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from cflow._native import core
 from cflow.engine import ROLES
-from cflow.errors import CflowError, CflowFormatError
+from cflow.errors import CflowError, CflowFormatError, UnsupportedError
 
 Barrier, Embed, Matmul, GateUp, ActMul, Attention = (core.Barrier, core.Embed, core.Matmul, core.GateUp, core.ActMul,
                                                      core.Attention)
@@ -132,6 +132,10 @@ class PlanBuilder:
         for e in range(n_expert):
             p = name.format(l=layer, e=e)
             ent = ranges.get((layer, e))
+            if not self.has(p + "ffn_gate_up") and self.has(p + "ffn_gate"):
+                raise UnsupportedError(f"{p}ffn_gate and {p}ffn_up are stored apart (their block types differ); the "
+                                       "engines run an expert's gate and up fused: convert with --quant q8_0 (or "
+                                       "another single type)")
             gu = self.entry(p + "ffn_gate_up")
             if ent is None:  # a checkpoint in memory (reference engine): no file range
                 off, length = -1, 0

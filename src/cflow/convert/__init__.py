@@ -153,12 +153,49 @@ def load_source(path: str | os.PathLike) -> Checkpoint:
     raise CflowError(f"{path} is already a .cflow file")
 
 
+# A checkpoint's packed experts (one 3-D tensor (n_expert, rows, cols) per layer and kind, experts
+# on the outer axis: llama.cpp's ffn_*_exps, transformers' experts.gate_up_proj / down_proj) ->
+# the name of each expert's matrix, blk.{l}.exp.{e}.{kind}.
+PACKED_EXPERTS = {"ffn_gate_exps": "ffn_gate", "ffn_up_exps": "ffn_up", "ffn_down_exps": "ffn_down",
+                  "ffn_gate_up_exps": "ffn_gate_up"}
+
+
+def split_experts(name: str, t: Tensor, n_expert: int, source_name: str) -> dict[str, Tensor]:
+    """A packed expert tensor blk.{l}.{kind}_exps (n_expert, rows, cols) -> {blk.{l}.exp.{e}.{kind}:
+    Tensor (rows, cols)}, views of its data (quantized rows keep their blocks); gate_up_exps holds
+    [gate; up] per expert and is marked with those parts. Any other tensor: {name: t}, if it has at
+    most 2 dimensions. source_name: the checkpoint's name, for the errors."""
+    layer, _, kind = name.rpartition(".")
+    if kind not in PACKED_EXPERTS:
+        if len(t.shape) > 2:
+            raise UnsupportedError(f"tensor {source_name} has {len(t.shape)} dimensions {tuple(t.shape)}; only "
+                                   "matrices, vectors and packed experts are supported")
+        return {name: t}
+    if len(t.shape) != 3:
+        raise CflowFormatError(f"packed expert tensor {source_name} has shape {tuple(t.shape)}; expected "
+                               f"(n_expert={n_expert}, rows, cols)")
+    if t.shape[0] != n_expert:
+        raise CflowFormatError(f"packed expert tensor {source_name} holds {t.shape[0]} experts, the config says "
+                               f"n_expert={n_expert}")
+    rows = t.shape[1]
+    if kind == "ffn_gate_up_exps" and rows % 2:
+        raise CflowFormatError(f"packed expert tensor {source_name}: {rows} rows do not split into gate and up")
+    data = t.data  # (n_expert, rows, cols or row bytes): each expert a view
+    out = {}
+    for e in range(n_expert):
+        x = f"{layer}.exp.{e}."
+        parts = [(x + "ffn_gate", rows // 2), (x + "ffn_up", rows // 2)] if kind == "ffn_gate_up_exps" else []
+        out[x + PACKED_EXPERTS[kind]] = Tensor(t.type, tuple(t.shape[1:]), data[e], parts)
+    return out
+
+
 def fuse_layers(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Fuse blk.{l}.attn_q/k/v -> attn_qkv and ffn_gate/up -> ffn_gate_up where the types agree."""
+    """Fuse {p}attn_q/k/v -> attn_qkv and {p}ffn_gate/up -> ffn_gate_up where the types agree, for
+    the layers (p = blk.{l}.) and the experts (p = blk.{l}.exp.{e}.) the tensors have. The prefixes
+    are found among the names, so the work is bounded by the tensors, whatever the config says."""
     out = dict(tensors)
-    for layer in range(cfg.n_layer):
-        b = f"blk.{layer}."
-        for fused, names in (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_gate_up", ("ffn_gate", "ffn_up"))):
+    for fused, names in (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_gate_up", ("ffn_gate", "ffn_up"))):
+        for b in [n[:-len(names[0])] for n in tensors if n.startswith("blk.") and n.endswith("." + names[0])]:
             ts = [out.get(b + n) for n in names]
             if any(t is None for t in ts):
                 continue
@@ -206,12 +243,16 @@ def requantize(ckpt: Checkpoint, quant: str) -> Checkpoint:
         if len(t.shape) != 2:
             out[name] = t if t.type == "f32" else Tensor("f32", t.shape, t.dequantize(), t.parts)
             continue
+        if name.endswith(".ffn_gate_inp"):  # a router (n_expert, d): small, and kept as the source has it
+            out[name] = t
+            continue
         target = quant if t.shape[1] % bt.block_elems == 0 else "f16" if quant != "f32" else "f32"
         if t.type == target:
             out[name] = t
             continue
         out[name] = Tensor(target, t.shape, quantize(target, t.dequantize()), t.parts)
-    return dataclasses.replace(ckpt, tensors=out, metadata=dict(ckpt.metadata, quant=quant))
+    # parts kept apart for their different block types now share one: fused (experts need it)
+    return dataclasses.replace(ckpt, tensors=fuse_layers(ckpt.config, out), metadata=dict(ckpt.metadata, quant=quant))
 
 
 # ---------------------------------------------------------------------------- writing

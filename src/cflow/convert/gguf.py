@@ -4,9 +4,11 @@ The file is read by gguf_file.read_gguf, which checks every count, length and of
 the file before it reads anything. general.architecture picks the architecture
 (cflow.models.for_gguf); it reads the metadata and names and adapts the tensors (llama's Q/K
 rows are un-permuted there, so every architecture runs one rope style, "neox"; moving whole rows
-keeps `keep` bit-identical per row). The config is checked against the tensors before they are
-adapted (cflow.models.check_model): the head counts must split the rows the adaptation regroups.
-Sampling defaults come from general.sampling.* where a file has them.
+keeps `keep` bit-identical per row). Packed experts (blk.{l}.ffn_gate_exps ..., 3-D, experts on
+the outer axis) are split into one matrix per expert, whole rows of blocks each. The config is
+checked against the tensors before they are adapted (cflow.models.check_model): the head counts
+must split the rows the adaptation regroups. Sampling defaults come from general.sampling.*
+where a file has them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 
 from cflow import models
 from cflow.config import is_int
-from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields
+from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields, split_experts
 from cflow.convert.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from cflow.convert.names import rename
 from cflow.convert.sentencepiece import CONTROL, USER_DEFINED, sentencepiece_tokenizer
@@ -187,9 +189,7 @@ def load_gguf(path) -> Checkpoint:
             raise UnsupportedError(f"{path}: unexpected tensor {t.name} for arch {arch.name}") from None
         if ours is None:  # e.g. rope_freqs
             continue
-        if len(t.dims) > 2:
-            raise UnsupportedError(f"tensor {t.name} has {len(t.dims)} dimensions; only matrices and vectors are supported")
-        renamed[ours] = Tensor(types[t.name], t.shape, g.data(t))
+        renamed.update(split_experts(ours, Tensor(types[t.name], t.shape, g.data(t)), cfg.n_expert, t.name))
     cfg = dataclasses.replace(cfg, tie_embeddings="output" not in renamed)
     models.check_model(cfg, renamed)
     tensors: dict[str, Tensor] = {}

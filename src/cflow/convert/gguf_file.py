@@ -20,6 +20,7 @@ of one read-only mapping, shaped as gguf-py shapes them.
     g.metadata["llama.block_count"]      # int, float, bool, str, or a list of one of those
     t = g.tensors[0]                     # GGUFTensor: name, dims, type_code, offset, nbytes
     g.data(t)                            # numpy view of the tensor's bytes
+    t.shape                              # numpy order: (n,), (rows, cols), (n_expert, rows, cols)
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class GGUFTensor:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """(n,) or (rows, cols): numpy's order, rows being every dimension but the first."""
-        rows = int(np.prod(self.dims[1:], dtype=object))
-        return (self.dims[0],) if len(self.dims) == 1 else (rows, self.dims[0])
+        """numpy's order, as gguf-py gives it: (n,), (rows, cols), or (n_expert, rows, cols) for
+        the packed experts of a mixture-of-experts layer (dims reversed)."""
+        return tuple(reversed(self.dims))
 
 
 @dataclass
@@ -78,12 +79,13 @@ class GGUFFile:
 
     def data(self, t: GGUFTensor) -> np.ndarray:
         """The tensor's bytes, no copy: float32 / float16 values for F32 / F16 tensors, else uint8,
-        bytes per row (block types, BF16), in the tensor's shape."""
+        bytes per row (block types, BF16), in the tensor's shape (the last axis in bytes). Whole
+        blocks per row and the byte count were checked when the index was read."""
         if t.type_code in (F32, F16):
             dtype = np.dtype("<f4" if t.type_code == F32 else "<f2")
             return np.frombuffer(self.buffer, dtype, t.nbytes // dtype.itemsize, t.offset).reshape(t.shape)
         a = np.frombuffer(self.buffer, np.uint8, t.nbytes, t.offset)
-        return a.reshape(t.shape[:-1] + (-1,)) if len(t.shape) == 2 else a
+        return a.reshape(t.shape[:-1] + (-1,)) if len(t.shape) >= 2 else a
 
 
 class _Cursor:

@@ -1,7 +1,8 @@
 """Hugging Face directory (config.json, *.safetensors, tokenizer files) -> Checkpoint.
 
 config.json's model_type picks the architecture (cflow.models.for_hf); it reads the config and
-names and adapts the tensors. generation_config.json gives the end-of-sequence ids and the
+names and adapts the tensors; packed experts (transformers' 3-D experts.gate_up_proj / down_proj)
+are split into one matrix per expert. generation_config.json gives the end-of-sequence ids and the
 sampling defaults (do_sample, temperature, top_k, top_p, min_p, repetition_penalty).
 
 safetensors files are mapped and parsed here (8-byte header length, JSON header, raw data), so
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from cflow import models
-from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields
+from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields, split_experts
 from cflow.convert.names import rename
 from cflow.errors import CflowFormatError, UnsupportedError
 from cflow.models.base import hf_rope_theta as _rope_theta  # noqa: F401 - the name tests use
@@ -106,8 +107,10 @@ def load_hf(path) -> Checkpoint:
                 ours = rename(key, arch.hf_names)
             except KeyError:
                 raise UnsupportedError(f"{f.name}: unexpected tensor {name} for arch {arch.name}") from None
-            if ours is not None:
-                tensors.update(arch.adapt(ours, t, cfg, "hf"))
+            if ours is None:
+                continue
+            for part, pt in split_experts(ours, t, cfg.n_expert, name).items():
+                tensors.update(arch.adapt(part, pt, cfg, "hf"))
     if cfg.tie_embeddings:
         tensors.pop("output", None)
     elif "output" not in tensors:

@@ -6,6 +6,10 @@ Our names (GGUF-style, per layer l):
   blk.{l}.attn_q_norm, blk.{l}.attn_k_norm, blk.{l}.attn_output, blk.{l}.attn_post_norm,
   blk.{l}.ffn_norm, blk.{l}.ffn_gate / ffn_up -> fused blk.{l}.ffn_gate_up, blk.{l}.ffn_down,
   blk.{l}.ffn_post_norm
+  mixture-of-experts layers: blk.{l}.ffn_gate_inp (the router), blk.{l}.exp.{e}.ffn_gate / ffn_up
+  -> fused blk.{l}.exp.{e}.ffn_gate_up, blk.{l}.exp.{e}.ffn_down; a checkpoint's packed experts
+  (blk.{l}.ffn_gate_exps, ... experts on the outer axis) are split into those by
+  cflow.convert.split_experts
 The tables are the architectures' (Architecture.hf_names / gguf_names, cflow.models; the
 llama-style ones in cflow.models.base). Fusion happens after renaming (cflow.convert.fuse_layers).
 """
@@ -23,7 +27,8 @@ _COMPILED: dict[int, tuple[dict, list]] = {}  # id(table) -> (table, patterns); 
 def _compile(table: dict[str, str]) -> list[tuple[re.Pattern, str]]:
     hit = _COMPILED.get(id(table))
     if hit is None or hit[0] is not table:
-        pats = [(re.compile("^" + re.escape(k).replace(r"\{l\}", r"(?P<l>\d+)") + "$"), v) for k, v in table.items()]
+        pats = [(re.compile("^" + re.escape(k).replace(r"\{l\}", r"(?P<l>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+                            + "$"), v) for k, v in table.items()]
         hit = _COMPILED[id(table)] = (table, pats)
     return hit[1]
 
@@ -35,5 +40,7 @@ def rename(name: str, table: dict[str, str]) -> str | None:
     for pat, ours in _compile(table):
         m = pat.match(name)
         if m:
-            return ours.replace("{l}", m.group("l")) if "l" in pat.groupindex else ours
+            for key in pat.groupindex:  # "{l}": the layer, "{e}": the expert
+                ours = ours.replace("{" + key + "}", m.group(key))
+            return ours
     raise KeyError(name)

@@ -1,6 +1,8 @@
 """Checkpoint -> .cflow through CflowWriter (atomic: an interrupted write leaves no file).
 
-Fused groups: attn_qkv is written with fuse="stack" ([Wq; Wk; Wv] by rows), ffn_gate_up with
+Experts (blk.{l}.exp.{e}.*) go to the expert section, one contiguous, 4096-aligned range per
+(layer, expert) recorded in the expert offset table (docs/FORMAT.md 3.3), with the same layouts as
+dense matrices. Fused groups: attn_qkv is written with fuse="stack" ([Wq; Wk; Wv] by rows), ffn_gate_up with
 fuse="stripe" (gate and up rows interleaved by output stripe, so one kernel pass over a
 stripe yields matching gate and up outputs). Quantized data is passed as GGUF-encoded rows,
 so `keep` copies blocks unchanged.
@@ -14,6 +16,7 @@ GEMV streams without shuffles (docs/KERNELS.md); pack="blocks" keeps whole block
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
@@ -34,28 +37,50 @@ def tensor_layout(type_name: str, ndim: int, pack: str = "planes") -> dict:
     return {"interleave": 1, "pack": "blocks"}
 
 
+EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.exp\.(\d+)\.")
+
+
+def tensor_spec(name: str, t, pack: str = "planes") -> dict:
+    """What CflowWriter takes for one Checkpoint tensor: dict(type=, data=, shape=, layout options),
+    with fuse= and data [(part, rows)] for a fused one (add_fused; add_expert takes it as it is)."""
+    data = np.asarray(t.data)
+    if data.dtype == np.uint16:  # bf16 bits -> its byte encoding
+        data = data.view(np.uint8).reshape(data.shape[0], -1) if data.ndim == 2 else data.view(np.uint8)
+    spec = dict(type=t.type, data=data, shape=t.shape, **tensor_layout(str(t.type), len(t.shape), pack))
+    if t.parts:
+        pieces = np.split(data, np.cumsum([r for _, r in t.parts])[:-1])
+        spec.update(data=[(n, p) for (n, _), p in zip(t.parts, pieces)],
+                    fuse="stripe" if name.endswith("ffn_gate_up") else "stack")
+    return spec
+
+
 def write_cflow(ckpt: Checkpoint, out: str | os.PathLike, *, progress: bool = True, pack: str = "planes") -> None:
+    """Dense tensors in decode order (section "weights"), then the experts, each (layer, expert)'s
+    tensors in one range of the expert offset table (section "experts", CflowWriter.add_expert)."""
     from tqdm import tqdm
 
     from cflow.format import CflowWriter, decode_order
 
     names = decode_order(list(ckpt.tensors))
+    experts: dict[tuple[int, int], list[str]] = {}
+    for name in names:
+        if m := EXPERT_TENSOR.match(name):
+            experts.setdefault((int(m[1]), int(m[2])), []).append(name)
     total = sum(np.asarray(t.data).nbytes for t in ckpt.tensors.values())
     with CflowWriter(out, ckpt.config, tokenizer_json=ckpt.tokenizer_json, chat_template=ckpt.chat_template,
                      special_tokens=ckpt.special_tokens, metadata=ckpt.metadata, generation=ckpt.generation) as w, \
             tqdm(total=total, desc=f"convert {os.path.basename(os.fspath(out))}"[:40], unit="B", unit_scale=True,
                  disable=not progress, leave=False) as bar:
         for name in names:
-            t = ckpt.tensors[name]
-            data = np.asarray(t.data)
-            if data.dtype == np.uint16:  # bf16 bits -> its byte encoding
-                data = data.view(np.uint8).reshape(data.shape[0], -1) if data.ndim == 2 else data.view(np.uint8)
-            lay = tensor_layout(str(t.type), len(t.shape), pack)
-            if t.parts:
-                rows = [r for _, r in t.parts]
-                pieces = np.split(data, np.cumsum(rows)[:-1])
-                fuse = "stripe" if name.endswith("ffn_gate_up") else "stack"
-                w.add_fused(name, t.type, [(n, p) for (n, _), p in zip(t.parts, pieces)], fuse, shape=t.shape, **lay)
+            if EXPERT_TENSOR.match(name):
+                continue
+            s = tensor_spec(name, ckpt.tensors[name], pack)
+            typ, data = s.pop("type"), s.pop("data")
+            if "fuse" in s:
+                w.add_fused(name, typ, data, s.pop("fuse"), **s)
             else:
-                w.add_tensor(name, t.type, data, shape=t.shape, **lay)
-            bar.update(data.nbytes)
+                w.add_tensor(name, typ, data, **s)
+            bar.update(np.asarray(ckpt.tensors[name].data).nbytes)
+        for (layer, e), group in sorted(experts.items()):
+            w.add_expert(layer, e, {n: tensor_spec(n, ckpt.tensors[n], pack) for n in group})
+            bar.update(sum(np.asarray(ckpt.tensors[n].data).nbytes for n in group))

@@ -17,7 +17,9 @@ What an Architecture answers:
 - hf_names / gguf_names: checkpoint tensor name -> cflow's name ("{l}" stands for the layer);
 - adapt(name, tensor, cfg, source): a tensor as loaded -> {cflow name: tensor} (llama's GGUF Q/K
   row un-permutation, a fused checkpoint tensor marked with its parts ...);
-- expected_tensors(cfg, present) -> {name: shape}: what a converted checkpoint must hold;
+- expected_tensors(cfg, present) -> {name: shape}: what a converted checkpoint must hold (a layer's
+  FFN a mixture of experts when cfg.n_expert: the router blk.{l}.ffn_gate_inp and the experts
+  blk.{l}.exp.{e}.*, dense_tensors);
 - build(b, cfg) -> Plan: the forward pass as ops (cflow.plan), by default the dense decoder.
 """
 
@@ -72,6 +74,31 @@ GGUF_NAMES = {
     "blk.{l}.ffn_up.weight": "blk.{l}.ffn_up",
     "blk.{l}.ffn_down.weight": "blk.{l}.ffn_down",
     "blk.{l}.post_ffw_norm.weight": "blk.{l}.ffn_post_norm",
+}
+
+# Mixture-of-experts layers, Hugging Face names (Qwen3-MoE, OLMoE; Mixtral under transformers 5's
+# module names): the router, and the experts one matrix each, as save_pretrained writes them, or
+# packed as 3-D parameters, experts on the outer axis: gate_up_proj (E, 2F, d) holding [gate; up]
+# per expert, down_proj (E, d, F) (split by cflow.convert.split_experts)
+HF_MOE_NAMES = {
+    "model.layers.{l}.mlp.gate.weight": "blk.{l}.ffn_gate_inp",
+    "model.layers.{l}.mlp.experts.{e}.gate_proj.weight": "blk.{l}.exp.{e}.ffn_gate",
+    "model.layers.{l}.mlp.experts.{e}.up_proj.weight": "blk.{l}.exp.{e}.ffn_up",
+    "model.layers.{l}.mlp.experts.{e}.down_proj.weight": "blk.{l}.exp.{e}.ffn_down",
+    "model.layers.{l}.mlp.experts.gate_up_proj": "blk.{l}.ffn_gate_up_exps",
+    "model.layers.{l}.mlp.experts.down_proj": "blk.{l}.ffn_down_exps",
+}
+
+# ... and llama.cpp's: the router, the experts packed per kind (gguf-py shape (E, rows, cols)), or,
+# in Mixtral files written before llama.cpp packed them, one matrix per expert
+GGUF_MOE_NAMES = {
+    "blk.{l}.ffn_gate_inp.weight": "blk.{l}.ffn_gate_inp",
+    "blk.{l}.ffn_gate_exps.weight": "blk.{l}.ffn_gate_exps",
+    "blk.{l}.ffn_up_exps.weight": "blk.{l}.ffn_up_exps",
+    "blk.{l}.ffn_down_exps.weight": "blk.{l}.ffn_down_exps",
+    "blk.{l}.ffn_gate.{e}.weight": "blk.{l}.exp.{e}.ffn_gate",
+    "blk.{l}.ffn_up.{e}.weight": "blk.{l}.exp.{e}.ffn_up",
+    "blk.{l}.ffn_down.{e}.weight": "blk.{l}.exp.{e}.ffn_down",
 }
 
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -147,6 +174,22 @@ def hf_common(c: dict) -> dict[str, Any]:
     )
 
 
+def boolean(v: Any, where: str) -> bool:
+    """v, a boolean, or CflowFormatError naming `where`."""
+    if not isinstance(v, bool):
+        raise CflowFormatError(f"{where}={v!r} must be true or false")
+    return v
+
+
+def hf_moe(c: dict, d_expert_key: str, renorm: bool) -> dict[str, Any]:
+    """ModelConfig fields of a config.json whose every layer's FFN is a mixture of experts: no dense
+    FFN (d_ff 0), n_expert experts (num_experts, or num_local_experts, the name Mixtral's config and
+    transformers 5's save_pretrained use) of width d_expert, num_experts_per_tok per token."""
+    n = hf_int(c, "num_experts" if c.get("num_experts") is not None else "num_local_experts")
+    return dict(n_expert=n, top_k=hf_int(c, "num_experts_per_tok", hi=n), d_expert=hf_int(c, d_expert_key), d_ff=0,
+                expert_renorm=renorm)
+
+
 def _gguf_key(m: dict, key: str) -> str:
     return f"{m.get('general.architecture')}.{key}"
 
@@ -192,6 +235,27 @@ def gguf_common(m: dict) -> dict[str, Any]:
     )
 
 
+def gguf_moe(m: dict, renorm: bool, required: bool = False) -> dict[str, Any]:
+    """The mixture-of-experts fields of GGUF metadata (llama.cpp's keys), {} for a dense model (no
+    expert_count, when not `required`). renorm: the family's renormalisation of the top_k gates,
+    which llama.cpp fixes per architecture; expert_weights_norm overrides it where a file has it.
+    Experts of a width apart (expert_feed_forward_length) or of the FFN's (feed_forward_length)."""
+    n = gguf_int(m, "expert_count", _REQUIRED if required else 0, lo=1 if required else 0)
+    if not n:
+        return {}
+    if gguf_int(m, "expert_shared_count", 0, lo=0):
+        raise UnsupportedError("shared experts (expert_shared_count) are not supported")
+    if gguf_int(m, "expert_gating_func", 1, lo=0) not in (0, 1):  # 0: unset, 1: softmax
+        raise UnsupportedError("expert gating other than softmax (expert_gating_func) is not supported")
+    if gguf_float(m, "expert_weights_scale", 1.0) != 1.0:
+        raise UnsupportedError("scaled expert weights (expert_weights_scale) are not supported")
+    ff = gguf_int(m, "feed_forward_length")
+    return dict(n_expert=n, top_k=gguf_int(m, "expert_used_count", hi=n),
+                d_expert=gguf_int(m, "expert_feed_forward_length", ff), d_ff=0,
+                expert_renorm=boolean(gguf_value(m, "expert_weights_norm", renorm),
+                                      f"GGUF metadata {_gguf_key(m, 'expert_weights_norm')}"))
+
+
 def unpermute_rope_rows(data, n_head: int):
     """Undo llama.cpp's rope permutation of Q/K rows: (n_head, hd/2, 2) -> (n_head, 2, hd/2).
     Whole rows move, so quantized rows keep their blocks bit-identical."""
@@ -207,8 +271,29 @@ def with_parts(t, parts: list[tuple[str, int]]):
     return dataclasses.replace(t, parts=list(parts))
 
 
+def gate_up_tensors(p: str, rows: int, d: int, present) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a gated FFN's gate and up weights (rows each) at prefix p: fused into
+    {p}ffn_gate_up, or apart, as `present` has them."""
+    if p + "ffn_gate_up" in present:
+        return {p + "ffn_gate_up": (2 * rows, d)}
+    return {p + "ffn_gate": (rows, d), p + "ffn_up": (rows, d)}
+
+
+def expert_tensors(cfg: ModelConfig, layer: int, present) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a layer's mixture of experts: the router (n_expert, d), then per expert its
+    gate/up (d_expert rows each) and its down (d, d_expert)."""
+    c, b = cfg, f"blk.{layer}."
+    need = {b + "ffn_gate_inp": (c.n_expert, c.d_model)}
+    for e in range(c.n_expert):
+        x = f"{b}exp.{e}."
+        need.update(gate_up_tensors(x, c.d_expert, c.d_model, present))
+        need[x + "ffn_down"] = (c.d_model, c.d_expert)
+    return need
+
+
 def dense_tensors(cfg: ModelConfig, present) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the llama-style decoder; Q/K/V and gate/up fused or apart as `present` has them."""
+    """{name: shape} of the llama-style decoder; Q/K/V and gate/up fused or apart as `present` has
+    them; the FFN of each layer a mixture of experts when cfg.n_expert (expert_tensors)."""
     c = cfg
     need = {"tok_embd": (c.vocab_size, c.d_model), "output_norm": (c.d_model,)}
     if not c.tie_embeddings:
@@ -218,17 +303,15 @@ def dense_tensors(cfg: ModelConfig, present) -> dict[str, tuple[int, ...]]:
         need[b + "attn_norm"] = (c.d_model,)
         need[b + "attn_output"] = (c.d_model, c.q_dim)
         need[b + "ffn_norm"] = (c.d_model,)
-        need[b + "ffn_down"] = (c.d_model, c.d_ff)
+        if not c.n_expert:
+            need[b + "ffn_down"] = (c.d_model, c.d_ff)
         qkv = {"attn_qkv": c.q_dim + 2 * c.kv_dim} if b + "attn_qkv" in present else \
             {"attn_q": c.q_dim, "attn_k": c.kv_dim, "attn_v": c.kv_dim}
         for part, rows in qkv.items():
             need[b + part] = (rows, c.d_model)
             if c.qkv_bias:
                 need[b + part + ".bias"] = (rows,)
-        if b + "ffn_gate_up" in present:
-            need[b + "ffn_gate_up"] = (2 * c.d_ff, c.d_model)
-        else:
-            need.update({b + "ffn_gate": (c.d_ff, c.d_model), b + "ffn_up": (c.d_ff, c.d_model)})
+        need.update(expert_tensors(c, layer, present) if c.n_expert else gate_up_tensors(b, c.d_ff, c.d_model, present))
         if c.qk_norm:
             need.update({b + "attn_q_norm": (c.head_dim,), b + "attn_k_norm": (c.head_dim,)})
         if c.post_norms:
@@ -305,6 +388,13 @@ class Architecture:
         there that the config leaves unused (n_layer one short, qk_norm off while the file has
         the norms: the engine would run without them). A stripe-fused gate/up splits into
         pieces of whole interleave groups, as the engines read it."""
+        # the fewest tensors a layer of experts has (attention norm, fused QKV, output, FFN norm, the
+        # router, each expert's two): a config that needs more than the model has fails here, before
+        # a count of layers times experts sizes any loop
+        per_layer = 5 + 2 * cfg.n_expert
+        if cfg.n_expert and cfg.n_layer * per_layer > len(tensors):
+            raise CflowFormatError(f"the config (arch {cfg.arch}, n_layer={cfg.n_layer}, n_expert={cfg.n_expert}) "
+                                   f"needs at least {cfg.n_layer * per_layer} tensors; the model has {len(tensors)}")
         need = self.expected_tensors(cfg, tensors)
         for name, shape in need.items():
             t = tensors.get(name)

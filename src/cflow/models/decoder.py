@@ -5,29 +5,37 @@ One layer, with the switches of ModelConfig (qkv_bias, qk_norm, post_norms, laye
     h = x + post_attn_norm?( Wo @ attn( rope( qk_norm?( Wqkv @ rms(x) + b? ) ) ) )
     x = h + post_ffn_norm?( Wd @ ( act(Wg @ rms(h)) * (Wu @ rms(h)) ) )
 
+or, in a mixture-of-experts model (cfg.n_expert), the FFN is the top_k of n_expert such gated
+FFNs, chosen per token by the router R (blk.{l}.ffn_gate_inp; softmax, top_k, the gates
+renormalised over the top_k when cfg.expert_renorm):
+
+    x = h + sum over the top_k experts i of gate_i * Wd_i @ ( act(Wg_i @ rms(h)) * (Wu_i @ rms(h)) )
+
 Tensor names are cflow's (docs/FORMAT.md): blk.{l}.attn_qkv (or attn_q/k/v apart when their
-block types differ), blk.{l}.ffn_gate_up (or ffn_gate/ffn_up apart), ... Buffers, per token:
-x (d), qkv (q + 2 kv), att (q), h (d_ff), gate_up (2 d_ff, only when gate/up are apart),
-tmp (d, only with post norms), logits (vocab).
+block types differ), blk.{l}.ffn_gate_up (or ffn_gate/ffn_up apart), ...; experts'
+blk.{l}.exp.{e}.ffn_gate_up and ffn_down, in the plan's expert table. Buffers, per token: x (d),
+qkv (q + 2 kv), att (q), h (d_ff), gate_up (2 d_ff, only when gate/up are apart), tmp (d, only
+with post norms), route (2 top_k: expert ids and gates, only with experts), logits (vocab).
 """
 
 from __future__ import annotations
 
 from cflow.errors import CflowFormatError, UnsupportedError
-from cflow.plan import ACTS, ActMul, Add, Attention, Embed, GateUp, Matmul, Plan, PlanBuilder
+from cflow.plan import ACTS, ActMul, Add, Attention, Embed, Experts, GateUp, Matmul, Plan, PlanBuilder, Router
 
 
 def build_decoder(b: PlanBuilder, cfg) -> Plan:
     if cfg.rope_style != "neox":
         raise UnsupportedError(f"rope style {cfg.rope_style!r}: the engines run neox rope (rotate halves)")
-    if cfg.n_expert:
-        raise UnsupportedError("mixture-of-experts layers are not in the engines yet")
+    if cfg.n_expert and cfg.post_norms:
+        raise UnsupportedError("mixture-of-experts layers with post norms are not supported")
     act = ACTS[cfg.act]
     d, q, kv = cfg.d_model, cfg.q_dim, cfg.kv_dim
     X = b.buffer("x", d)
     QKV = b.buffer("qkv", q + 2 * kv)
     ATT = b.buffer("att", q)
-    H = b.buffer("h", cfg.d_ff)
+    H = b.buffer("h", cfg.d_ff) if not cfg.n_expert else -1
+    ROUTE = b.buffer("route", 2 * cfg.top_k) if cfg.n_expert else -1
     GU = None  # (gate | up) of layers that store them apart
     TMP = b.buffer("tmp", d) if cfg.post_norms else -1
     LOGITS = b.buffer("logits", cfg.vocab_size)
@@ -63,6 +71,15 @@ def build_decoder(b: PlanBuilder, cfg) -> Plan:
              rope_theta=(cfg.rope_local_theta or cfg.rope_theta) if sliding else cfg.rope_theta)
         b.barrier()
         residual_out(p + "attn_output", ATT, p + "attn_post_norm", "attn_output")
+        if cfg.n_expert:  # route rms(h); x += the chosen experts' gated sum (inputs gathered before x is written)
+            b.expert_table(l, cfg.n_expert)
+            b.op(Router, weight=p + "ffn_gate_inp", norm=p + "ffn_norm", src=X, dst=ROUTE, top_k=cfg.top_k,
+                 renorm=cfg.expert_renorm)
+            b.barrier()
+            b.op(Experts, layer=l, n_expert=cfg.n_expert, src=X, norm=p + "ffn_norm", route=ROUTE, dst=X,
+                 accumulate=True, act=act, role="experts")
+            b.barrier()
+            continue
         if b.has(p + "ffn_gate_up") or not b.has(p + "ffn_gate"):
             gu = b.entry(p + "ffn_gate_up")
             striped = getattr(gu, "fuse", None) == "stripe"
