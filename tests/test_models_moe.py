@@ -1,4 +1,5 @@
-"""Mixture-of-experts checkpoints: tiny random Mixtral, Qwen3-MoE and OLMoE models of transformers,
+"""Mixture-of-experts checkpoints: tiny random Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE (with its gated
+shared expert) models of transformers,
 converted from safetensors and from GGUF files in llama.cpp's layout (packed ffn_*_exps), against
 transformers' own forward on both engines; bad expert tensors and metadata are one line of error.
 
@@ -29,7 +30,8 @@ from cflow.format.spec import unfuse_rows  # noqa: E402
 D, F, E, K, LAYERS, HEADS, KV_HEADS, HD = 64, 96, 8, 2, 2, 4, 2, 16
 # arch: (our arch, GGUF architecture, renormalised top_k gates)
 ARCHS = {"mixtral": ("llama", "llama", True), "qwen3_moe": ("qwen3moe", "qwen3moe", True),
-         "olmoe": ("olmoe", "olmoe", False)}
+         "olmoe": ("olmoe", "olmoe", False), "qwen2_moe": ("qwen2moe", "qwen2moe", False)}
+SHARED = 160  # Qwen2-MoE's shared expert width (a multiple of 32: q8_0 blocks)
 Q8 = gguf.GGMLQuantizationType.Q8_0
 
 
@@ -44,6 +46,9 @@ def hf_config(arch: str, **kw):
     if arch == "qwen3_moe":  # intermediate_size: of dense layers, which it has none of
         return tf.Qwen3MoeConfig(**common, head_dim=HD, intermediate_size=128, moe_intermediate_size=F,
                                  num_experts=E, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**common, intermediate_size=128, moe_intermediate_size=F, num_experts=E,
+                                 shared_expert_intermediate_size=SHARED)  # norm_topk_prob False
     return tf.OlmoeConfig(**common, intermediate_size=F, num_experts=E)  # norm_topk_prob False
 
 
@@ -106,7 +111,11 @@ def test_config_and_expert_tensors(tiny):
     c = ck.config
     ours, _, renorm = ARCHS[arch]
     assert (c.arch, c.n_expert, c.top_k, c.d_expert, c.d_ff, c.expert_renorm) == (ours, E, K, F, 0, renorm)
-    assert c.qk_norm == (arch != "mixtral")
+    assert c.qk_norm == (arch in ("qwen3_moe", "olmoe")) and c.qkv_bias == (arch == "qwen2_moe")
+    assert c.d_shared == (SHARED if arch == "qwen2_moe" else 0)
+    if arch == "qwen2_moe":  # the shared expert fused as any gated FFN, its gate one row
+        assert ck.tensors["blk.1.shexp.ffn_gate_up"].shape == (2 * SHARED, D)
+        assert ck.tensors["blk.1.shexp.ffn_down"].shape == (D, SHARED) and ck.tensors["blk.1.shexp.gate"].shape == (D,)
     assert ck.tensors["blk.1.ffn_gate_inp"].shape == (E, D) and ck.tensors["blk.1.ffn_gate_inp"].type == "f32"
     gu = ck.tensors[f"blk.1.exp.{E - 1}.ffn_gate_up"]
     assert gu.parts == [(f"blk.1.exp.{E - 1}.ffn_gate", F), (f"blk.1.exp.{E - 1}.ffn_up", F)]
@@ -207,9 +216,14 @@ def gguf_tensors(arch: str, model) -> dict[str, np.ndarray]:
                     b + "attn_output.weight": sd[p + "self_attn.o_proj.weight"],
                     b + "ffn_norm.weight": sd[p + "post_attention_layernorm.weight"],
                     b + "ffn_gate_inp.weight": sd[p + "mlp.gate.weight"]})
-        if arch != "mixtral":
+        if arch in ("qwen3_moe", "olmoe"):
             out.update({b + "attn_q_norm.weight": sd[p + "self_attn.q_norm.weight"],
                         b + "attn_k_norm.weight": sd[p + "self_attn.k_norm.weight"]})
+        if arch == "qwen2_moe":  # QKV biases; the shared expert and its gate vector
+            out.update({b + f"attn_{x}.bias": sd[p + f"self_attn.{x}_proj.bias"] for x in "qkv"})
+            out.update({b + f"ffn_{x}_shexp.weight": sd[p + f"mlp.shared_expert.{x}_proj.weight"]
+                        for x in ("gate", "up", "down")})
+            out[b + "ffn_gate_inp_shexp.weight"] = sd[p + "mlp.shared_expert_gate.weight"].reshape(-1)
         gate_up = sd[p + "mlp.experts.gate_up_proj"]  # (E, 2F, d): [gate; up] per expert
         out.update({b + "ffn_gate_exps.weight": gate_up[:, :F], b + "ffn_up_exps.weight": gate_up[:, F:],
                     b + "ffn_down_exps.weight": sd[p + "mlp.experts.down_proj"]})
@@ -225,8 +239,10 @@ def write_gguf(path, arch: str, d, model, qtype=None, *, meta=None, edit=None, f
     ints = {"block_count": LAYERS, "context_length": 512, "embedding_length": D, "feed_forward_length": F,
             "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS, "attention.key_length": HD,
             "attention.value_length": HD, "expert_count": E, "expert_used_count": K}
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen2_moe"):
         ints.update(feed_forward_length=128, expert_feed_forward_length=F)
+    if arch == "qwen2_moe":
+        ints.update(expert_shared_feed_forward_length=SHARED)
     ints.update(meta or {})
     for k, v in ints.items():
         w.add_uint32(f"{name}.{k}", v)
@@ -379,6 +395,8 @@ HF_CASES = {  # arch -> [(config.json changes, the error)]
                   ({"decoder_sparse_step": 2}, r"Qwen3-MoE with dense layers"),
                   ({"norm_topk_prob": "yes"}, r"norm_topk_prob='yes' must be true or false")],
     "olmoe": [({"clip_qkv": 8.0}, r"clip_qkv .* not supported"), ({"num_experts": 0}, r"num_experts=0 must be")],
+    "qwen2_moe": [({"mlp_only_layers": [0]}, r"Qwen2-MoE with dense layers"),
+                  ({"shared_expert_intermediate_size": None}, r"lacks 'shared_expert_intermediate_size'")],
 }
 
 

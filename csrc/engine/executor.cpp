@@ -373,6 +373,7 @@ void Engine::validate() {
           norm_of(o.norm, w, "norm");
           norm_of(o.gain, w, "gain");
           check(std::isfinite(o.scale), "bad scale");
+          if (o.gate >= 0) check(buffer(o.gate, "add gate") == 1, "add: the gate buffer must be 1 wide");
         } else if constexpr (std::is_same_v<T, Router>) {
           const TileLayout* R = tensor(o.weight, "router weight");
           check(R != nullptr, "no router weight");
@@ -873,7 +874,7 @@ void Engine::run_op(const Add& op, Workspace& ws, Team& t) {
   const float* src = ws.bufs[op.src].data();
   float* dst = ws.bufs[op.dst].data();
   const float* gain = op.gain >= 0 ? vec(op.gain) : nullptr;
-  const float scale = op.scale;
+  const float* gate = op.gate >= 0 ? ws.bufs[op.gate].data() : nullptr;
   Scratch& s = *t.priv;
   grow(s.xn, (size_t)w);
   for (int k = t.tid; k < ws.n; k += t.nth) {
@@ -883,6 +884,7 @@ void Engine::run_op(const Add& op, Workspace& ws, Team& t) {
       x = s.xn.data();
     }
     float* d = dst + (size_t)k * w;
+    const float scale = gate ? op.scale / (1.f + std::exp(-gate[k])) : op.scale;
     if (!gain && scale == 1.f) {
       if (op.accumulate)
         for (int i = 0; i < w; ++i) d[i] += x[i];
@@ -1181,6 +1183,7 @@ void Engine::plan_schedule() {
         R = {o.src};
         W = {o.dst};
         if (o.accumulate) R.push_back(o.dst);
+        if (o.gate >= 0) R.push_back(o.gate);
       } else if constexpr (std::is_same_v<T, Attention>) {
         R = {o.src, nb + o.kv};
         W = {o.src, o.dst, nb + o.kv};

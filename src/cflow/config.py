@@ -28,7 +28,7 @@ MOVED_TO_FAMILY = {"delta_d": 0, "delta_e": 0, "routing_anchor": "post_dense", "
 RECONVERT = "re-convert the model with this version of cflow (cflow convert SRC -o OUT.cflow)"
 MAX_SIZE = 1 << 24  # bound of every count and width: far above any model's, far below int32 overflow
 SIZES = ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "max_seq_len")  # 1..MAX_SIZE
-COUNTS = ("d_ff", "sliding_window", "n_expert", "top_k", "d_expert")  # 0..MAX_SIZE
+COUNTS = ("d_ff", "sliding_window", "n_expert", "top_k", "d_expert", "d_shared")  # 0..MAX_SIZE
 SWITCHES = ("tie_embeddings", "qkv_bias", "qk_norm", "post_norms", "expert_renorm")
 # The float fields' ranges: (low (excluded), high, whether 0 stands for the default or "off").
 # A value outside is no trained model's, and it turns every activation into inf, NaN or noise:
@@ -97,6 +97,7 @@ class ModelConfig:
     top_k: int = 0
     d_expert: int = 0  # expert gated-FFN hidden size
     expert_renorm: bool = True  # gates renormalised over the top_k (Mixtral; Qwen3-MoE, OLMoE: norm_topk_prob)
+    d_shared: int = 0  # a shared expert beside the routed ones (Qwen2-MoE): its gated-FFN width; 0: none
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "ModelConfig":
         """ModelConfig(arch=..., ...) builds the config class of that arch's family (cflow.models):
@@ -155,6 +156,7 @@ class ModelConfig:
         need(all(t in ("global", "sliding") for t in self.layer_types), "layer_types entries are 'global' or 'sliding'")
         need(self.n_expert == 0 or 0 < self.top_k <= self.n_expert, f"top_k={self.top_k} must be in 1..n_expert={self.n_expert}")
         need(self.n_expert == 0 or self.d_expert > 0, "d_expert must be > 0 when n_expert > 0")
+        need(self.d_shared == 0 or self.n_expert > 0, "a shared expert (d_shared) needs routed experts")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

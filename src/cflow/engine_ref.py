@@ -128,7 +128,7 @@ class RefEngine(EngineBase):
                     x = x[last]
                     if bufs[op.dst].shape[0] != x.shape[0]:
                         bufs[op.dst] = np.zeros((x.shape[0], bufs[op.dst].shape[1]), np.float32)
-                w = self.weight(op.weight)
+                w = self.weight(op.weight).reshape(-1, x.shape[1])  # a one-row weight is stored as a vector
                 y = self.norm(x, op.norm) @ w.T
                 if op.bias >= 0:
                     y = y + self.weight(op.bias)
@@ -150,6 +150,8 @@ class RefEngine(EngineBase):
                 if op.gain >= 0:
                     y = y * self.weight(op.gain)
                 y = y * np.float32(op.scale)
+                if op.gate >= 0:
+                    y = y / (1 + np.exp(-bufs[op.gate]))
                 bufs[op.dst] = bufs[op.dst] + y if op.accumulate else y
             elif isinstance(op, P.Router):
                 bufs[op.dst] = self.route(op, bufs[op.src])

@@ -110,10 +110,11 @@ enum Stream : int32_t { kEmbed = 0, kAttention = 1, kDense = 2, kRouter = 3, kEx
   CFLOW_STREAM_FIELD(X)
 #define CFLOW_OP_ADD(X)                                                                          \
   X(int32_t, src, -1, "buffer")                                                                  \
-  X(int32_t, dst, -1, "buffer of the same width: dst (+)= scale * gain * rmsnorm?(src)")         \
+  X(int32_t, dst, -1, "buffer of the same width: dst (+)= sigmoid(gate)? * scale * gain * rmsnorm?(src)") \
   X(int32_t, norm, -1, "RMSNorm weight (width,) applied to src first, or -1")                    \
   X(int32_t, gain, -1, "per-channel gain (width,), or -1")                                       \
   X(float, scale, 1.f, "multiplies the (normalised) src")                                        \
+  X(int32_t, gate, -1, "buffer of width 1: y *= sigmoid(its row), or -1 (Qwen2-MoE's shared expert)") \
   X(bool, accumulate, true, "dst += y; false: dst = y (a copy)") \
   CFLOW_STREAM_FIELD(X)
 // Router: p = softmax(R rmsnorm?(x)) over the n_expert rows of R; the top_k largest (ties: the

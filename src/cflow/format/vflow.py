@@ -42,7 +42,7 @@ def placement(name: str, delta_d: int, n_layer: int) -> tuple[int, str, int]:
     if not m:
         raise CflowFormatError(f"tensor {name!r} has no place in a stage-major file (not a layer tensor)")
     layer, rest = int(m[1]), m[2]
-    if ".exp." in name or rest in _EXPERTS:
+    if ".exp." in name or rest in _EXPERTS or rest.startswith("shexp."):
         return layer, "experts", layer
     if rest in _DENSE:
         return max(0, layer - delta_d), "dense", layer

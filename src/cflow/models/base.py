@@ -87,6 +87,11 @@ HF_MOE_NAMES = {
     "model.layers.{l}.mlp.experts.{e}.down_proj.weight": "blk.{l}.exp.{e}.ffn_down",
     "model.layers.{l}.mlp.experts.gate_up_proj": "blk.{l}.ffn_gate_up_exps",
     "model.layers.{l}.mlp.experts.down_proj": "blk.{l}.ffn_down_exps",
+    # a shared expert beside the routed ones, and its gate (Qwen2-MoE)
+    "model.layers.{l}.mlp.shared_expert.gate_proj.weight": "blk.{l}.shexp.ffn_gate",
+    "model.layers.{l}.mlp.shared_expert.up_proj.weight": "blk.{l}.shexp.ffn_up",
+    "model.layers.{l}.mlp.shared_expert.down_proj.weight": "blk.{l}.shexp.ffn_down",
+    "model.layers.{l}.mlp.shared_expert_gate.weight": "blk.{l}.shexp.gate",
 }
 
 # ... and llama.cpp's: the router, the experts packed per kind (gguf-py shape (E, rows, cols)), or,
@@ -99,6 +104,10 @@ GGUF_MOE_NAMES = {
     "blk.{l}.ffn_gate.{e}.weight": "blk.{l}.exp.{e}.ffn_gate",
     "blk.{l}.ffn_up.{e}.weight": "blk.{l}.exp.{e}.ffn_up",
     "blk.{l}.ffn_down.{e}.weight": "blk.{l}.exp.{e}.ffn_down",
+    "blk.{l}.ffn_gate_shexp.weight": "blk.{l}.shexp.ffn_gate",
+    "blk.{l}.ffn_up_shexp.weight": "blk.{l}.shexp.ffn_up",
+    "blk.{l}.ffn_down_shexp.weight": "blk.{l}.shexp.ffn_down",
+    "blk.{l}.ffn_gate_inp_shexp.weight": "blk.{l}.shexp.gate",
 }
 
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -281,9 +290,14 @@ def gate_up_tensors(p: str, rows: int, d: int, present) -> dict[str, tuple[int, 
 
 def expert_tensors(cfg: ModelConfig, layer: int, present) -> dict[str, tuple[int, ...]]:
     """{name: shape} of a layer's mixture of experts: the router (n_expert, d), then per expert its
-    gate/up (d_expert rows each) and its down (d, d_expert)."""
+    gate/up (d_expert rows each) and its down (d, d_expert); a shared expert (blk.{l}.shexp.: gate/up,
+    down and its gate vector (d,)) when cfg.d_shared."""
     c, b = cfg, f"blk.{layer}."
     need = {b + "ffn_gate_inp": (c.n_expert, c.d_model)}
+    if c.d_shared:
+        sh = b + "shexp."
+        need.update(gate_up_tensors(sh, c.d_shared, c.d_model, present))
+        need.update({sh + "ffn_down": (c.d_model, c.d_shared), sh + "gate": (c.d_model,)})
     for e in range(c.n_expert):
         x = f"{b}exp.{e}."
         need.update(gate_up_tensors(x, c.d_expert, c.d_model, present))

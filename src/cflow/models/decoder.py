@@ -10,6 +10,7 @@ FFNs, chosen per token by the router R (blk.{l}.ffn_gate_inp; softmax, top_k, th
 renormalised over the top_k when cfg.expert_renorm):
 
     x = h + sum over the top_k experts i of gate_i * Wd_i @ ( act(Wg_i @ rms(h)) * (Wu_i @ rms(h)) )
+          (+ sigmoid(g . rms(h)) * shared(rms(h)): Qwen2-MoE's shared expert, when cfg.d_shared)
 
 Tensor names are cflow's (docs/FORMAT.md): blk.{l}.attn_qkv (or attn_q/k/v apart when their
 block types differ), blk.{l}.ffn_gate_up (or ffn_gate/ffn_up apart), ...; experts'
@@ -38,10 +39,21 @@ def build_decoder(b: PlanBuilder, cfg) -> Plan:
     ROUTE = b.buffer("route", 2 * cfg.top_k) if cfg.n_expert else -1
     GU = None  # (gate | up) of layers that store them apart
     TMP = b.buffer("tmp", d) if cfg.post_norms else -1
+    if cfg.d_shared:  # Qwen2-MoE's shared expert: its hidden, its gate (one per token), its output
+        SH, SG, SO = b.buffer("shared_h", cfg.d_shared), b.buffer("shared_gate", 1), b.buffer("shared_out", d)
     LOGITS = b.buffer("logits", cfg.vocab_size)
 
     b.op(Embed, table="tok_embd", dst=X, scale=cfg.embed_scale)
     b.barrier()
+
+    def chunk_of(p: str) -> int:
+        """GateUp's chunk of the fused {p}ffn_gate_up: its stripe rows, or all of gate (stacked)."""
+        gu = b.entry(p + "ffn_gate_up")
+        if getattr(gu, "fuse", None) != "stripe":
+            return gu.shape[0] // 2
+        if not gu.stripe_rows:
+            raise CflowFormatError(f"{p}ffn_gate_up: stripe fusion without stripe rows")
+        return gu.stripe_rows
 
     def residual_out(weight: str, src: int, post_norm: str, role: str) -> None:
         """x += W @ src, or (post norms) x += post_norm(W @ src)."""
@@ -73,20 +85,26 @@ def build_decoder(b: PlanBuilder, cfg) -> Plan:
         residual_out(p + "attn_output", ATT, p + "attn_post_norm", "attn_output")
         if cfg.n_expert:  # route rms(h); x += the chosen experts' gated sum (inputs gathered before x is written)
             b.expert_table(l, cfg.n_expert)
+            if cfg.d_shared:  # the shared expert and its gate read rms(h) before x changes
+                sh = p + "shexp."
+                b.op(GateUp, weight=sh + "ffn_gate_up", norm=p + "ffn_norm", src=X, dst=SH, chunk=chunk_of(sh),
+                     act=act, role="gate_up")
+                b.op(Matmul, weight=sh + "gate", norm=p + "ffn_norm", src=X, dst=SG, role="gate_up")
+                b.barrier()
+                b.op(Matmul, weight=sh + "ffn_down", src=SH, dst=SO, role="down")
             b.op(Router, weight=p + "ffn_gate_inp", norm=p + "ffn_norm", src=X, dst=ROUTE, top_k=cfg.top_k,
                  renorm=cfg.expert_renorm)
             b.barrier()
             b.op(Experts, layer=l, n_expert=cfg.n_expert, src=X, norm=p + "ffn_norm", route=ROUTE, dst=X,
                  accumulate=True, act=act, role="experts")
             b.barrier()
+            if cfg.d_shared:  # x += sigmoid(g . rms(h)) * shared(rms(h))
+                b.op(Add, src=SO, dst=X, gate=SG, stream="dense")
+                b.barrier()
             continue
         if b.has(p + "ffn_gate_up") or not b.has(p + "ffn_gate"):
-            gu = b.entry(p + "ffn_gate_up")
-            striped = getattr(gu, "fuse", None) == "stripe"
-            chunk = gu.stripe_rows if striped else cfg.d_ff  # stacked [gate; up]: one piece
-            if striped and not chunk:
-                raise CflowFormatError(f"{p}ffn_gate_up: stripe fusion without stripe rows")
-            b.op(GateUp, weight=p + "ffn_gate_up", norm=p + "ffn_norm", src=X, dst=H, chunk=chunk, act=act, role="gate_up")
+            b.op(GateUp, weight=p + "ffn_gate_up", norm=p + "ffn_norm", src=X, dst=H, chunk=chunk_of(p), act=act,
+                 role="gate_up")
         else:  # gate and up apart: two matmuls into (gate | up), then act(gate) * up
             if GU is None:
                 GU = b.buffer("gate_up", 2 * cfg.d_ff)
