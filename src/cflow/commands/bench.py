@@ -13,7 +13,8 @@ BENCHMARKS = {
 def add_arguments(p):
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
     for name, help_ in BENCHMARKS.items():
-        sp = sub.add_parser(name, help=help_, description=help_)
+        # argparse %-formats help strings (not descriptions): a literal "%" must be doubled there
+        sp = sub.add_parser(name, help=help_.replace("%", "%%"), description=help_)
         sp.set_defaults(_bench=name)
         try:
             mod = importlib.import_module(f"cflow.bench.{name}")
