@@ -115,17 +115,24 @@ def test_real_geometry_defaults():
 
 @pytest.mark.parametrize("t", moe_model.TYPES)
 def test_weights_are_sane(small, t):
-    """Dequantized matrices: RMS about WEIGHT_RMS, mean near 0 (no common direction), finite;
-    norms near 1."""
+    """Dequantized matrices: the RMS intended (the embedding's EMBED_RMS, the projections into the
+    residual stream WEIGHT_RMS / sqrt(2 n_layer), the rest WEIGHT_RMS), mean near 0 (no common
+    direction), finite; norms near 1."""
     r = gguf.GGUFReader(small[t])
+    g = moe_model.Geometry(**SMALL)
+    rms = {s.name: s.rms for s in moe_model.tensor_specs(g, t)}
+    assert rms["token_embd.weight"] == moe_model.EMBED_RMS
+    assert rms["blk.1.attn_output.weight"] == rms["blk.1.ffn_down_exps.weight"] == pytest.approx(
+        moe_model.WEIGHT_RMS / np.sqrt(2 * g.n_layer))
+    assert rms["blk.1.attn_q.weight"] == rms["blk.1.ffn_gate_inp.weight"] == rms["output.weight"] == moe_model.WEIGHT_RMS
     for x in r.tensors:
         w = gguf.quants.dequantize(np.asarray(x.data), x.tensor_type).astype(np.float64)
         assert np.isfinite(w).all(), x.name
         if x.name.endswith("norm.weight"):
             assert 0.85 < w.min() and w.max() < 1.15, x.name
         else:
-            assert abs(w.std() / moe_model.WEIGHT_RMS - 1) < 0.1, (x.name, w.std())
-            assert abs(w.mean()) < 0.05 * moe_model.WEIGHT_RMS, (x.name, w.mean())
+            assert abs(w.std() / rms[x.name] - 1) < 0.1, (x.name, w.std())
+            assert abs(w.mean()) < 0.05 * rms[x.name], (x.name, w.mean())
 
 
 def test_same_seed_same_bytes(small, tmp_path):

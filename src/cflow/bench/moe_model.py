@@ -13,10 +13,19 @@ and for all three: the output head Q6_K (as llama-quantize gives it), token_embd
 base type, norms and the router (ffn_gate_inp) f32, as llama.cpp keeps them.
 
 The quantized blocks are made directly as bytes (f16 scales of a magnitude that gives dequantized
-weights an RMS of about WEIGHT_RMS and a mean near 0, uniform random quants): a decode's speed does
-not depend on the values, and quantizing gigabytes of floats would take far longer than writing
-them. Norm weights are near 1, the router is Gaussian. Every tensor draws from its own
-numpy Generator seeded by (--seed, its index), so the same arguments give the same bytes.
+weights the tensor's RMS and a mean near 0, uniform random quants): a decode's speed does not
+depend on the values, and quantizing gigabytes of floats would take far longer than writing them.
+Norm weights are near 1, the router is Gaussian. Every tensor draws from its own numpy Generator
+seeded by (--seed, its index), so the same arguments give the same bytes.
+
+The magnitudes keep the routing realistic. With every matrix at RMS 0.02, the residual stream of
+a random model is soon dominated by the attention outputs, which average over the context and so
+hardly differ from one position to the next: from layer 4 on, 128 prompt tokens chose only 20-30
+of the 128 experts, consecutive tokens shared 6.5-7 of their 8, and decode steps chose the same 8
+(llama.cpp's own top-k, read through its eval callback). So the embedding has RMS EMBED_RMS and
+the projections back into the residual stream (attn_output, ffn_down_exps) WEIGHT_RMS /
+sqrt(2 n_layer), GPT-2's rule: the token stays the larger part of the stream in every layer, and
+each layer's router, a different random matrix, spreads the tokens over all experts.
 
 The file is streamed (tensor infos first, then one tensor at a time: memory stays about the largest
 tensor, the output head) to a temporary name beside the output, renamed when complete. The
@@ -37,7 +46,8 @@ import numpy as np
 from cflow.errors import CflowError
 
 TYPES = ("q4_0", "q4_k", "q4_k_m")
-WEIGHT_RMS = 0.02  # RMS of the dequantized matrices
+WEIGHT_RMS = 0.02  # RMS of the dequantized matrices (the router's too) ...
+EMBED_RMS = 1.0  # ... but token_embd's, and attn_output's and ffn_down_exps' WEIGHT_RMS / sqrt(2 n_layer)
 CHUNK_BYTES = 16 << 20  # bytes of blocks generated at a time
 # Qwen2/3's special tokens and their ids (used where the vocabulary is large enough)
 SPECIALS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
@@ -84,23 +94,23 @@ def _jitter_rms() -> float:
     return float(np.sqrt(1 + 0.25 ** 2 / 3))  # RMS of the uniform [0.75, 1.25] factor
 
 
-def _fill_q4_0(rng, out: np.ndarray) -> None:
+def _fill_q4_0(rng, out: np.ndarray, rms: float) -> None:
     # block_q4_0: f16 d, 16 bytes of nibbles; w = d (q - 8), q uniform in 0..15: RMS of q - 8 is sqrt(21.5).
     # q - 8 has mean -0.5, so d takes either sign: with d > 0 only, every matrix would add a common
     # all-ones direction (mean -0.5 d a weight) that grows layer by layer until the router picks the
     # same experts for every token.
     n = out.shape[0]
     out[:] = np.frombuffer(rng.bytes(out.size), np.uint8).reshape(out.shape)
-    out[:, 0:2] = _scales(rng, n, WEIGHT_RMS / (np.sqrt(21.5) * _jitter_rms()), signed=True)
+    out[:, 0:2] = _scales(rng, n, rms / (np.sqrt(21.5) * _jitter_rms()), signed=True)
 
 
-def _fill_q4_k(rng, out: np.ndarray) -> None:
+def _fill_q4_k(rng, out: np.ndarray, rms: float) -> None:
     # block_q4_K: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks of 32, 128
     # bytes of nibbles; w = d sc q - dmin m. With m = sc and dmin = 7.5 d: w = d sc (q - 7.5), mean 0;
     # sc uniform in 32..63 (RMS sqrt(2310)), q - 7.5 RMS sqrt(21.25).
     n = out.shape[0]
     out[:] = np.frombuffer(rng.bytes(out.size), np.uint8).reshape(out.shape)
-    d = _scales(rng, n, WEIGHT_RMS / (np.sqrt(21.25) * np.sqrt(2310.0) * _jitter_rms()))
+    d = _scales(rng, n, rms / (np.sqrt(21.25) * np.sqrt(2310.0) * _jitter_rms()))
     dmin = (d.copy().view(np.float16).astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(n, 2)
     sc = rng.integers(32, 64, size=(n, 8), dtype=np.uint8)
     m = sc
@@ -112,16 +122,17 @@ def _fill_q4_k(rng, out: np.ndarray) -> None:
     out[:, 0:2], out[:, 2:4], out[:, 4:16] = d, dmin, s
 
 
-def _fill_q6_k(rng, out: np.ndarray) -> None:
+def _fill_q6_k(rng, out: np.ndarray, rms: float) -> None:
     # block_q6_K: 128 bytes ql, 64 bytes qh, 16 int8 scales, f16 d; w = d sc (q - 32), q uniform in
-    # 0..63 (RMS of q - 32 is sqrt(341.5)); |sc| uniform in 4..11 (RMS sqrt(61.5)), which keeps d a
-    # normal f16, and of either sign (q - 32 has mean -0.5: see _fill_q4_0)
+    # 0..63 (RMS of q - 32 is sqrt(341.5)); |sc| uniform in 4..11 (RMS sqrt(61.5)), of either sign
+    # (q - 32 has mean -0.5: see _fill_q4_0). At the residual projections' RMS, d (here and in Q4_K)
+    # can be an f16 subnormal, as in real files with weights that small: it converts exactly.
     n = out.shape[0]
     out[:] = np.frombuffer(rng.bytes(out.size), np.uint8).reshape(out.shape)
     sc = rng.integers(4, 12, size=(n, 16), dtype=np.int8)
     sc[rng.random((n, 16), dtype=np.float32) < 0.5] *= -1
     out[:, 192:208] = sc.view(np.uint8)
-    out[:, 208:210] = _scales(rng, n, WEIGHT_RMS / (np.sqrt(341.5) * np.sqrt(61.5) * _jitter_rms()))
+    out[:, 208:210] = _scales(rng, n, rms / (np.sqrt(341.5) * np.sqrt(61.5) * _jitter_rms()))
 
 
 FILLERS = {"Q4_0": _fill_q4_0, "Q4_K": _fill_q4_k, "Q6_K": _fill_q6_k}
@@ -135,6 +146,7 @@ class TensorSpec:
     shape: tuple[int, ...]  # numpy order (the row, ggml's ne0, last)
     qtype: str  # a GGMLQuantizationType name
     kind: str  # "matrix", "norm" or "router"
+    rms: float = WEIGHT_RMS  # of the dequantized weights (matrices, router)
 
     def nbytes(self) -> int:
         gguf = _gguf()
@@ -161,11 +173,13 @@ def tensor_specs(g: Geometry, wtype: str) -> list[TensorSpec]:
     base = {"q4_0": "Q4_0", "q4_k": "Q4_K", "q4_k_m": "Q4_K"}[wtype]
     d, q, kv = g.d_model, g.n_head * g.head_dim, g.n_head_kv * g.head_dim
 
-    def spec(t, shape, qtype, kind, bid=None):
-        assert t in arch_tensors, t
-        return TensorSpec(names[t].format(bid=bid) + ".weight", tuple(shape), qtype, kind)
+    residual = WEIGHT_RMS / np.sqrt(2 * g.n_layer)  # see the module's docstring
 
-    out = [spec(T.TOKEN_EMBD, (g.vocab, d), base, "matrix")]
+    def spec(t, shape, qtype, kind, bid=None, rms=WEIGHT_RMS):
+        assert t in arch_tensors, t
+        return TensorSpec(names[t].format(bid=bid) + ".weight", tuple(shape), qtype, kind, float(rms))
+
+    out = [spec(T.TOKEN_EMBD, (g.vocab, d), base, "matrix", rms=EMBED_RMS)]
     for i in range(g.n_layer):
         more = wtype == "q4_k_m" and use_more_bits(i, g.n_layer)
         wide = "Q6_K" if more else base
@@ -174,14 +188,14 @@ def tensor_specs(g: Geometry, wtype: str) -> list[TensorSpec]:
             spec(T.ATTN_Q, (q, d), base, "matrix", i),
             spec(T.ATTN_K, (kv, d), base, "matrix", i),
             spec(T.ATTN_V, (kv, d), wide, "matrix", i),
-            spec(T.ATTN_OUT, (d, q), base, "matrix", i),
+            spec(T.ATTN_OUT, (d, q), base, "matrix", i, rms=residual),
             spec(T.ATTN_Q_NORM, (g.head_dim,), "F32", "norm", i),
             spec(T.ATTN_K_NORM, (g.head_dim,), "F32", "norm", i),
             spec(T.FFN_NORM, (d,), "F32", "norm", i),
             spec(T.FFN_GATE_INP, (g.n_expert, d), "F32", "router", i),
             spec(T.FFN_GATE_EXP, (g.n_expert, g.d_expert, d), base, "matrix", i),
             spec(T.FFN_UP_EXP, (g.n_expert, g.d_expert, d), base, "matrix", i),
-            spec(T.FFN_DOWN_EXP, (g.n_expert, d, g.d_expert), wide, "matrix", i),
+            spec(T.FFN_DOWN_EXP, (g.n_expert, d, g.d_expert), wide, "matrix", i, rms=residual),
         ]
     out += [spec(T.OUTPUT_NORM, (d,), "F32", "norm"), spec(T.OUTPUT, (g.vocab, d), "Q6_K", "matrix")]
     return out
@@ -210,14 +224,14 @@ def tensor_data(s: TensorSpec, rng) -> np.ndarray:
     if s.qtype == "F32":
         if s.kind == "norm":
             return rng.uniform(0.9, 1.1, size=s.shape).astype(np.float32)
-        return (WEIGHT_RMS * rng.standard_normal(size=s.shape, dtype=np.float32)).astype(np.float32)
+        return (s.rms * rng.standard_normal(size=s.shape, dtype=np.float32)).astype(np.float32)
     gguf = _gguf()
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[s.qtype]][1]
     blocks = np.empty((s.nbytes() // size, size), np.uint8)
     step = max(1, CHUNK_BYTES // size)
     fill = FILLERS[s.qtype]
     for i in range(0, blocks.shape[0], step):
-        fill(rng, blocks[i:i + step])
+        fill(rng, blocks[i:i + step], s.rms)
     return blocks.reshape(s.byte_shape())
 
 
