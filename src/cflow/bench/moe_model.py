@@ -96,9 +96,9 @@ def _jitter_rms() -> float:
 
 def _fill_q4_0(rng, out: np.ndarray, rms: float) -> None:
     # block_q4_0: f16 d, 16 bytes of nibbles; w = d (q - 8), q uniform in 0..15: RMS of q - 8 is sqrt(21.5).
-    # q - 8 has mean -0.5, so d takes either sign: with d > 0 only, every matrix would add a common
-    # all-ones direction (mean -0.5 d a weight) that grows layer by layer until the router picks the
-    # same experts for every token.
+    # q - 8 has mean -0.5, so d takes either sign: with d > 0 only, every matrix adds a common
+    # all-ones direction (mean -0.5 d a weight) that grows layer by layer and swamps the token (the
+    # logits then hardly change from one token to the next).
     n = out.shape[0]
     out[:] = np.frombuffer(rng.bytes(out.size), np.uint8).reshape(out.shape)
     out[:, 0:2] = _scales(rng, n, rms / (np.sqrt(21.5) * _jitter_rms()), signed=True)
