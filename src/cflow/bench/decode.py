@@ -157,6 +157,12 @@ class LlamaCppRunner:
         self.llm.eval(tokens)
         self.lc.llama_synchronize(self.ctx)
 
+    def _greedy(self) -> int:
+        # The last token's logits from the context itself: Llama.eval keeps no scores unless the
+        # model was opened with logits_all (llm.scores stays zeros, and every pick would be token 0).
+        logits = self.lc.llama_get_logits_ith(self.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),))))
+
     def decode(self, prompt: list[int], n: int) -> float:
         """Decode tok/s of the run, and each step's time into self.steps, all by its counters."""
         llm = self.llm
@@ -165,7 +171,7 @@ class LlamaCppRunner:
         total_ms = 0.0
         for _ in range(n):
             self.lc.llama_perf_context_reset(self.ctx)
-            self._eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            self._eval([self._greedy()])
             p = self._perf()
             if p.n_eval != 1:
                 raise CflowError(f"llama.cpp counted {p.n_eval} decode steps, expected 1")
