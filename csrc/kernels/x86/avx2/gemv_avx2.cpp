@@ -75,9 +75,9 @@ inline float quantize_block(const float* x, block_q8a& o) {
 // ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0, int8 activations (cflow/planes.h) ----
 // A group of 16 rows is two ymm of int32 lanes (rows 0..7, 8..15): each 64-byte plane is two
 // 32-byte halves (planes_unpack.h), and slice j of the activation is broadcast to every lane.
-// Nibbles: maddubs of slices k and 4 + k (a plane's low and high nibbles), their int16 sums
-// added (at most 2 * 2 * kMaxU * 127 = 15748 for Q5_0, no saturation), one madd to int32; the
-// start value -kZero * sum(x) as the AVX-512 kernel. Q8_0: |w| times sign(x, w).
+// Nibbles: maddubs of the slices, their int16 sums added while they cannot saturate (8 slices
+// of 4-bit weights: at most 8 * 2 * 15 * 127 = 30480; 4 of Q5_0's: 31496), one madd to int32 per
+// run; the start value -kZero * sum(x) as the AVX-512 kernel. Q8_0: |w| times sign(x, w).
 // y[0 .. gg) += a group's outputs: rows 0..7 in a0, 8..15 in a1 (rows past gg dropped).
 inline void add_group(float* y, int gg, __m256 a0, __m256 a1) {
   alignas(32) float t[16];
@@ -86,25 +86,41 @@ inline void add_group(float* y, int gg, __m256 a0, __m256 a1) {
   for (int i = 0; i < gg; ++i) y[i] += t[i];
 }
 
+// The activation block's slices j = 0..7 (4 bytes each) broadcast to every int32 lane: made once
+// per block and met by both halves of the chunk.
+struct Slices {
+  __m256i v[8];
+  explicit Slices(const block_q8a& a) {
+    int32_t xw[8];
+    std::memcpy(xw, a.qs, 32);
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_set1_epi32(xw[j]);
+  }
+};
+
 // Rows 8h .. 8h+7 (their unpacked slices u): the exact int32 dot products with the activation
-// block a, started at -kZero * sum(a).
+// block a (its slices xb), started at -kZero * sum(a).
 template <BlockType WT>
-inline __m256i planes_half_dot(const __m256i (&u)[8], const block_q8a& a, const q8a_sums& la) {
+inline __m256i planes_half_dot(const __m256i (&u)[8], const Slices& xb, const q8a_sums& la) {
   using K = PlanesKind<WT>;
   const __m256i ones = _mm256_set1_epi16(1);
-  int32_t xw[8];
-  std::memcpy(xw, a.qs, 32);
   const int isum = la.lsum4[0] + la.lsum4[1] + la.lsum4[2] + la.lsum4[3];
   __m256i s = _mm256_set1_epi32(K::kNib ? -K::kZero * isum : 0);
   if (K::kNib) {
-    for (int k = 0; k < 4; ++k) {
-      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[k], _mm256_set1_epi32(xw[k])),
-                                         _mm256_maddubs_epi16(u[4 + k], _mm256_set1_epi32(xw[4 + k])));
+    // int16 sums of as many maddubs as cannot saturate (a pair sums to at most 2 * kMaxU * 127:
+    // 8 of them for 4-bit weights, 4 for Q5_0's 5 bits), then one madd to int32: the multiply
+    // port, which Zen 1 runs at 128 bits, carries a quarter fewer operations than a madd per pair
+    constexpr int kRun = 32767 / (2 * K::kMaxU * 127) >= 8 ? 8 : 4;
+    for (int k0 = 0; k0 < 8; k0 += kRun) {
+      __m256i p = _mm256_setzero_si256();
+      for (int k = k0; k < k0 + kRun; ++k) {
+        const int j = k % 2 ? 4 + k / 2 : k / 2;  // slices j and 4 + j: one plane's low and high nibbles
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[j], xb.v[j]));
+      }
       s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
     }
   } else {
     for (int k = 0; k < 8; ++k) {
-      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[k]), _mm256_sign_epi8(_mm256_set1_epi32(xw[k]), u[k]));
+      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[k]), _mm256_sign_epi8(xb.v[k], u[k]));
       s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
     }
   }
@@ -123,11 +139,12 @@ inline __m256 planes_half_finish(const uint8_t* c, int h, __m256i s, const block
 
 template <BlockType WT>
 inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, __m256& acc0, __m256& acc1) {
+  const Slices xb(a);
   __m256i s[2];
   for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h+7
     __m256i u[8];
     planes_unpack<WT>(c, h, u);
-    s[h] = planes_half_dot<WT>(u, a, la);
+    s[h] = planes_half_dot<WT>(u, xb, la);
   }
   acc0 = planes_half_finish<WT>(c, 0, s[0], a, acc0);
   acc1 = planes_half_finish<WT>(c, 1, s[1], a, acc1);
@@ -249,7 +266,8 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, cons
       planes_unpack<WT>(c, h, u);
       for (int t = 0; t < nt; ++t)
         for (int l = 0; l < LV; ++l)
-          acc[t][h] = planes_half_finish<WT>(c, h, planes_half_dot<WT>(u, x[t][l][cb], xs[t][l][cb]), x[t][l][cb], acc[t][h]);
+          acc[t][h] = planes_half_finish<WT>(c, h, planes_half_dot<WT>(u, Slices(x[t][l][cb]), xs[t][l][cb]),
+                                             x[t][l][cb], acc[t][h]);
     }
   });
 }
