@@ -42,6 +42,9 @@ def add_arguments(p):
     p.add_argument("--batch", type=int, default=1, metavar="N",
                    help="also time decode steps of N sequences together (the server's --parallel N), "
                         "against one (default 1: not measured)")
+    p.add_argument("--agreement", type=int, default=0, metavar="N",
+                   help="with --vs llama.cpp: feed the first N prompt tokens one at a time to both engines and "
+                        "report how often their greedy next tokens agree (default 0: not measured)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
 
 
@@ -71,6 +74,11 @@ class CflowRunner:
         t0 = time.perf_counter()
         self.eng.forward(self.st, prompt)
         return len(prompt) / (time.perf_counter() - t0)
+
+    def teacher_argmax(self, tokens: list[int]) -> list[int]:
+        """The greedy next token after each of `tokens`, fed one decode step at a time."""
+        self.st.reset()
+        return [int(np.argmax(self.eng.forward(self.st, [t]))) for t in tokens]
 
     def bytes_read(self, prompt: list[int], n: int) -> dict[str, float] | None:
         """Weight bytes per decoded token, per stream, by the engine's counters over n greedy steps
@@ -163,6 +171,15 @@ class LlamaCppRunner:
         logits = self.lc.llama_get_logits_ith(self.ctx, -1)
         return int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),))))
 
+    def teacher_argmax(self, tokens: list[int]) -> list[int]:
+        """The greedy next token after each of `tokens`, fed one decode step at a time."""
+        self.llm.reset()
+        out = []
+        for t in tokens:
+            self._eval([t])
+            out.append(self._greedy())
+        return out
+
     def decode(self, prompt: list[int], n: int) -> float:
         """Decode tok/s of the run, and each step's time into self.steps, all by its counters."""
         llm = self.llm
@@ -202,7 +219,7 @@ def _resolve(model: str, gguf: str | None, quiet: bool):
 
 
 def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int = 5, tokens: int = 128,
-        prompt_len: int = 512, batch: int = 1, log=print) -> dict:
+        prompt_len: int = 512, batch: int = 1, agreement: int = 0, log=print) -> dict:
     """Measure `engine` (and llama.cpp on `gguf` when given); returns the --json record."""
     from cflow.kernels import probe_read
 
@@ -273,6 +290,11 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
                                   "decode_step_ms_median": round(1e3 * statistics.median(theirs.steps), 3),
                                   "ratio_decode_step": round(statistics.median(theirs.steps)
                                                              / statistics.median(ours.steps), 3)}
+        if agreement:  # teacher-forced greedy picks of the two engines on the same tokens
+            seq = long_[:agreement]
+            a, b = ours.teacher_argmax(seq), theirs.teacher_argmax(seq)
+            rec["vs"]["llama.cpp"]["top1_agreement"] = round(sum(x == y for x, y in zip(a, b)) / len(seq), 4)
+            rec["vs"]["llama.cpp"]["agreement_positions"] = len(seq)
     return rec
 
 
@@ -301,6 +323,9 @@ def report(rec: dict) -> str:
                      f"(per run {span(v['ratio_prefill_runs'])})"
                      + ("" if v.get("extra_bufts", True) else "; extra buffer types (AMX) off"))
         lines.append(f"  {k}: median step {v['decode_step_ms_median']:.2f} ms, cflow x{v['ratio_decode_step']:.2f}")
+        if "top1_agreement" in v:
+            lines.append(f"  {k}: greedy next token the same at {100 * v['top1_agreement']:.1f}% of "
+                         f"{v['agreement_positions']} teacher-forced positions")
     return "\n".join(lines)
 
 
@@ -311,12 +336,14 @@ def main(args) -> int:
     if args.threads < 1 or args.runs < 1 or args.tokens < 1 or args.prompt < 1 or args.batch < 1:
         raise CflowError("--threads, --runs, --tokens, --prompt and --batch must be positive")
     src, gguf = _resolve(args.model, args.gguf, args.json)
+    if not 0 <= args.agreement <= args.prompt:
+        raise CflowError("--agreement must be between 0 and --prompt")
     if args.vs and not gguf:
         raise CflowError("--vs llama.cpp needs the model's GGUF: pass --gguf PATH")
     eng = Engine(src, threads=args.threads, n_ctx=max(args.prompt + 1, 16 + args.tokens + 8, 1024),
                  **activation_kwargs(args))
     rec = run(eng, name=args.model, threads=args.threads, gguf=gguf if args.vs else None, runs=args.runs,
-              tokens=args.tokens, prompt_len=args.prompt, batch=args.batch,
+              tokens=args.tokens, prompt_len=args.prompt, batch=args.batch, agreement=args.agreement,
               log=(lambda *a: None) if args.json else print)
     print(json.dumps(rec) if args.json else report(rec))
     return 0
