@@ -1132,6 +1132,20 @@ void Engine::run_pipeline(Workspace& ws, int tid) {
     const OpSched& os = sched_[i];
     clk::time_point t0;
     if (prof) t0 = clk::now();
+    if (os.team < 0) {  // a joint op: the whole pool, after every team's earlier ops
+      Team all;
+      all.tid = tid;
+      all.nth = ws.pool.size();
+      all.pool = &ws.pool;
+      all.shared = ws.shared[0].get();
+      all.priv = t.priv;
+      all.op = i;
+      ws.pool.barrier();
+      run_one(plan_.ops[i], ws, all);
+      ws.pool.barrier();
+      if (prof) ws.prof[plan_.ops[i].index()] += std::chrono::duration<double>(clk::now() - t0).count();
+      continue;
+    }
     if (os.barrier_before) t.barrier();
     for (int d : os.waits) {
       const uint64_t target = ws.epoch * (uint64_t)team_size_[sched_[d].team];
@@ -1145,10 +1159,13 @@ void Engine::run_pipeline(Workspace& ws, int tid) {
 }
 
 // ---------------------------------------------------------------- schedules
-// The lanes of the pipeline schedule, by stream: attention (with the embedding, the head and the
-// adds the builder gives the attention stream), dense FFN, experts (with their router).
+// The lanes of the pipeline schedule, by stream: attention (with the adds the builder gives the
+// attention stream), dense FFN, experts (with their router).
 static int lane_of(int stream) { return stream == kDense ? 1 : stream == kExperts || stream == kRouter ? 2 : 0; }
 constexpr int kLanes = 3;
+// The embedding and the head are no lane's: nothing runs beside them (the first and the last op
+// of a step), so every thread of the pool runs them together, as in the sequential schedule.
+static bool joint(int stream) { return stream == kEmbed || stream == kHead; }
 
 // Dependencies from the buffers (and KV slots) each op reads and writes, in plan order: an op
 // depends on the last writer of what it reads or writes, and on the readers since then of what
@@ -1236,6 +1253,7 @@ void Engine::plan_schedule() {
   bool used[kLanes] = {};
   for (int i = 0; i < nops; ++i)
     if (stream[i] >= 0) {
+      if (joint(stream[i])) continue;  // every thread runs these
       const int l = lane_of(stream[i]);
       used[l] = true;
       std::visit([&](const auto& o) {  // bytes per token the lane reads
@@ -1280,8 +1298,17 @@ void Engine::plan_schedule() {
   for (int i = 0; i < nops; ++i) {
     if (stream[i] < 0) continue;
     OpSched& os = sched_[i];
+    if (joint(stream[i])) {  // all teams meet, run it together, meet again
+      os.team = -1;
+      for (int t = 0; t < nteams; ++t) {
+        team_ops_[t].push_back(i);
+        since[t].clear();
+      }
+      continue;
+    }
     os.team = lane_team[lane_of(stream[i])];
     for (int d : deps[i]) {
+      if (sched_[d].team < 0) continue;  // ordered by the meetings around it
       if (sched_[d].team != os.team) {
         os.waits.push_back(d);
         sched_[d].signals = true;

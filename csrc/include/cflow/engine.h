@@ -15,8 +15,9 @@
 // Two schedules (docs/ENGINE.md, "Schedules"):
 //   sequential: every thread runs every op and takes its share of the work; threads meet only
 //               at the plan's Barrier ops;
-//   pipeline  : the ops are grouped by weight stream into lanes (attention with embedding, head
-//               and the residual adds; dense FFN; router and experts), the lanes shared out to
+//   pipeline  : the ops are grouped by weight stream into lanes (attention with the residual
+//               adds; dense FFN; router and experts; the embedding and the head run on every
+//               thread, between meetings of the whole pool), the lanes shared out to
 //               teams of threads; a team runs its ops in plan order and waits only for the ops of
 //               other teams that write what it reads (or read what it overwrites), so independent
 //               weight streams (the dense FFN of layer l beside the attention of layer l + 1 when
