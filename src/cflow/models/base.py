@@ -199,6 +199,17 @@ def hf_moe(c: dict, d_expert_key: str, renorm: bool) -> dict[str, Any]:
                 expert_renorm=renorm)
 
 
+def hf_qwen_moe(c: dict, family: str) -> dict[str, Any]:
+    """hf_moe of the Qwen MoE families (experts of moe_intermediate_size, the top_k gates
+    renormalised when norm_topk_prob, default false); dense layers (mlp_only_layers,
+    decoder_sparse_step other than 1) are refused."""
+    if hf_value(c, "mlp_only_layers", []) or hf_int(c, "decoder_sparse_step", 1) != 1:
+        raise UnsupportedError(f"{family} with dense layers (mlp_only_layers, decoder_sparse_step other than 1) "
+                               "is not supported: every layer's FFN must be a mixture of experts")
+    renorm = boolean(hf_value(c, "norm_topk_prob", False), "config.json norm_topk_prob")
+    return hf_moe(c, "moe_intermediate_size", renorm)
+
+
 def _gguf_key(m: dict, key: str) -> str:
     return f"{m.get('general.architecture')}.{key}"
 

@@ -15,9 +15,8 @@ import dataclasses
 
 import numpy as np
 
-from cflow.errors import UnsupportedError
-from cflow.models.base import (GGUF_MOE_NAMES, GGUF_NAMES, HF_MOE_NAMES, HF_NAMES, Architecture, boolean, gguf_int,
-                               gguf_moe, hf_int, hf_moe, hf_value)
+from cflow.models.base import (GGUF_MOE_NAMES, GGUF_NAMES, HF_MOE_NAMES, HF_NAMES, Architecture, gguf_int,
+                               gguf_moe, hf_int, hf_qwen_moe)
 
 
 class Qwen2Moe(Architecture):
@@ -30,11 +29,7 @@ class Qwen2Moe(Architecture):
     fixed = dict(qkv_bias=True)
 
     def hf_fields(self, c):
-        if hf_value(c, "mlp_only_layers", []) or hf_int(c, "decoder_sparse_step", 1) != 1:
-            raise UnsupportedError("Qwen2-MoE with dense layers (mlp_only_layers, decoder_sparse_step other than 1) "
-                                   "is not supported: every layer's FFN must be a mixture of experts")
-        renorm = boolean(hf_value(c, "norm_topk_prob", False), "config.json norm_topk_prob")
-        return dict(super().hf_fields(c), **hf_moe(c, "moe_intermediate_size", renorm),
+        return dict(super().hf_fields(c), **hf_qwen_moe(c, "Qwen2-MoE"),
                     d_shared=hf_int(c, "shared_expert_intermediate_size"))
 
     def gguf_fields(self, m):

@@ -9,9 +9,8 @@ always renormalises Qwen3-MoE's gates; an expert_weights_norm key overrides). De
 
 from __future__ import annotations
 
-from cflow.errors import UnsupportedError
-from cflow.models.base import (GGUF_MOE_NAMES, GGUF_NAMES, HF_MOE_NAMES, HF_NAMES, Architecture, boolean, gguf_moe,
-                               hf_int, hf_moe, hf_value)
+from cflow.models.base import (GGUF_MOE_NAMES, GGUF_NAMES, HF_MOE_NAMES, HF_NAMES, Architecture, gguf_moe,
+                               hf_qwen_moe)
 
 
 class Qwen3Moe(Architecture):
@@ -24,11 +23,7 @@ class Qwen3Moe(Architecture):
     fixed = dict(qk_norm=True)
 
     def hf_fields(self, c):
-        if hf_value(c, "mlp_only_layers", []) or hf_int(c, "decoder_sparse_step", 1) != 1:
-            raise UnsupportedError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step other than 1) "
-                                   "is not supported: every layer's FFN must be a mixture of experts")
-        renorm = boolean(hf_value(c, "norm_topk_prob", False), "config.json norm_topk_prob")
-        return dict(super().hf_fields(c), **hf_moe(c, "moe_intermediate_size", renorm))
+        return dict(super().hf_fields(c), **hf_qwen_moe(c, "Qwen3-MoE"))
 
     def gguf_fields(self, m):
         return dict(super().gguf_fields(m), **gguf_moe(m, renorm=True, required=True))
