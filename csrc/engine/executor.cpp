@@ -875,14 +875,8 @@ void Engine::run_op(const Add& op, Workspace& ws, Team& t) {
   float* dst = ws.bufs[op.dst].data();
   const float* gain = op.gain >= 0 ? vec(op.gain) : nullptr;
   const float* gate = op.gate >= 0 ? ws.bufs[op.gate].data() : nullptr;
-  Scratch& s = *t.priv;
-  grow(s.xn, (size_t)w);
   for (int k = t.tid; k < ws.n; k += t.nth) {
-    const float* x = src + (size_t)k * w;
-    if (op.norm >= 0) {
-      rmsnorm(x, vec(op.norm), w, s.xn.data());
-      x = s.xn.data();
-    }
+    const float* x = prepare(t, src + (size_t)k * w, w, 1, w, op.norm, false, false).x;
     float* d = dst + (size_t)k * w;
     const float scale = gate ? op.scale / (1.f + std::exp(-gate[k])) : op.scale;
     if (!gain && scale == 1.f) {
@@ -909,14 +903,9 @@ void Engine::run_op(const Router& op, Workspace& ws, Team& t) {
   float* dst = ws.bufs[op.dst].data();
   if (t.lead()) counts_[op.stream].fetch_add(plan_.tensors[op.weight].nbytes, std::memory_order_relaxed);
   Scratch& s = *t.priv;
-  grow(s.xn, (size_t)C);
   grow(s.scores, (size_t)E);
   for (int k = t.tid; k < ws.n; k += t.nth) {
-    const float* x = src + (size_t)k * lds;
-    if (op.norm >= 0) {
-      rmsnorm(x, vec(op.norm), C, s.xn.data());
-      x = s.xn.data();
-    }
+    const float* x = prepare(t, src + (size_t)k * lds, lds, 1, C, op.norm, false, false).x;
     float* p = s.scores.data();
     dot_rows(x, R, (size_t)C, E, C, p);  // (E,) = R x
     softmax(p, 1, E);
@@ -1267,10 +1256,7 @@ void Engine::plan_schedule() {
   for (int l = 0; l < kLanes; ++l)
     if (used[l]) lanes.push_back(l);
   const int nteams = std::min<int>(threads_, (int)lanes.size());
-  if (opt_.schedule != Schedule::Pipeline || nteams <= 1) {
-    for (int i = 0; i < nops; ++i) team_ops_[0].push_back(i);
-    return;
-  }
+  if (opt_.schedule != Schedule::Pipeline || nteams <= 1) return;  // run_sequential walks the plan
   // lanes by falling load, each to the team with the least; threads to the teams by load per thread
   std::sort(lanes.begin(), lanes.end(), [&](int a, int b) { return load[a] > load[b]; });
   std::vector<double> tload(nteams, 0.0);

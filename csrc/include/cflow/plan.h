@@ -57,7 +57,7 @@ namespace cflow {
   X(int32_t, width, 0, "floats per token")
 
 // The weight streams (an op's `stream`): what the byte counters count, and the lanes of the
-// pipeline schedule (embed and head run with attention, router with the experts).
+// pipeline schedule (router with the experts; embed and head on every thread).
 enum Stream : int32_t { kEmbed = 0, kAttention = 1, kDense = 2, kRouter = 3, kExperts = 4, kHead = 5, kNumStreams = 6 };
 #define CFLOW_STREAM_FIELD(X) X(int32_t, stream, 1, "weight stream (Stream): 0 embed, 1 attention, 2 dense, 3 router, 4 experts, 5 head")
 
