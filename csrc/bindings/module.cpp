@@ -11,6 +11,7 @@ void bind_kernels(nb::module_& m);  // csrc/bindings/kernels.cpp
 void bind_ops(nb::module_& m);      // csrc/bindings/ops.cpp
 void bind_plan(nb::module_& m);     // csrc/bindings/plan.cpp
 void bind_engine(nb::module_& m);   // csrc/bindings/engine.cpp
+void bind_mapping(nb::module_& m);  // csrc/bindings/mapping.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "cflow native core: tile kernels, thread pool and decode engine";
@@ -27,4 +28,5 @@ NB_MODULE(_core, m) {
   bind_ops(m);
   bind_plan(m);
   bind_engine(m);
+  bind_mapping(m);
 }

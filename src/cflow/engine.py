@@ -18,6 +18,11 @@ Sequence state is apart from the engine: a State holds one sequence's tokens and
     st.tokens, st.pos; st.truncate(n)                  # history; keep a prefix
 
 Several Python threads may run forwards on one Engine at once, each with its own states.
+
+Each forward checks the mapped file before and after the step (CflowFile.check_mapping: one
+fstat and a flag): once the file was truncated or written in place under the mapping, forward
+raises ModelFileChanged, and that step's logits are dropped (docs/ENGINE.md, "Model file changed
+on disk").
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from cflow.config import ModelConfig
-from cflow.errors import CflowError, CflowFormatError
+from cflow.errors import CflowError, CflowFormatError, ModelFileChanged
 
 # Weight roles whose int8 activations may be two-level (Engine's `precise`; an op's two_level).
 # The plan (cflow.plan, which needs the native core) is imported where it is used, so the CLI
@@ -155,6 +160,8 @@ class EngineBase:
             if a.min() < 0 or a.max() >= self.vocab:
                 raise CflowError(f"token ids must be in 0..{self.vocab - 1}")
             ids.append(np.ascontiguousarray(a, dtype=np.int32))
+        self.check_weights()
+        before = [st.pos for st in states]
         if sum(a.size for a in ids) <= MAX_BATCH:
             outs = self._split(self._forward(states, ids, all_logits), ids, all_logits)
         else:  # long prompts: each sequence on its own, in pieces of MAX_BATCH rows
@@ -162,7 +169,27 @@ class EngineBase:
             for st, a in zip(states, ids):
                 parts = [self._forward([st], [a[s:s + MAX_BATCH]], all_logits) for s in range(0, a.size, MAX_BATCH)]
                 outs.append(np.concatenate(parts) if all_logits else parts[-1][0])
+        self.check_weights()  # the step may have read zeros or new bytes: its logits are not the model's
+        if not all(np.isfinite(o).all() for o in outs):
+            # a file whose numbers pass every check can still overflow (huge weights or scales):
+            # the step is undone and no one samples from NaN
+            for st, n in zip(states, before):
+                st.truncate(n)
+            raise CflowError("the model computed non-finite logits (NaN or infinity): its weights or settings are "
+                             "broken (`cflow verify FILE` checks a .cflow file)")
         return outs if many else outs[0]
+
+    def weights_error(self) -> str | None:
+        """Why the weights can no longer be used (the mapped model file changed on disk), or None
+        (CflowFile.mapping_error; weights that are not a mapped file never change)."""
+        check = getattr(self.file, "mapping_error", None)
+        return check() if check is not None else None
+
+    def check_weights(self) -> None:
+        """Raise ModelFileChanged when weights_error() says why the weights cannot be used."""
+        err = self.weights_error()
+        if err is not None:
+            raise ModelFileChanged(err)
 
     @staticmethod
     def _split(out: np.ndarray, ids: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:

@@ -12,3 +12,8 @@ class CflowFormatError(CflowError):
 
 class UnsupportedError(CflowError):
     """An architecture, tensor type or option that cflow does not support."""
+
+
+class ModelFileChanged(CflowError):
+    """The mapped model file was truncated or written in place while in use: the weights in
+    memory are no longer the model's, so the engine refuses every step from then on."""

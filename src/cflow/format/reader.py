@@ -12,6 +12,11 @@ Opening reads the preamble and the header (never the payload), checks the header
 the JSON structure, every section / tensor / expert offset and length against the file size
 and against each other, then maps the file. `verify=True` (or `verify()`) also checks every
 section's crc32, reading the file in chunks.
+
+The mapping is the native core's guarded MappedFile (numpy's memmap where the core is not
+built): a file truncated while mapped reads zeros past its new end instead of killing the
+process with SIGBUS, and `mapping_error()` / `check_mapping()` say when the file changed under
+the mapping (docs/ENGINE.md, "Model file changed on disk").
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from cflow.config import ModelConfig
-from cflow.errors import CflowError, CflowFormatError
+from cflow.errors import CflowError, CflowFormatError, ModelFileChanged
 from cflow.format import quant
 from cflow.format.spec import PREAMBLE, Expert, Preamble, Section, Tensor, align_up, crc32, parse_header, unfuse_rows
 from cflow.format.tiles import unpack_tiles
@@ -42,7 +47,8 @@ class CflowFile:
             if not stat.S_ISREG(os.stat(self.path).st_mode):  # a FIFO or device would block or lie
                 raise CflowFormatError(f"{self.path}: not a regular file")
             with open(self.path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
+                st = os.fstat(fh.fileno())
+                size = st.st_size
                 self.preamble = Preamble.unpack(fh.read(PREAMBLE.size), size)
                 fh.seek(self.preamble.header_offset)
                 raw = fh.read(self.preamble.header_length)
@@ -69,7 +75,71 @@ class CflowFile:
         self.stages: list[dict] = h.get("stages") or []  # [{"stage", "section", "tensors"}] of a .vflow
         if verify:
             self.verify()
-        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r", shape=(size,))
+        self._mm = self._mapping = self._fh = None
+        self._changed: str | None = None  # once the file changed under the mapping: why (sticky)
+        self._map((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+
+    def _map(self, checked: tuple) -> None:
+        """Map the file whose header was checked (`checked`: its dev, inode, size, mtime_ns):
+        with the core's guarded MappedFile where it is built, else with numpy (unguarded); a
+        descriptor stays open either way, for mapping_error's fstat of the mapped inode."""
+        try:
+            from cflow._core import MappedFile
+        except ImportError:  # the native core is not built: numpy's mapping
+            MappedFile = None
+        try:
+            if MappedFile is not None:
+                self._mapping = MappedFile(self.path)
+                mm, opened = self._mapping.array(), tuple(self._mapping.opened)
+            else:
+                self._fh = open(self.path, "rb")
+                s = os.fstat(self._fh.fileno())
+                opened = (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns)
+                mm = np.memmap(self._fh, dtype=np.uint8, mode="r", shape=(s.st_size,))
+        except RuntimeError as e:  # MappedFile's message names the path
+            raise CflowFormatError(str(e)) from None
+        except (OSError, ValueError) as e:
+            raise CflowFormatError(f"{self.path}: cannot map: {getattr(e, 'strerror', None) or e}") from None
+        if opened != checked:
+            raise CflowFormatError(f"{self.path}: the file changed while it was being opened")
+        self._opened, self._mm = opened, mm
+
+    def mapping_error(self) -> str | None:
+        """Why the mapped bytes are no longer this model's, or None while they are: a read of the
+        mapping faulted (the file shrank under it: those pages now read as zeros; or an I/O
+        error), or the mapped file's size or modification time changed (truncated, or written in
+        place: a rewrite of the same size shows through a shared mapping at once). One fstat and
+        a flag; once it has said so it always does. A file replaced by a rename (or deleted) is
+        not a change: the mapping holds the old inode, which stays whole while mapped."""
+        if self._changed is None:
+            self._changed = self._check_changed()
+        return self._changed
+
+    def check_mapping(self) -> None:
+        """Raise ModelFileChanged with mapping_error()'s reason, if there is one."""
+        err = self.mapping_error()
+        if err is not None:
+            raise ModelFileChanged(err)
+
+    def _check_changed(self) -> str | None:
+        if self._mapping is not None:
+            lost, now = self._mapping.lost, tuple(self._mapping.stat())
+        elif self._fh is not None and not self._fh.closed:
+            s = os.fstat(self._fh.fileno())
+            lost, now = False, (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns)
+        else:  # closed
+            return None
+        was = self._opened
+        if now[2] != was[2]:
+            return f"model file {self.path} changed on disk while in use (now {now[2]} bytes, was {was[2]}): " \
+                   "restart with a good file"
+        if now[3] != was[3]:
+            return f"model file {self.path} was written in place while in use (same size, modified since it was " \
+                   "loaded): restart with a good file"
+        if lost:
+            return f"model file {self.path}: a read of its mapping failed (an I/O error, or the file shrank and " \
+                   "grew back): restart with a good file"
+        return None
 
     # ------------------------------------------------------------------ checks
     def verify(self) -> None:
@@ -172,7 +242,9 @@ class CflowFile:
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Drop the mapping (views already handed out keep it alive until they go)."""
-        self._mm = None
+        self._mm = self._mapping = None
+        if self._fh is not None:
+            self._fh.close()
 
     def __enter__(self) -> "CflowFile":
         return self
