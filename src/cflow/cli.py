@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import pkgutil
 import signal
@@ -30,7 +31,10 @@ def _verbs() -> dict[str, object]:
     return verbs
 
 
+@functools.lru_cache(maxsize=1)
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every verb (built once: `main` may run many times in one process, as the
+    fuzz worker and the tests run it)."""
     parser = argparse.ArgumentParser(prog="cflow", description="CPU-first LLM inference and pipeline-native transformers.")
     parser.add_argument("--version", action="version", version=f"cflow {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
@@ -67,6 +71,12 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, previous)
 
 
+def one_line(text: str) -> str:
+    """text with control characters (newlines, form feeds; a hostile file's names may carry
+    them) written as escapes, so an error stays one line on the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -77,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         with _sigterm_unwinds():
             return int(args._main(args) or 0)
     except CflowError as e:
-        print(f"cflow {args.verb}: error: {e}", file=sys.stderr)
+        print(f"cflow {args.verb}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\ncflow {args.verb}: interrupted", file=sys.stderr)

@@ -37,8 +37,8 @@ SWITCHES = ("tie_embeddings", "qkv_bias", "qk_norm", "post_norms", "expert_renor
 FLOAT_RANGES = {
     "norm_eps": (0.0, 1.0, False),
     "norm_offset": (-10.0, 10.0, True),  # llama 0, gemma 1
-    "rope_theta": (0.0, 1e12, False),
-    "rope_local_theta": (0.0, 1e12, True),  # 0: rope_theta
+    "rope_theta": (1.0, 1e12, False),  # theta^(-2i/d) overflows for a tiny base
+    "rope_local_theta": (1.0, 1e12, True),  # 0: rope_theta
     "embed_scale": (0.0, 1e4, False),  # gemma: sqrt(d_model) <= 2^12
     "attn_scale": (0.0, 1.0, True),  # 0: 1/sqrt(head_dim); scales are 1/sqrt of a factor >= 1
     "final_logit_softcap": (0.0, 1e4, True),  # 0: off; gemma 2: 30

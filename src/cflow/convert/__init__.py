@@ -214,6 +214,10 @@ def fuse_layers(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, Tenso
 
 
 def _stack(ts: list[Tensor], names: list[str]) -> Tensor:
+    widths = {tuple(t.shape[1:]) for t in ts}
+    if len(widths) != 1 or any(len(t.shape) != 2 for t in ts):
+        raise CflowFormatError("tensors " + ", ".join(f"'{n}' {tuple(t.shape)}" for n, t in zip(names, ts)) +
+                               " must be matrices of the same width")
     rows = [t.shape[0] for t in ts]
     shape = (sum(rows),) + tuple(ts[0].shape[1:])
     data = np.concatenate([np.asarray(t.data) for t in ts], axis=0)

@@ -29,10 +29,28 @@ DTYPES = {"F32": ("f32", np.float32), "F16": ("f16", np.float16), "BF16": ("bf16
 
 
 def _json(path: Path) -> dict:
+    """A JSON object file; any other content is a CflowFormatError naming the file."""
     try:
-        return json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CflowFormatError(f"{path}: {e}") from None
+    except RecursionError:
+        raise CflowFormatError(f"{path}: JSON nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise CflowFormatError(f"{path}: expected a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+def _utf8(v) -> bool:
+    """v is text that UTF-8 can encode (JSON allows lone surrogates; tokenizers does not)."""
+    try:
+        return isinstance(v, str) and bool(v.encode("utf-8"))
+    except UnicodeEncodeError:
+        return False
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def read_safetensors(path: Path) -> dict[str, Tensor]:
@@ -49,44 +67,76 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise CflowFormatError(f"{path}: bad safetensors header: {e}") from None
+        except RecursionError:
+            raise CflowFormatError(f"{path}: bad safetensors header: JSON nested too deeply") from None
+    if not isinstance(header, dict):
+        raise CflowFormatError(f"{path}: bad safetensors header: not a JSON object")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(info, dict):
+            raise CflowFormatError(f"{path}: tensor {name}: expected an object with dtype, shape and data_offsets")
         dt = info.get("dtype")
-        if dt not in DTYPES:
-            raise UnsupportedError(f"{path}: tensor {name} has dtype {dt}; supported: {', '.join(DTYPES)}")
+        if not isinstance(dt, str) or dt not in DTYPES:
+            raise UnsupportedError(f"{path}: tensor {name} has dtype {dt!r}; supported: {', '.join(DTYPES)}")
         typ, np_dt = DTYPES[dt]
-        a, b = info["data_offsets"]
-        shape = tuple(int(s) for s in info["shape"])
-        if not 0 <= a <= b <= size - 8 - n or b - a != int(np.prod(shape)) * np.dtype(np_dt).itemsize:
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or len(shape) > 8 or not all(_is_int(s) and 0 <= s < 1 << 40 for s in shape):
+            raise CflowFormatError(f"{path}: tensor {name} has bad shape {str(shape)[:80]}")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+            raise CflowFormatError(f"{path}: tensor {name} has bad data_offsets {str(offsets)[:80]}")
+        a, b = offsets
+        shape = tuple(shape)
+        if not 0 <= a <= b <= size - 8 - n or b - a != int(np.prod(shape, dtype=object)) * np.dtype(np_dt).itemsize:
             raise CflowFormatError(f"{path}: tensor {name} has bad data offsets {a}..{b}")
         out[name] = Tensor(typ, shape, mm[8 + n + a : 8 + n + b].view(np_dt).reshape(shape))
     return out
 
 
 def _tokenizer(d: Path, add_bos: bool, gen: dict) -> tuple[str | None, str | None, dict]:
-    tok_json = (d / "tokenizer.json").read_text() if (d / "tokenizer.json").is_file() else None
+    tok_json = None
+    if (d / "tokenizer.json").is_file():
+        try:
+            tok_json = (d / "tokenizer.json").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CflowFormatError(f"{d / 'tokenizer.json'}: {e}") from None
     tcfg = _json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
     tmpl = tcfg.get("chat_template")
     if (d / "chat_template.jinja").is_file():
-        tmpl = (d / "chat_template.jinja").read_text()
+        try:
+            tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CflowFormatError(f"{d / 'chat_template.jinja'}: {e}") from None
     ids = {}
     if tok_json:
         from tokenizers import Tokenizer
 
-        tk = Tokenizer.from_str(tok_json)
+        try:
+            tk = Tokenizer.from_str(tok_json)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for every bad file
+            raise CflowFormatError(f"{d / 'tokenizer.json'}: {str(e)[:200]}") from None
         for key in ("bos_token", "eos_token"):
             t = tcfg.get(key)
             t = t.get("content") if isinstance(t, dict) else t
-            if t is not None and tk.token_to_id(t) is not None:
+            if _utf8(t) and tk.token_to_id(t) is not None:
                 ids[key] = tk.token_to_id(t)
+    if isinstance(tmpl, list):  # named templates ([{"name", "template"}]): the default one
+        tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
+    if tmpl is not None and not _utf8(tmpl):
+        raise CflowFormatError(f"{d / 'tokenizer_config.json'}: chat_template must be UTF-8 text")
     eos = gen.get("eos_token_id", ids.get("eos_token"))
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    eos = [eos] if _is_int(eos) else eos or []
     bos = gen.get("bos_token_id", ids.get("bos_token"))
-    special = {"bos_token_id": bos, "eos_token_ids": sorted(set(int(e) for e in eos)),
-               "add_bos": bool(tcfg.get("add_bos_token", add_bos))}
+    if not isinstance(eos, list) or not all(_is_int(e) and 0 <= e < 1 << 31 for e in eos):
+        raise CflowFormatError(f"{d}: eos_token_id={str(eos)[:60]} must be a token id or a list of them")
+    if bos is not None and not (_is_int(bos) and 0 <= bos < 1 << 31):
+        raise CflowFormatError(f"{d}: bos_token_id={str(bos)[:60]} must be a token id")
+    add = tcfg.get("add_bos_token", add_bos)
+    if not isinstance(add, bool):
+        raise CflowFormatError(f"{d / 'tokenizer_config.json'}: add_bos_token={str(add)[:60]} must be true or false")
+    special = {"bos_token_id": bos, "eos_token_ids": sorted(set(eos)), "add_bos": add}
     return tok_json, tmpl, special
 
 

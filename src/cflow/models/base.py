@@ -125,12 +125,21 @@ def hf_rope_theta(c: dict, kind: str = "full_attention", default: float = 10000.
     if kind in rp and isinstance(rp[kind], dict):
         rp = rp[kind]
     scaling = c.get("rope_scaling") or {}
+    if not isinstance(rp, dict) or not isinstance(scaling, dict):
+        raise CflowFormatError("config.json rope_parameters / rope_scaling must be objects")
     rtype = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rtype != "default":
         raise UnsupportedError(f"rope type {rtype!r} is not supported yet (only the default rope)")
-    if float(rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))) != 1.0:
+    if _number(rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)), "partial_rotary_factor") != 1.0:
         raise UnsupportedError("partial rotary embeddings are not supported (rope over the whole head only)")
-    return float(rp.get("rope_theta", c.get("rope_theta", default)))
+    return _number(rp.get("rope_theta", c.get("rope_theta", default)), "rope_theta")
+
+
+def _number(v: Any, where: str) -> float:
+    """v as a float (an int or a float, not a boolean or text), or CflowFormatError naming `where`."""
+    if not (is_int(v) or isinstance(v, float)):
+        raise CflowFormatError(f"config.json {where}={str(v)[:60]!r} must be a number")
+    return float(v)
 
 
 def _count(v: Any, where: str, lo: int, hi: int) -> int:
