@@ -1,15 +1,15 @@
 """`cflow serve` over real HTTP: a uvicorn server on a loopback port, the official `openai`
-client, and a tiny real model (conftest)."""
+client, and a tiny real model (conftest). Waits are on server state (/health, /metrics); the
+only clock is TIMEOUT, a bound on a hang."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from server_util import serving, wait_for
+from server_util import FOREVER, TIMEOUT, health, http, long_llm, metric, serving, wait_for
 
 HI = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -22,7 +22,14 @@ def url(tiny_llm):
 
 @pytest.fixture(scope="module")
 def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def long(tiny_cflow):
+    """The tiny model with a context so long that a FOREVER stream never ends by itself: it holds
+    its slot until the test lets go."""
+    return long_llm(tiny_cflow)
 
 
 def chat_prompt_tokens(llm, messages):
@@ -55,7 +62,7 @@ def test_streamed_chat_equals_the_whole_answer(client):
 
 def test_stream_ends_with_done(url):
     body = {"messages": HI, "max_tokens": 3, "stream": True}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with http().stream("POST", url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events)
@@ -89,9 +96,9 @@ def test_models_health_metrics(client, url, tiny_llm):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny-llama"]
     assert client.models.retrieve("tiny-llama").id == "tiny-llama"
-    h = httpx.get(url + "/health").json()
+    h = health(url)
     assert h["status"] == "ok" and h["slots"] == 1 and h["queued"] == 0
-    m = httpx.get(url + "/metrics")
+    m = http().get(url + "/metrics")
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
     for name in ("cflow_requests_total", "cflow_completion_tokens_total", "cflow_decode_tokens_per_second_bucket",
                  "cflow_queue_length", "cflow_active_generations"):
@@ -132,7 +139,7 @@ def test_bad_chat_requests_get_openai_errors(client, body, status, param, code):
     (b'{"prompt": "' + b"a" * 70000 + b'"}', 413, "body_too_large"),
 ])
 def test_bad_bodies(url, data, status, code):
-    r = httpx.post(url + "/v1/completions", content=data, headers={"content-type": "application/json"})
+    r = http().post(url + "/v1/completions", content=data, headers={"content-type": "application/json"})
     assert r.status_code == status
     assert r.json()["error"]["code"] == code
 
@@ -141,26 +148,26 @@ def test_chunked_body_over_the_limit(url):
     def body():
         for _ in range(100):
             yield b"x" * 1024
-    r = httpx.post(url + "/v1/completions", content=body())
+    r = http().post(url + "/v1/completions", content=body())
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
 
 def test_unknown_routes_and_methods(url):
-    r = httpx.get(url + "/v1/nothing")
+    r = http().get(url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-    r = httpx.get(url + "/v1/chat/completions")
-    assert r.status_code == 405 and "error" in r.json()
-    r = httpx.get(url + "/v1/models/no-such-model")
+    r = http().get(url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    r = http().get(url + "/v1/models/no-such-model")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_server_survives_bad_requests(client, url):
     for _ in range(3):
-        httpx.post(url + "/v1/chat/completions", content=b"{bad")
-        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": -1})
+        assert http().post(url + "/v1/chat/completions", content=b"{bad").status_code == 400
+        assert http().post(url + "/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
     r = client.completions.create(model="any", prompt="still alive?", max_tokens=3)
     assert r.usage.completion_tokens == 3
-    assert httpx.get(url + "/health").json()["active"] == 0
+    assert health(url)["active"] == 0
 
 
 def test_api_key(tiny_llm):
@@ -169,18 +176,11 @@ def test_api_key(tiny_llm):
         with pytest.raises(openai.AuthenticationError) as e:
             bad.models.list()
         assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
-        assert httpx.post(u + "/v1/completions", json={"prompt": "x"}).status_code == 401
-        assert httpx.get(u + "/metrics").status_code == 401
-        assert httpx.get(u + "/health").status_code == 200  # liveness stays open
+        assert http().post(u + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        assert http().get(u + "/metrics").status_code == 401
+        assert http().get(u + "/health").status_code == 200  # liveness stays open
         good = openai.OpenAI(base_url=u + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model="any", prompt="x", max_tokens=2).usage.completion_tokens == 2
-
-
-def _metric(url, name):
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    raise KeyError(name)
 
 
 def _raw_request(url, path, body):
@@ -198,44 +198,43 @@ def _raw_request(url, path, body):
 
 
 def _long_stream(url):
-    """A streamed chat request that would run for thousands of tokens; returns (client, response)
-    once its first token has arrived. (The line iterator is kept on the response: collecting it
-    would close the stream.)"""
-    http = httpx.Client(timeout=120)
-    body = {"messages": HI, "max_tokens": 4000, "temperature": 0, "stream": True}
-    r = http.send(http.build_request("POST", url + "/v1/chat/completions", json=body), stream=True)
+    """A streamed chat request of FOREVER tokens (served by the `long` model it never ends by
+    itself); returns (client, response) once its first token has arrived. (The line iterator is
+    kept on the response: collecting it would close the stream.)"""
+    c = httpx.Client(timeout=TIMEOUT)
+    body = {"messages": HI, "max_tokens": FOREVER, "temperature": 0, "stream": True}
+    r = c.send(c.build_request("POST", url + "/v1/chat/completions", json=body), stream=True)
     r.lines = r.iter_lines()
     assert next(r.lines).startswith("data: ")
-    return http, r
+    return c, r
 
 
-def test_disconnect_frees_the_slot_for_the_next_queued_request(tiny_llm):
-    with serving(tiny_llm, max_concurrency=1) as u:
-        client = openai.OpenAI(base_url=u + "/v1", api_key="x", max_retries=0, timeout=120)
-        http, long = _long_stream(u)
+def test_disconnect_frees_the_slot_for_the_next_queued_request(long):
+    with serving(long, max_concurrency=1) as u:
+        client = openai.OpenAI(base_url=u + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        c, stream = _long_stream(u)
         done = {}
 
         def queued():
             done["r"] = client.completions.create(model="any", prompt="next", max_tokens=5, temperature=0)
-            done["t"] = time.monotonic()
 
         t = threading.Thread(target=queued)
         t.start()
-        wait_for(lambda: httpx.get(u + "/health").json()["queued"] == 1, what="the second request to queue")
-        assert httpx.get(u + "/health").json()["active"] == 1 and "r" not in done
-        long.close()  # the client leaves mid-stream
-        http.close()
-        t.join(60)
+        wait_for(lambda: health(u)["queued"] == 1, what="the second request to queue")
+        assert health(u)["active"] == 1 and "r" not in done
+        stream.close()  # the client leaves mid-stream
+        c.close()
+        t.join(TIMEOUT)
         assert done["r"].usage.completion_tokens == 5
-        assert _metric(u, "cflow_generations_cancelled_total") == 1
-        assert _metric(u, "cflow_completion_tokens_total") == 5  # the long one never finished
-        wait_for(lambda: httpx.get(u + "/health").json()["active"] == 0, what="the slot to free")
+        assert metric(u, "cflow_generations_cancelled_total") == 1
+        assert metric(u, "cflow_completion_tokens_total") == 5  # the long one never finished
+        wait_for(lambda: health(u)["active"] == 0, what="the slot to free")
 
 
-def test_queue_is_first_come_first_served_and_a_queued_client_can_leave(tiny_llm):
-    with serving(tiny_llm, max_concurrency=1) as u:
-        http, long = _long_stream(u)
-        order, health = [], lambda: httpx.get(u + "/health").json()
+def test_queue_is_first_come_first_served_and_a_queued_client_can_leave(long):
+    with serving(long, max_concurrency=1) as u:
+        c, stream = _long_stream(u)
+        order = []
 
         def ask(i):
             # Each queued client streams a long answer and, at its first token, notes its turn and
@@ -250,30 +249,30 @@ def test_queue_is_first_come_first_served_and_a_queued_client_can_leave(tiny_llm
         for i in range(3):
             threads.append(threading.Thread(target=ask, args=(i,)))
             threads[-1].start()
-            wait_for(lambda: health()["queued"] == i + 1, what=f"request {i} to queue")
+            wait_for(lambda: health(u)["queued"] == i + 1, what=f"request {i} to queue")
         # a fourth client gives up while queued (it hangs up once it is in the queue): it leaves the queue
         impatient = _raw_request(u, "/v1/completions", {"prompt": "impatient", "max_tokens": 3})
-        wait_for(lambda: health()["queued"] == 4, what="the impatient client to queue")
+        wait_for(lambda: health(u)["queued"] == 4, what="the impatient client to queue")
         impatient.close()
-        wait_for(lambda: health()["queued"] == 3, what="the impatient client to leave the queue")
-        long.close()
-        http.close()
+        wait_for(lambda: health(u)["queued"] == 3, what="the impatient client to leave the queue")
+        stream.close()
+        c.close()
         for th in threads:
-            th.join(60)
+            th.join(TIMEOUT)
         assert order == [0, 1, 2]
         # all five left early: the long stream, the three queued streams and the impatient client
-        wait_for(lambda: _metric(u, "cflow_generations_cancelled_total") == 5, what="five cancelled requests")
-        assert _metric(u, "cflow_completion_tokens_total") == 0
-        assert health()["queued"] == 0
+        wait_for(lambda: metric(u, "cflow_generations_cancelled_total") == 5, what="five cancelled requests")
+        assert metric(u, "cflow_completion_tokens_total") == 0
+        assert health(u)["queued"] == 0
 
 
-def test_queue_limit_gives_503(tiny_llm):
-    with serving(tiny_llm, max_concurrency=1, max_queue=0) as u:
-        http, long = _long_stream(u)
-        r = httpx.post(u + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+def test_queue_limit_gives_503(long):
+    with serving(long, max_concurrency=1, max_queue=0) as u:
+        c, stream = _long_stream(u)
+        r = http().post(u + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
-        long.close()
-        http.close()
+        stream.close()
+        c.close()
 
 
 def test_bench_load_reports_a_clean_run(url, capsys):

@@ -3,10 +3,16 @@
 make_sampler(...) returns sample(logits, history) -> token id. Order: repetition penalty,
 then temperature; greedy when temperature == 0; otherwise top-k, top-p, min-p filters on the
 probabilities and a draw from the seeded generator.
+
+No setting gives NaN probabilities: the logits are shifted by their maximum before they are
+divided by the temperature, so a temperature as small as 5e-324 gives the limit of the
+distribution (all the mass on the most likely token: greedy, a draw among exact ties), and a
+repetition penalty as small as 1e-320 gives a huge but finite logit.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -43,8 +49,14 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: fl
     ids = np.unique(np.asarray(history, dtype=np.int64))
     out = logits.copy()
     v = out[ids]
-    out[ids] = np.where(v > 0, v / penalty, v * penalty)
+    with np.errstate(over="ignore"):
+        v = np.where(v > 0, v / penalty, v * penalty)
+    # finite, and far enough from overflow that the difference of two logits stays finite
+    out[ids] = np.clip(v, -_BIG, _BIG)
     return out
+
+
+_BIG = np.finfo(np.float64).max / 4
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -90,6 +102,10 @@ def draw(rng: np.random.Generator, p: np.ndarray) -> int:
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, seed: int | None = None) -> Sampler:
     """A sampler with these settings (checked here, so bad values fail before generation)."""
+    for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
+                    ("repetition_penalty", repetition_penalty)):
+        if not math.isfinite(v):
+            raise CflowError(f"{name} must be a finite number, got {v}")
     if temperature < 0:
         raise CflowError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
@@ -100,6 +116,8 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
         raise CflowError(f"top_k must be >= 0, got {top_k}")
     if repetition_penalty <= 0:
         raise CflowError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 1 << 64):
+        raise CflowError(f"seed must be an integer in 0..2^64-1, got {seed}")
     rng = np.random.default_rng(seed)
 
     def sample(logits: np.ndarray, history: list[int]) -> int:
@@ -145,14 +163,17 @@ def _top_k_top_p(x: np.ndarray, temperature: float, top_k: int, top_p: float) ->
     v = x.size
     if 0 < top_k < v:  # the k largest, then top-p among them (relative to their mass, as the filters)
         ids = _top_k_ids(x, top_k)
-        z = x[ids].astype(np.float64) / temperature
-        z -= z.max()
+        z = x[ids].astype(np.float64)
+        z -= z.max()  # before the division: x / a tiny temperature would overflow, and inf - inf is NaN
+        with np.errstate(over="ignore"):
+            z /= temperature
         np.exp(z, out=z)
         p = top_p_filter(z / z.sum(), top_p)
         keep = np.flatnonzero(p)
         return ids[keep], p[keep]
-    z = np.divide(x, temperature, dtype=np.float64)  # softmax in place: one vocabulary-sized array
-    z -= z.max()
+    z = np.subtract(x, x.max(), dtype=np.float64)  # softmax in place: one vocabulary-sized array
+    with np.errstate(over="ignore"):
+        z /= temperature  # after the shift, as above: the maximum stays 0, the rest <= 0 or -inf
     np.exp(z, out=z)
     z /= z.sum()
     if top_p < 1.0 and v > TOP_P_SHORTLIST:

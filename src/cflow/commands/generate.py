@@ -26,7 +26,8 @@ def add_sampling_arguments(p):
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--n-ctx", type=int, default=None,
-                   help=f"context length (default: the model's, at most {DEFAULT_MAX_CTX})")
+                   help=f"context length in tokens (default: the model's own, capped at {DEFAULT_MAX_CTX}; "
+                        "a value you give is used as given, beyond the model's own too)")
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help="engine: native (default), ref (the numpy interpreter of the same plan, fp32)")
     add_activation_arguments(p)

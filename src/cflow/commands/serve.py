@@ -13,7 +13,9 @@ def add_arguments(p):
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     add_activation_arguments(p)
-    p.add_argument("--n-ctx", type=int, default=None, help=f"context length (default: the model's, at most {DEFAULT_MAX_CTX})")
+    p.add_argument("--n-ctx", type=int, default=None,
+                   help=f"context length in tokens of each sequence (default: the model's own, capped at "
+                        f"{DEFAULT_MAX_CTX}; a value you give is used as given, beyond the model's own too)")
     p.add_argument("--parallel", "--max-concurrency", dest="parallel", type=int, default=1,
                    help="sequences decoded together, one engine step for all (continuous batching); later "
                         "requests queue in arrival order. Their KV caches (parallel x n_ctx tokens) must fit "

@@ -22,16 +22,18 @@ import jinja2
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from cflow.errors import CflowError
+from cflow.errors import CflowError, ModelFileChanged
 from cflow.generate import Decoder
 from cflow.server.batcher import END, Batcher, Job, QueueFull
 from cflow.server.metrics import Metrics
-from cflow.server.schemas import ApiError, ChatRequest, CompletionRequest, from_validation
+from cflow.server.schemas import (ApiError, ChatRequest, CompletionRequest, check_content_type, from_validation,
+                                  parse_body)
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 1 << 20  # bytes; a full context of text is far below this
@@ -59,6 +61,60 @@ class EventStream(StreamingResponse):
 
             tg.start_soon(run_then_stop, partial(self.stream_response, send))
             await run_then_stop(partial(self.listen_for_disconnect, receive))
+
+
+DRAIN_BYTES = 64 << 20  # of a body left unread by an early answer, read and dropped before closing
+DRAIN_SECONDS = 30.0
+
+
+class _AnswerBeforeClosing:
+    """ASGI middleware: an answer given before the request's body was read to its end (a 413, a
+    401, a 404 with a body) says `Connection: close`, and the rest of the body is read and dropped
+    before the answer ends and the connection closes. Closing a socket that still holds unread
+    data makes the kernel reset the connection, and a client that is still sending (urllib,
+    which always asks to close) then loses the answer. At most DRAIN_BYTES or DRAIN_SECONDS are
+    spent on it; a client that asked `Expect: 100-continue` has not sent the body, so it is
+    left unread."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        size = headers.get(b"content-length", b"")
+        has_body = b"transfer-encoding" in headers or (size.isdigit() and int(size) > 0)
+        state = {"ended": not has_body, "asked": False, "close": False}
+
+        async def receive_():
+            state["asked"] = True
+            msg = await receive()
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                state["ended"] = True
+            return msg
+
+        async def drain():
+            if b"100-continue" in headers.get(b"expect", b"").lower() and not state["asked"]:
+                return
+            if size.isdigit() and int(size) > DRAIN_BYTES:
+                return  # cannot reach its end: close at once
+            n = 0
+            with anyio.move_on_after(DRAIN_SECONDS):
+                while not state["ended"] and n <= DRAIN_BYTES:
+                    n += len((await receive_()).get("body", b""))
+
+        async def send_(msg):
+            if msg["type"] == "http.response.start" and not state["ended"]:
+                state["close"] = True
+                msg = dict(msg, headers=[*msg.get("headers", []), (b"connection", b"close")])
+            elif msg["type"] == "http.response.body" and state["close"] and not msg.get("more_body", False):
+                await send(dict(msg, more_body=True))  # the whole answer is out: a client reading it has it now
+                await drain()
+                msg = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(msg)
+
+        await self.app(scope, receive_, send_)
 
 
 def _sse(obj) -> str:
@@ -110,9 +166,17 @@ def _display_name(name: str) -> str:
     return p.name.removesuffix(".cflow").removesuffix(".gguf") or name
 
 
+def _unusable(reason: str) -> ApiError:
+    """The model file changed on disk under the mapping (ModelFileChanged): a 503, as for a server
+    that cannot serve until its operator restarts it; not the client's fault (4xx) nor a bug (500)."""
+    return ApiError(503, reason, type="server_error", code="model_file_changed")
+
+
 def _model_error(e: Exception) -> ApiError:
     if isinstance(e, QueueFull):
         return ApiError(503, "server busy: the request queue is full, retry later", type="server_error", code="queue_full")
+    if isinstance(e, ModelFileChanged):
+        return _unusable(str(e))
     if isinstance(e, CflowError):
         return ApiError(400, str(e), code="invalid_value")
     return ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
@@ -169,21 +233,21 @@ class Server:
                            type="authentication_error", code="invalid_api_key")
 
     async def body(self, request: Request) -> dict:
+        """The JSON object of the body (schemas.parse_body); 413 past max_body (what is left of
+        the body is then read and dropped, _AnswerBeforeClosing); 415 for a type that is not JSON."""
+        check_content_type(request.headers.get("content-type"))
         size = request.headers.get("content-length", "")
         if size.isdigit() and int(size) > self.max_body:
             raise ApiError(413, f"request body of {size} bytes exceeds the limit of {self.max_body}", code="body_too_large")
         buf = bytearray()
-        async for part in request.stream():
-            buf += part
-            if len(buf) > self.max_body:
-                raise ApiError(413, f"request body exceeds the limit of {self.max_body} bytes", code="body_too_large")
         try:
-            data = json.loads(buf)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the JSON body must be an object", code="invalid_json")
-        return data
+            async for part in request.stream():
+                buf += part
+                if len(buf) > self.max_body:
+                    raise ApiError(413, f"request body exceeds the limit of {self.max_body} bytes", code="body_too_large")
+        except ClientDisconnect:
+            raise ApiError(499, "the client left before sending the whole body") from None
+        return parse_body(bytes(buf))
 
     def sampling(self, req, prompt: list[int]) -> dict:
         n_ctx, n = self.llm.n_ctx, len(prompt)
@@ -313,9 +377,18 @@ class Server:
                            param="model", code="model_not_found")
         return JSONResponse(self.model_card())
 
+    def unusable(self) -> str | None:
+        """Why the model cannot serve (its file changed on disk: Engine.weights_error), or None."""
+        check = getattr(getattr(self.llm, "engine", None), "weights_error", None)
+        return check() if check is not None else None
+
     async def health(self, request: Request):
         s = self.batcher
-        return JSONResponse({"status": "ok", "model": self.name, "slots": s.n, "active": s.active, "queued": s.queued})
+        body = {"status": "ok", "model": self.name, "slots": s.n, "active": s.active, "queued": s.queued}
+        reason = self.unusable()
+        if reason is None:
+            return JSONResponse(body)
+        return JSONResponse(dict(body, status="error", **_unusable(reason).body()), status_code=503)
 
     async def prometheus(self, request: Request):
         self.auth(request)
@@ -362,7 +435,7 @@ def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None 
 
     async def http_error(request, exc: HTTPException):
         err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                       code="not_found" if exc.status_code == 404 else None)
+                       code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def server_error(request, exc: Exception):
@@ -378,6 +451,6 @@ def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None 
             await asyncio.to_thread(srv.batcher.stop)
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
-                    lifespan=lifespan)
+                    middleware=[Middleware(_AnswerBeforeClosing)], lifespan=lifespan)
     app.state.server = srv
     return app

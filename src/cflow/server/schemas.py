@@ -2,14 +2,25 @@
 
 Unknown top-level fields are ignored (clients send many), except those that would change the
 answer and that cflow cannot honour (n > 1, logprobs, tools, logit_bias, ...): those get a 400
-rather than a silently different result. Types are strict: "5" is not a number.
+rather than a silently different result. Types are strict: "5" is not a number, true is not 1.
+
+parse_body turns the raw body into a dict without trusting it: strict UTF-8, nesting bounded
+before the parser recurses, no NaN / Infinity / out-of-range numbers, no lone surrogates.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_JSON_DEPTH = 64  # arrays / objects inside each other; a request needs 4
+MAX_INT_DIGITS = 40  # a JSON integer longer than this is refused (2**64 has 20 digits)
+MAX_STOP_CHARS = 512  # characters of one stop string
 
 
 class ApiError(Exception):
@@ -17,28 +28,170 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
+        message = _printable(message)
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = status, message, type, _printable(param), code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _printable(s: str | None) -> str | None:
+    """s as UTF-8 can encode it (a lone surrogate from the request becomes '?'): error messages
+    quote the request, and the answer must still encode."""
+    return s if s is None or s.isascii() else s.encode("utf-8", "replace").decode("utf-8")
+
+
+# ------------------------------------------------------------------ the raw body
+JSON_TYPES = ("application/json", "text/plain", "application/x-www-form-urlencoded")
+
+
+def check_content_type(value: str | None) -> None:
+    """415 unless the body may be JSON: no Content-Type, application/json or */*+json, and the
+    text/plain and form types that `curl -d` and simple browser requests send; any charset
+    parameter must be UTF-8 (RFC 8259)."""
+    if value is None:
+        return
+    mime, *params = [x.strip().lower() for x in value.split(";")]
+    charset = next((v.strip('"') for k, _, v in (x.partition("=") for x in params) if k.strip() == "charset"), "utf-8")
+    if (mime in JSON_TYPES or mime.endswith("+json")) and charset in ("utf-8", "utf8", "us-ascii"):
+        return
+    raise ApiError(415, f"Content-Type {value!r}: the body must be JSON in UTF-8 (send application/json)",
+                   code="unsupported_media_type")
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text raw, found without parsing (so
+    without recursion): brackets inside strings do not count. Exact for valid JSON; for invalid
+    JSON the parser's own error comes later."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # at most that deep, whatever the strings hold
+    a = np.frombuffer(raw, np.uint8)
+    # a quote is escaped when an odd run of backslashes stands before it
+    i = np.arange(a.size, dtype=np.int32)  # (a body is at most a few MiB)
+    last_plain = np.maximum.accumulate(np.where(a == 0x5C, -1, i))  # the last non-backslash at or before i
+    quotes = np.flatnonzero(a == 0x22)
+    before = np.where(quotes > 0, last_plain[np.maximum(quotes - 1, 0)], -1)
+    quotes = quotes[(quotes - 1 - before) % 2 == 0]
+    brackets = np.flatnonzero((a == 0x5B) | (a == 0x7B) | (a == 0x5D) | (a == 0x7D))
+    brackets = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # an even number of quotes before: outside strings
+    if brackets.size == 0:
+        return 0
+    step = np.where((a[brackets] == 0x5B) | (a[brackets] == 0x7B), 1, -1)
+    return int(np.cumsum(step).max())
+
+
+class _BadNumber(ValueError):
+    pass
+
+
+def _constant(name: str):
+    raise _BadNumber(f"{name} is not a JSON number")
+
+
+def _float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise _BadNumber(f"the number {text[:40]} is out of range")
+    return x
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _BadNumber(f"an integer of {len(text.lstrip('-'))} digits is out of range")
+    return int(text)
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(s: str) -> str | None:
+    """The first lone surrogate in s (as U+XXXX), or None: such a string cannot be UTF-8."""
+    if s.isascii():
+        return None
+    try:
+        s.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return f"U+{ord(s[e.start]):04X}"
+
+
+def _find_lone_surrogate(data) -> tuple[str | None, str, str] | None:
+    """(path, what, which) for the first string of data holding a lone surrogate (a key: the
+    path of its object), or None. Iterative: no recursion at all."""
+    todo = [(data, None)]
+    while todo:
+        v, where = todo.pop()
+        if isinstance(v, str):
+            bad = _lone_surrogate(v)
+            if bad:
+                return where, where, bad
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                bad = _lone_surrogate(k)
+                if bad:
+                    return where, f"a key of {where or 'the body'}", bad
+                todo.append((x, f"{where}.{k}" if where else k))
+        elif isinstance(v, list):
+            todo.extend((x, f"{where}.{i}" if where else str(i)) for i, x in enumerate(v))
+    return None
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a dict, or an ApiError 400 that says what is wrong with it."""
+    def bad(msg: str, param: str | None = None, code: str = "invalid_json") -> ApiError:
+        return ApiError(400, msg, param=param, code=code)
+
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise bad(f"the body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise bad(f"malformed JSON body: arrays and objects nest deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        data = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
+    except RecursionError:  # invalid JSON the depth count could not follow
+        raise bad(f"malformed JSON body: arrays and objects nest deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise bad(f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(data), "a number")
+        raise bad(f"the JSON body must be an object, not {kind}")
+    if _SURROGATE_ESCAPE.search(text):
+        found = _find_lone_surrogate(data)
+        if found:
+            param, what, which = found
+            raise bad(f"{what}: a lone surrogate ({which}) is not a Unicode character; "
+                      "encode text as UTF-8 (or escape pairs)", param=param, code="invalid_value")
+    return data
+
+
+def _field_path(loc) -> list:
+    """loc without the union-member names pydantic adds (messages.0.content.str ->
+    messages.0.content; stop.list[constrained-str].1 -> stop.1): no field name has [ or -."""
+    return [p for p in loc if not (isinstance(p, str) and (p in ("str", "int", "float", "bool", "list", "none")
+                                                          or "[" in p or "-" in p))]
+
+
 def from_validation(e: ValidationError) -> ApiError:
     """A pydantic error as a 400 naming the offending field. For a union (stop: str | list) the
-    type mismatch of one member says little; the other member's complaint is the useful one."""
+    type mismatch of one member says little; the other member's complaint is the useful one,
+    and of type mismatches the deepest (content: ["hi"] -> messages.0.content.0)."""
     errs = e.errors()
-    err = next((x for x in errs if not x["type"].endswith("_type")), errs[0])
-    # drop union-member names pydantic adds to the location: messages.0.content.str -> messages.0.content
-    loc = [p for p in err["loc"] if not (isinstance(p, str) and (p in ("str", "int", "float", "bool", "list") or "[" in p))]
-    param = ".".join(str(p) for p in loc) or None
+    err = min(errs, key=lambda x: (x["type"].endswith("_type"), -len(_field_path(x["loc"]))))
+    param = ".".join(str(p) for p in _field_path(err["loc"])) or None
     msg = err["msg"].removeprefix("Value error, ")
     return ApiError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
-_strict = ConfigDict(strict=True, extra="ignore")
-NonNeg = Annotated[float, Field(ge=0.0)]
+_strict = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 Prob = Annotated[float, Field(ge=0.0, le=1.0)]
+Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
+class StreamOptions(BaseModel):
+    model_config = _strict
+    include_usage: bool | None = None
 
 
 class Sampling(BaseModel):
@@ -48,26 +201,47 @@ class Sampling(BaseModel):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Prob = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
     min_p: Prob = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    n: Literal[1] = 1
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     # accepted only at their neutral values: anything else would change the answer
-    logprobs: Literal[False, None] = None
-    top_logprobs: Literal[0, None] = None
+    n: int = 1
+    best_of: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    echo: bool = False
     logit_bias: Annotated[dict, Field(max_length=0)] | None = None
-    best_of: Literal[1, None] = None
-    echo: Literal[False] = False
     tools: Annotated[list, Field(max_length=0)] | None = None
     functions: Annotated[list, Field(max_length=0)] | None = None
     tool_choice: Literal["none", None] = None
+
+    @field_validator("n", "best_of")
+    @classmethod
+    def _only_one(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only 1 is supported")
+        return v
+
+    @field_validator("logprobs", "echo")
+    @classmethod
+    def _only_false(cls, v):
+        if v:
+            raise ValueError("not supported (only false)")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _only_zero(cls, v):
+        if v not in (None, 0):
+            raise ValueError("not supported (only 0)")
+        return v
 
     @model_validator(mode="after")
     def _penalties(self):
@@ -76,7 +250,7 @@ class Sampling(BaseModel):
         return self
 
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_llm(self, default_max_tokens: int, defaults: dict | None = None) -> dict:
         """Keyword arguments for LLM.complete (docs/SERVER.md, "Parameter mapping"); `defaults`
