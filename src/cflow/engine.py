@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from cflow.config import ModelConfig
+from cflow.config import MAX_SIZE, ModelConfig
 from cflow.errors import CflowError, CflowFormatError, ModelFileChanged
 
 # Weight roles whose int8 activations may be two-level (Engine's `precise`; an op's two_level).
@@ -46,6 +46,49 @@ ACTIVATIONS = {"int8x2": dict(fast=True, precise=True), "int8": dict(fast=True, 
                "fp32": dict(fast=False, precise=False)}
 """The activation settings by name (CLI --activations): two-level int8 (the default), one-level
 int8, fp32."""
+
+
+def kv_bytes_per_token(engine) -> int:
+    """Bytes of KV cache one token takes in one state: K and V, fp32, of every attention layer."""
+    return sum(2 * h * d * 4 for h, d in _plan().kv_slots(engine.plan))
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo, else psutil's figure, in bytes (None if neither is known)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return None
+
+
+def check_kv_memory(engine, n: int) -> None:
+    """Fail with advice when the KV caches of n full sequences would not fit in memory (the
+    server checks its --parallel slots at start-up, Engine.new_state one sequence)."""
+    per_token = kv_bytes_per_token(engine)
+    need, avail = n * engine.n_ctx * per_token, available_memory()
+    if avail is not None and need > avail:
+        who = f"--parallel {n} sequences" if n > 1 else "one sequence"
+        raise CflowError(f"the KV cache of {who} x n_ctx {engine.n_ctx} tokens x "
+                         f"{per_token / 1024:.1f} KiB per token needs {need / 2**30:.2f} GiB, but only "
+                         f"{avail / 2**30:.2f} GiB of memory is available: lower --n-ctx or --parallel")
+
+
+def _plan():
+    from cflow import plan
+
+    return plan
+
+
+MAX_THREADS = 1024  # far above any machine's cores; a thread pool of 10^5 threads cannot start
 
 
 def default_threads() -> int:
@@ -116,9 +159,11 @@ class EngineBase:
         self.n_ctx = int(n_ctx or min(cfg.max_seq_len, DEFAULT_MAX_CTX))
         if self.n_ctx <= 0:
             raise CflowError(f"n_ctx must be positive, got {self.n_ctx}")
+        if self.n_ctx > MAX_SIZE:
+            raise CflowError(f"n_ctx={self.n_ctx} exceeds {MAX_SIZE} tokens (the model holds {cfg.max_seq_len})")
         self.threads = int(threads or default_threads())
-        if self.threads < 1:
-            raise CflowError(f"threads must be >= 1, got {self.threads}")
+        if not 1 <= self.threads <= MAX_THREADS:
+            raise CflowError(f"threads must be in 1..{MAX_THREADS}, got {self.threads}")
         self.fast = bool(fast)
         roles = ROLES if precise is True else tuple(precise or ())
         self.precise_roles = roles if self.fast else ()
@@ -286,7 +331,8 @@ class Engine(EngineBase):
         return {"bytes": dict(zip(STREAMS, b)), "steps": steps, "rows": rows}
 
     def new_state(self) -> State:
-        """A fresh, empty sequence."""
+        """A fresh, empty sequence (its KV cache for n_ctx tokens is allocated here)."""
+        check_kv_memory(self, 1)
         return State(self._core.new_state())
 
     def _forward(self, states, ids, all_logits):

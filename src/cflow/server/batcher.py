@@ -27,7 +27,7 @@ import itertools
 import threading
 from collections import deque
 
-from cflow import plan as P
+from cflow.engine import check_kv_memory
 from cflow.errors import CflowError
 from cflow.generate import PREFILL_CHUNK, Decoder
 
@@ -36,38 +36,6 @@ END = object()  # put on a Job's queue after its last chunk (or its error)
 
 class QueueFull(Exception):
     pass
-
-
-def kv_bytes_per_token(engine) -> int:
-    """Bytes of KV cache one token takes in one state: K and V, fp32, of every attention layer."""
-    return sum(2 * h * d * 4 for h, d in P.kv_slots(engine.plan))
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo, else psutil's figure, in bytes (None if neither is known)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        return None
-
-
-def check_kv_memory(engine, n: int) -> None:
-    """Fail with advice when the KV caches of n full sequences would not fit in memory."""
-    per_token = kv_bytes_per_token(engine)
-    need, avail = n * engine.n_ctx * per_token, available_memory()
-    if avail is not None and need > avail:
-        raise CflowError(f"the KV cache of --parallel {n} sequences x n_ctx {engine.n_ctx} tokens x "
-                         f"{per_token / 1024:.1f} KiB per token needs {need / 2**30:.2f} GiB, but only "
-                         f"{avail / 2**30:.2f} GiB of memory is available: lower --n-ctx or --parallel")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
