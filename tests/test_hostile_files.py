@@ -429,3 +429,24 @@ def test_hostile_hf_config_convert(case, tiny_hf, tmp_path, capsys):
     (src / "config.json").write_text(json.dumps(cfg))
     expect_error(capsys, match, "convert", src, "-o", tmp_path / "out.cflow")
     assert not (tmp_path / "out.cflow").exists()
+
+
+# ---------------------------------------------------------------------------- chat templates
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{{ ''.__class__.__mro__ }}", r"chat template failed: SecurityError"),
+    ("{% for i in range(10**9) %}x{% endfor %}", r"chat template failed: OverflowError"),
+    ("{{ messages[0]['content'] / 0 }}", r"chat template failed: "),
+    ("{{ raise_exception('no system role') }}", r"chat template: no system role"),
+    ("{% for %}", r"chat template does not parse"),
+])
+def test_a_hostile_chat_template_is_a_clear_error(tiny_llm, template, match):
+    import copy
+
+    from cflow.errors import CflowError
+
+    llm = copy.copy(tiny_llm)  # the session's model keeps its own template
+    llm.chat_template, llm._template = template, None
+    with pytest.raises(CflowError, match=match):
+        llm.render_chat([{"role": "user", "content": "hi"}])

@@ -166,8 +166,14 @@ class LLM:
         tok = self.tokenizer
         bos = tok.token_text(tok.bos_token_id) if tok.bos_token_id is not None else ""
         eos = tok.token_text(min(tok.eos_token_ids)) if tok.eos_token_ids else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos or "", eos_token=eos or "")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos or "", eos_token=eos or "")
+        except CflowError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the template is the model file's code: any failure is its
+            # (the sandbox raises SecurityError for attribute tricks, OverflowError for huge ranges)
+            raise CflowError(f"the model's chat template failed: {type(e).__name__}: {str(e)[:200]}") from None
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
