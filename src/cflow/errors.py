@@ -17,3 +17,10 @@ class UnsupportedError(CflowError):
 class ModelFileChanged(CflowError):
     """The mapped model file was truncated or written in place while in use: the weights in
     memory are no longer the model's, so the engine refuses every step from then on."""
+
+
+def library_failure(e: BaseException) -> bool:
+    """Whether `e`, raised by a library reading a hostile file, is that library's failure: any
+    Exception, or a Rust panic (pyo3's PanicException, e.g. from tokenizers, derives from
+    BaseException so that `except Exception` misses it). Interrupts and exits are not."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cflow.errors import CflowError
+from cflow.errors import CflowError, library_failure
 
 
 class Tokenizer:
@@ -18,7 +18,9 @@ class Tokenizer:
             raise CflowError("the model file holds no tokenizer")
         try:
             self.backend = HFTokenizer.from_str(tokenizer_json)
-        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        except BaseException as e:  # noqa: BLE001 - tokenizers raises bare Exceptions, and panics
+            if not library_failure(e):
+                raise
             raise CflowError(f"cannot load the model's tokenizer: {e}") from None
         special = special or {}
         self.bos_token_id: int | None = special.get("bos_token_id")

@@ -22,7 +22,7 @@ from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields, sp
 from cflow.convert.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from cflow.convert.names import rename
 from cflow.convert.sentencepiece import CONTROL, USER_DEFINED, sentencepiece_tokenizer
-from cflow.errors import CflowFormatError, UnsupportedError
+from cflow.errors import CflowFormatError, UnsupportedError, library_failure
 from cflow.format.tiles import BLOCK_TYPES, BLOCK_TYPES_BY_CODE
 from cflow.models.base import unpermute_rope_rows as _unpermute  # noqa: F401 - the name tests use
 
@@ -84,7 +84,9 @@ def _byte_level_bpe(path, m: dict) -> "tokenizers.Tokenizer":
             _fail(path, f"{MERGES}[{i}] {lines[i]!r} is not two tokens separated by one space")
     try:  # tokenizers raises a bare Exception naming the token, e.g. a merge whose result is no token
         tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    except Exception as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001 - tokenizers raises bare Exceptions, and panics
+        if not library_failure(e):
+            raise
         _fail(path, f"the vocabulary and {MERGES} do not make a BPE tokenizer: {e}")
     pre = m.get("tokenizer.ggml.pre", "default")
     if pre == "smollm":  # digits one by one, then GPT-2's split
@@ -110,7 +112,9 @@ def _sentencepiece(path, m: dict) -> "tokenizers.Tokenizer":
                     f"({len(tokens)})")
     try:  # tokenizers raises a bare Exception naming what it refuses
         return sentencepiece_tokenizer(tokens, scores, types, m.get("general.architecture", ""))
-    except Exception as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001 - tokenizers raises bare Exceptions, and panics
+        if not library_failure(e):
+            raise
         _fail(path, f"the SentencePiece vocabulary does not make a tokenizer: {e}")
 
 

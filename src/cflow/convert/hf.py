@@ -22,7 +22,7 @@ import numpy as np
 from cflow import models
 from cflow.convert import Checkpoint, Tensor, fuse_layers, generation_fields, split_experts
 from cflow.convert.names import rename
-from cflow.errors import CflowFormatError, UnsupportedError
+from cflow.errors import CflowFormatError, UnsupportedError, library_failure
 from cflow.models.base import hf_rope_theta as _rope_theta  # noqa: F401 - the name tests use
 
 DTYPES = {"F32": ("f32", np.float32), "F16": ("f16", np.float16), "BF16": ("bf16", np.uint16)}
@@ -95,6 +95,26 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
     return out
 
 
+def _check_bpe(path: Path, text: str) -> None:
+    """A BPE tokenizer.json's merges name tokens of its vocabulary, and so does each merge's
+    result: tokenizers panics (a Rust panic, not an exception) on some merges that do not."""
+    try:
+        model = json.loads(text).get("model")
+    except (ValueError, RecursionError, AttributeError):
+        return  # tokenizers reports what is wrong with the JSON itself
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        raise CflowFormatError(f"{path}: a BPE model needs a vocab object and a merges list")
+    for i, m in enumerate(merges):
+        pair = m.split(" ") if isinstance(m, str) else m
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) and p in vocab for p in pair)
+                and pair[0] + pair[1] in vocab):
+            raise CflowFormatError(f"{path}: merge {i} {str(m)[:40]!r} is not two tokens of the vocabulary "
+                                   "whose join is one")
+
+
 def _tokenizer(d: Path, add_bos: bool, gen: dict) -> tuple[str | None, str | None, dict]:
     tok_json = None
     if (d / "tokenizer.json").is_file():
@@ -113,9 +133,12 @@ def _tokenizer(d: Path, add_bos: bool, gen: dict) -> tuple[str | None, str | Non
     if tok_json:
         from tokenizers import Tokenizer
 
+        _check_bpe(d / "tokenizer.json", tok_json)
         try:
             tk = Tokenizer.from_str(tok_json)
-        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for every bad file
+        except BaseException as e:  # noqa: BLE001 - tokenizers raises bare Exceptions, and panics
+            if not library_failure(e):
+                raise
             raise CflowFormatError(f"{d / 'tokenizer.json'}: {str(e)[:200]}") from None
         for key in ("bos_token", "eos_token"):
             t = tcfg.get(key)

@@ -63,6 +63,8 @@ def _set_field(data: bytearray, f: Field, rng: random.Random) -> str:
         return f"{f.what}: bytes {new!r} at {i}"
     if f.fmt in ("<f", "<d"):
         v = rng.choice(EDGE_FLOATS)
+        if f.fmt == "<f" and math.isfinite(v) and abs(v) > 3.4e38:
+            v = math.copysign(math.inf, v)  # what a float32 field holds for it
         data[f.offset:f.offset + f.size] = struct.pack(f.fmt, v)
         return f"{f.what} = {v!r}"
     (old,) = struct.unpack_from(f.fmt, data, f.offset)

@@ -81,12 +81,16 @@ class Worker:
         line = self._read(self.timeout)
         if line:
             return json.loads(line)
-        if self.proc.poll() is None:  # no answer in time: a hang
+        if line is None:  # no answer in time: a hang
             self.proc.kill()
             self.proc.wait()
             self.proc = None
             return {"worker": ["hang", f"no answer in {self.timeout:g} s"]}
-        rc = self.proc.wait()
+        try:  # end of its output: the worker is exiting
+            rc = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
         self.proc = None
         return {"worker": ["crash", f"worker died with {'signal ' + str(-rc) if rc < 0 else 'exit ' + str(rc)}"]}
 

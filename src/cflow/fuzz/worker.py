@@ -42,7 +42,9 @@ def run_verb(argv: list[str]) -> tuple[str, str]:
             rc = main(argv)
     except MemoryError:
         return "memory", "MemoryError"
-    except Exception as e:  # noqa: BLE001 - any exception escaping the command is the finding
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - any exception escaping the command is the finding
         tb = traceback.extract_tb(e.__traceback__)
         where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
         return "traceback", f"{type(e).__name__} at {where}: {str(e)[:200]}"
@@ -70,7 +72,9 @@ def logits_finite(path: str) -> tuple[str, str]:
         return "error", str(e)[:300]
     except MemoryError:
         return "memory", "MemoryError"
-    except Exception as e:  # noqa: BLE001
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001
         return "traceback", f"{type(e).__name__}: {str(e)[:200]}"
     if not np.isfinite(x).all():
         return "nonfinite", f"{int((~np.isfinite(x)).sum())} of {x.size} logits are not finite"

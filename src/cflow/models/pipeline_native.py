@@ -33,6 +33,9 @@ ROUTING_ANCHORS = ("pre_dense", "post_dense")
 RESIDUALS = ("single", "decoupled")  # decoupled: experts keep their own residual stream (arch1)
 
 
+MAX_APPLICATIONS = 1 << 14  # 16384 layer applications per token: far above any model's
+
+
 @dataclass
 class PNTConfig(ModelConfig):
     arch: str = "pnt"
@@ -54,6 +57,9 @@ class PNTConfig(ModelConfig):
         need = config_error
         need(isinstance(self.n_iter, int) and 0 < self.n_iter <= 1 << 24,
              f"n_iter={self.n_iter!r} must be a positive integer below 2^24")
+        # the plan holds an op list per layer application: bound it before anything loops over it
+        need(self.n_layer * self.n_iter <= MAX_APPLICATIONS,
+             f"n_layer x n_iter = {self.n_layer * self.n_iter} layer applications exceed {MAX_APPLICATIONS}")
         need(self.combine in COMBINE_STYLES, f"combine {self.combine!r} not in {COMBINE_STYLES}")
         need(self.routing_anchor in ROUTING_ANCHORS, f"routing_anchor {self.routing_anchor!r} not in {ROUTING_ANCHORS}")
         need(self.residual in RESIDUALS, f"residual {self.residual!r} not in {RESIDUALS}")
