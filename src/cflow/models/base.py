@@ -425,12 +425,14 @@ class Architecture:
         # the fewest tensors a layer of experts has (attention norm, fused QKV, output, FFN norm, the
         # router, each expert's two): a config that needs more than the model has fails here, before
         # a count of layers times experts sizes any loop
-        # (a dense layer has at least one tensor of its own: n_layer above the tensor count is
-        # refused before a loop over 2^24 layers builds their names)
-        per_layer = 5 + 2 * cfg.n_expert if cfg.n_expert else 1
-        if cfg.n_layer * per_layer > len(tensors):
+        # (a dense layer has at least one tensor of its own: n_layer far above the tensor count is
+        # refused before a loop over 2^24 layers builds their names; a small count goes on to name
+        # the first missing tensor)
+        per_layer = 5 + 2 * cfg.n_expert
+        if cfg.n_expert and cfg.n_layer * per_layer > len(tensors) or cfg.n_layer > max(len(tensors), 1024):
             raise CflowFormatError(f"the config (arch {cfg.arch}, n_layer={cfg.n_layer}, n_expert={cfg.n_expert}) "
-                                   f"needs at least {cfg.n_layer * per_layer} tensors; the model has {len(tensors)}")
+                                   f"needs at least {cfg.n_layer * (per_layer if cfg.n_expert else 1)} tensors; "
+                                   f"the model has {len(tensors)}")
         need = self.expected_tensors(cfg, tensors)
         for name, shape in need.items():
             t = tensors.get(name)
