@@ -81,13 +81,23 @@ size_t layout_nbytes(const TileLayout& L) { return (size_t)L.rows * (size_t)(L.c
 namespace ref {
 
 namespace {
+// v -> int8 as the SIMD kernels convert (cvtps_epi32, then the saturating packs): round to nearest
+// even, saturate to [-128, 127], and NaN or |v| >= 2^31 (cvtps' 0x80000000) -> -128. A plain cast
+// of those is undefined behaviour, and they happen: a NaN or inf activation (hostile weights), or
+// a block whose max |x| is so small that 1 / d overflows to inf.
+inline int8_t to_q8(float v) {
+  const float r = std::nearbyint(v);
+  if (r >= -128.0f && r <= 127.0f) return (int8_t)r;  // every finite activation of a sane block
+  return r > 127.0f && r < 2147483648.0f ? 127 : -128;
+}
+
 // One block of N activations -> q (round to nearest even); returns the scale d = max|x| / 127.
 template <int N>
 float quantize_block(const float* x, int8_t* q) {
   float amax = 0.0f;
   for (int j = 0; j < N; ++j) amax = std::fmax(amax, std::fabs(x[j]));
   const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-  for (int j = 0; j < N; ++j) q[j] = (int8_t)std::nearbyint(x[j] * id);
+  for (int j = 0; j < N; ++j) q[j] = to_q8(x[j] * id);
   return d;
 }
 }  // namespace

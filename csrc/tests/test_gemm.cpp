@@ -223,3 +223,34 @@ TEST(activation_quantization_is_the_reference_on_every_isa) {
     }
   }
 }
+
+// NaN and inf activations (hostile weights make them) and blocks so small that 1 / d overflows
+// to inf: every ISA gives defined bytes (the reference's conversion saturates as cvtps + packs
+// do; a plain cast is undefined behaviour, which scripts/sanitize's UBSan reports), the
+// reference's bytes where max |x| is the same (not across NaN: x86 max and fmax treat it apart).
+TEST(activation_quantization_of_nonfinite_and_tiny_values_is_defined) {
+  const int cols = 512;
+  const float inf = INFINITY;
+  for (int kase = 0; kase < 4; ++kase) {
+    std::vector<float> x(cols);
+    for (int j = 0; j < cols; ++j) x[j] = (float)((j * 37) % 19 - 9) * 0.25f;
+    if (kase == 0) x[3] = inf, x[40] = -inf, x[300] = inf;                                  // inf
+    if (kase == 1) for (int j = 32; j < 64; ++j) x[j] = j % 3 ? 1e-39f * (j % 5) : -3e-40f;  // 1 / d = inf
+    if (kase == 2) x[5] = 3e38f, x[6] = -3.4e38f, x[290] = 1e38f;                           // huge
+    if (kase == 3) x[7] = NAN, x[33] = -NAN, x[260] = NAN;                                   // NaN
+    std::vector<uint8_t> ra(q8a_row_bytes(cols)), rk(cols / QK_K * sizeof(block_q8_K));
+    ref::quantize_q8a((block_q8a*)ra.data(), x.data(), cols);
+    ref::quantize_q8_K((block_q8_K*)rk.data(), x.data(), cols);
+    if (kase == 3) CHECK(((block_q8a*)ra.data())[0].qs[7] == -128 && ((block_q8_K*)rk.data())[1].qs[4] == -128);
+    for (const KernelTable* T : kernel_tables()) {
+      std::vector<uint8_t> a(ra.size()), k(rk.size());
+      T->quantize_q8a((block_q8a*)a.data(), x.data(), cols);
+      T->quantize_q8K((block_q8_K*)k.data(), x.data(), cols);
+      if (kase == 3) continue;
+      for (int b = 0; b < cols / QK; ++b)  // qs and d (s of an inf block is NaN)
+        CHECK(!std::memcmp(a.data() + b * sizeof(block_q8a), ra.data() + b * sizeof(block_q8a), QK + 4));
+      for (int b = 0; b < cols / QK_K; ++b)
+        CHECK(!std::memcmp(k.data() + b * sizeof(block_q8_K), rk.data() + b * sizeof(block_q8_K), 4 + QK_K));
+    }
+  }
+}

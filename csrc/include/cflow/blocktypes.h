@@ -100,11 +100,28 @@ constexpr const BlockTraits* block_traits(BlockType bt) {
   const int i = block_index(bt);
   return i < 0 ? nullptr : &kBlockTypes[i];
 }
-constexpr int block_elems(BlockType bt) { return block_traits(bt) ? block_traits(bt)->elems : 0; }
-constexpr int block_bytes(BlockType bt) { return block_traits(bt) ? block_traits(bt)->bytes : 0; }
-constexpr int planes_header(BlockType bt) { return block_traits(bt) ? block_traits(bt)->planes_header : 0; }
-constexpr int planes_header_at(BlockType bt) { return block_traits(bt) ? block_traits(bt)->planes_header_at : 0; }
-constexpr ActBlock act_block(BlockType bt) { return block_traits(bt) ? block_traits(bt)->act : ActBlock::None; }
+// The accessors index the table rather than test block_traits() against nullptr: GCC 12 does not
+// fold that test in a constant expression under -fsanitize=null (the CFLOW_SANITIZE build).
+constexpr int block_elems(BlockType bt) {
+  const int i = block_index(bt);
+  return i < 0 ? 0 : kBlockTypes[i].elems;
+}
+constexpr int block_bytes(BlockType bt) {
+  const int i = block_index(bt);
+  return i < 0 ? 0 : kBlockTypes[i].bytes;
+}
+constexpr int planes_header(BlockType bt) {
+  const int i = block_index(bt);
+  return i < 0 ? 0 : kBlockTypes[i].planes_header;
+}
+constexpr int planes_header_at(BlockType bt) {
+  const int i = block_index(bt);
+  return i < 0 ? 0 : kBlockTypes[i].planes_header_at;
+}
+constexpr ActBlock act_block(BlockType bt) {
+  const int i = block_index(bt);
+  return i < 0 ? ActBlock::None : kBlockTypes[i].act;
+}
 const char* block_name(BlockType bt);  // "q4_0", ...; "?" for an unknown code
 bool block_from_name(const char* name, BlockType* out);
 const char* pack_name(Pack pack);  // "blocks" / "planes"
