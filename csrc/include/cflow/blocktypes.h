@@ -100,28 +100,19 @@ constexpr const BlockTraits* block_traits(BlockType bt) {
   const int i = block_index(bt);
   return i < 0 ? nullptr : &kBlockTypes[i];
 }
-// The accessors index the table rather than test block_traits() against nullptr: GCC 12 does not
-// fold that test in a constant expression under -fsanitize=null (the CFLOW_SANITIZE build).
-constexpr int block_elems(BlockType bt) {
+// One field of a block type's row, or `none` for an unknown code. It indexes the table rather
+// than testing block_traits() against nullptr: GCC 12 does not fold that test in a constant
+// expression under -fsanitize=null (the CFLOW_SANITIZE build).
+template <typename T>
+constexpr T block_field(BlockType bt, T BlockTraits::*field, T none) {
   const int i = block_index(bt);
-  return i < 0 ? 0 : kBlockTypes[i].elems;
+  return i < 0 ? none : kBlockTypes[i].*field;
 }
-constexpr int block_bytes(BlockType bt) {
-  const int i = block_index(bt);
-  return i < 0 ? 0 : kBlockTypes[i].bytes;
-}
-constexpr int planes_header(BlockType bt) {
-  const int i = block_index(bt);
-  return i < 0 ? 0 : kBlockTypes[i].planes_header;
-}
-constexpr int planes_header_at(BlockType bt) {
-  const int i = block_index(bt);
-  return i < 0 ? 0 : kBlockTypes[i].planes_header_at;
-}
-constexpr ActBlock act_block(BlockType bt) {
-  const int i = block_index(bt);
-  return i < 0 ? ActBlock::None : kBlockTypes[i].act;
-}
+constexpr int block_elems(BlockType bt) { return block_field(bt, &BlockTraits::elems, 0); }
+constexpr int block_bytes(BlockType bt) { return block_field(bt, &BlockTraits::bytes, 0); }
+constexpr int planes_header(BlockType bt) { return block_field(bt, &BlockTraits::planes_header, 0); }
+constexpr int planes_header_at(BlockType bt) { return block_field(bt, &BlockTraits::planes_header_at, 0); }
+constexpr ActBlock act_block(BlockType bt) { return block_field(bt, &BlockTraits::act, ActBlock::None); }
 const char* block_name(BlockType bt);  // "q4_0", ...; "?" for an unknown code
 bool block_from_name(const char* name, BlockType* out);
 const char* pack_name(Pack pack);  // "blocks" / "planes"
