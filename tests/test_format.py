@@ -26,14 +26,15 @@ def encoded_rows(name: str, rows: int, cols: int, rng) -> np.ndarray:
     """GGUF-encoded rows of block type `name`: quantized by gguf-py where it can, else random
     blocks with finite f16 scales (q4_k, q6_k: gguf-py has no quantizer for them)."""
     bt = block_type(name)
-    if quant.can_encode(bt):
+    if quant.can_encode(bt) and name not in quant.TERNARY:
         return quant.encode(rng.standard_normal((rows, cols)).astype(np.float32), bt)
+    # random codes (tq2_0: code 3 too, which no quantizer writes) and finite scales
     blocks = rng.integers(0, 256, size=(rows * cols // bt.block_elems, bt.block_bytes), dtype=np.uint8)
     scales = (rng.standard_normal((blocks.shape[0], 2)) * 0.01).astype("<f2").view(np.uint8)
     if name == "q4_k":  # d, dmin: bytes 0..3
         blocks[:, 0:4] = scales
-    else:  # q6_k: d at bytes 208..209
-        blocks[:, 208:210] = scales[:, :2]
+    else:  # q6_k, tq1_0, tq2_0: d in the last two bytes
+        blocks[:, -2:] = scales[:, :2]
     return blocks.reshape(rows, -1)
 
 
@@ -325,10 +326,22 @@ def documented_dequantize(name: str, b: bytes) -> list[float]:
                 y[128 * h + l + 64] = d * sc[s + 4] * (((a >> 4) | ((hb >> 4) & 3) << 4) - 32)
                 y[128 * h + l + 96] = d * sc[s + 6] * (((c >> 4) | ((hb >> 6) & 3) << 4) - 32)
         return y
+    if name == "tq2_0":
+        d = _f16(b, 64)
+        return [d * (((b[32 * h + m] >> (2 * l)) & 3) - 1) for h in range(2) for l in range(4) for m in range(32)]
+    if name == "tq1_0":
+        d = _f16(b, 52)
+
+        def t(byte: int, n: int) -> int:
+            return ((byte * 3**n % 256) * 3) >> 8
+
+        return ([d * (t(b[m], n) - 1) for n in range(5) for m in range(32)]
+                + [d * (t(b[32 + m], n) - 1) for n in range(5) for m in range(16)]
+                + [d * (t(b[48 + j], n) - 1) for n in range(4) for j in range(4)])
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("name", ["bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("name", ["bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "tq1_0", "tq2_0"])
 def test_documented_block_layouts_match_gguf(name):
     bt = block_type(name)
     rows = encoded_rows(name, 1, 512, np.random.default_rng(4))

@@ -23,7 +23,7 @@ from cflow.errors import CflowError
 from cflow.format.tiles import PLANES_HEADER, block_type, fuse_rows, pack_tiles, unpack_tiles
 
 GGML = {"f32": GT.F32, "f16": GT.F16, "bf16": GT.BF16, "q4_0": GT.Q4_0, "q4_1": GT.Q4_1,
-        "q5_0": GT.Q5_0, "q8_0": GT.Q8_0, "q4_k": GT.Q4_K, "q6_k": GT.Q6_K}
+        "q5_0": GT.Q5_0, "q8_0": GT.Q8_0, "q4_k": GT.Q4_K, "q6_k": GT.Q6_K, "tq1_0": GT.TQ1_0, "tq2_0": GT.TQ2_0}
 TYPES = list(GGML)
 QUANT = [t for t in TYPES if block_type(t).block_elems > 1]
 ISAS = [i for i in ("scalar", "avx2", "avx512") if K.core.isa_supported(i)]
@@ -31,7 +31,8 @@ ISAS = [i for i in ("scalar", "avx2", "avx512") if K.core.isa_supported(i)]
 
 def random_rows(name, rows, cols, rng):
     """Row-major encoded (rows, cols): random blocks with sane scales (K-quants: gguf-py cannot
-    quantize them, so their bytes are random too, and decoded by gguf-py below)."""
+    quantize them; ternary types: every code, TQ2_0's 3 included; so their bytes are random too,
+    and decoded by gguf-py below)."""
     bt = block_type(name)
     if name in ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q8_0"):
         w = rng.standard_normal((rows, cols)).astype(np.float32)
@@ -41,8 +42,8 @@ def random_rows(name, rows, cols, rng):
     scales = lambda n, s: (rng.uniform(-s, s, n).astype(np.float16)).view(np.uint8).reshape(n, 2)
     if name == "q4_k":
         b[:, 0:2], b[:, 2:4] = scales(len(b), 1e-2), scales(len(b), 1e-2)
-    else:
-        b[:, 208:210] = scales(len(b), 1e-2)
+    else:  # q6_k, tq1_0, tq2_0: d in the last two bytes
+        b[:, -2:] = scales(len(b), 1e-2)
     return b.reshape(rows, -1)
 
 

@@ -42,6 +42,20 @@ inline int q6_k_value(const block_q6_K* b, int j) {
   return (lo | (hi << 4)) - 32;
 }
 
+// TQ2_0's code (0..3; 3 only in a file no quantizer wrote: weight 2d, as GGML decodes it) and
+// TQ1_0's (0..2) of weight j (0..255); the weight is d * (code - 1).
+inline int tq2_0_code(const block_tq2_0* b, int j) { return (b->qs[32 * (j / 128) + j % 32] >> (2 * (j % 128 / 32))) & 3; }
+inline int tq1_0_code(const block_tq1_0* b, int j) {
+  static constexpr uint8_t pow3[5] = {1, 3, 9, 27, 81};
+  uint8_t byte;
+  int n;
+  if (j < 160) byte = b->qs[j % 32], n = j / 32;
+  else if (j < 240) byte = b->qs[32 + (j - 160) % 16], n = (j - 160) / 16;
+  else byte = b->qh[(j - 240) % 4], n = (j - 240) / 4;
+  const uint8_t q = (uint8_t)(byte * pow3[n]);  // code n moved to the top trit, mod 256
+  return ((uint16_t)q * 3) >> 8;
+}
+
 }  // namespace
 
 void deq_f32(const uint8_t* p, float* out) { std::memcpy(out, p, 4); }
@@ -101,6 +115,18 @@ void deq_q6_k(const uint8_t* p, float* out) {
   const block_q6_K* b = (const block_q6_K*)p;
   const float d = fp16_to_f32(b->d);
   for (int j = 0; j < 256; ++j) out[j] = d * (float)b->scales[j / 16] * (float)q6_k_value(b, j);
+}
+
+void deq_tq1_0(const uint8_t* p, float* out) {
+  const block_tq1_0* b = (const block_tq1_0*)p;
+  const float d = fp16_to_f32(b->d);
+  for (int j = 0; j < 256; ++j) out[j] = d * (float)(tq1_0_code(b, j) - 1);
+}
+
+void deq_tq2_0(const uint8_t* p, float* out) {
+  const block_tq2_0* b = (const block_tq2_0*)p;
+  const float d = fp16_to_f32(b->d);
+  for (int j = 0; j < 256; ++j) out[j] = d * (float)(tq2_0_code(b, j) - 1);
 }
 
 // Dot of one weight block with the matching activation block, as float: integer products per
@@ -163,6 +189,22 @@ float dot_q6_k(const uint8_t* p, const void* av) {
     sum += b->scales[c] * si;
   }
   return a.d * fp16_to_f32(b->d) * (float)sum;
+}
+
+float dot_tq1_0(const uint8_t* p, const void* av) {
+  const block_q8_K& a = *(const block_q8_K*)av;
+  const block_tq1_0* b = (const block_tq1_0*)p;
+  int s = 0;
+  for (int j = 0; j < 256; ++j) s += (tq1_0_code(b, j) - 1) * a.qs[j];
+  return a.d * fp16_to_f32(b->d) * (float)s;
+}
+
+float dot_tq2_0(const uint8_t* p, const void* av) {
+  const block_q8_K& a = *(const block_q8_K*)av;
+  const block_tq2_0* b = (const block_tq2_0*)p;
+  int s = 0;
+  for (int j = 0; j < 256; ++j) s += (tq2_0_code(b, j) - 1) * a.qs[j];
+  return a.d * fp16_to_f32(b->d) * (float)s;
 }
 
 void dequantize(BlockType bt, const uint8_t* p, int n_blocks, float* out) {
@@ -231,6 +273,8 @@ void fill_ref(KernelTable& t) {
   set_ref<BlockType::Q8_0>(t);
   set_ref<BlockType::Q4_K>(t);
   set_ref<BlockType::Q6_K>(t);
+  set_ref<BlockType::TQ1_0>(t);
+  set_ref<BlockType::TQ2_0>(t);
   t.gemm_f32 = gemm_f32;
   t.quantize_q8a = quantize_q8a;
   t.quantize_q8K = quantize_q8_K;

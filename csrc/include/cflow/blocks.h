@@ -67,6 +67,26 @@ struct block_q6_K {
 };
 static_assert(sizeof(block_q6_K) == 210, "block_q6_K must be 210 bytes");
 
+// Ternary weights in {-1, 0, +1}, 256 per block, x = d * (t - 1) with the code t in {0, 1, 2}.
+// TQ2_0: 2 bits per code; weight 128h + 32l + m is bits 2l..2l+1 of qs[32h + m] (h < 2, l < 4,
+// m < 32): one 32-byte load holds four runs of 32 consecutive weights, one per bit pair.
+struct block_tq2_0 {
+  uint8_t qs[QK_K / 4];
+  fp16_t d;
+};
+static_assert(sizeof(block_tq2_0) == 66, "block_tq2_0 must be 66 bytes");
+
+// TQ1_0: 5 codes per byte in base 3 (3^5 = 243 <= 256), stored scaled: byte b holds the codes
+// t_0..t_4 as b = ceil(256 * (sum_n t_n 3^(4-n)) / 243), so code n is ((uint8)(b * 3^n) * 3) >> 8.
+// Weights 0..159: code n of qs[m] is weight 32n + m (m < 32); 160..239: code n of qs[32 + m] is
+// weight 160 + 16n + m (m < 16); 240..255: code n of qh[j] is weight 240 + 4n + j (n, j < 4).
+struct block_tq1_0 {
+  uint8_t qs[48];
+  uint8_t qh[4];
+  fp16_t d;
+};
+static_assert(sizeof(block_tq1_0) == 54, "block_tq1_0 must be 54 bytes");
+
 // ---- int8 activation blocks (the fast path quantizes x once per op) ----
 
 // One block of 32 activations, x[i] ~= d * qs[i], d = max|x| / 127 (float, not fp16, so the

@@ -24,7 +24,8 @@
 namespace cflow {
 
 enum class BlockType : int {
-  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30,
+  TQ1_0 = 34, TQ2_0 = 35
 };
 
 // The int8 activation block of a type's int8 path.
@@ -56,12 +57,16 @@ void deq_q5_0(const uint8_t* b, float* out);
 void deq_q8_0(const uint8_t* b, float* out);
 void deq_q4_k(const uint8_t* b, float* out);
 void deq_q6_k(const uint8_t* b, float* out);
+void deq_tq1_0(const uint8_t* b, float* out);
+void deq_tq2_0(const uint8_t* b, float* out);
 float dot_q4_0(const uint8_t* b, const void* a);
 float dot_q4_1(const uint8_t* b, const void* a);
 float dot_q5_0(const uint8_t* b, const void* a);
 float dot_q8_0(const uint8_t* b, const void* a);
 float dot_q4_k(const uint8_t* b, const void* a);
 float dot_q6_k(const uint8_t* b, const void* a);
+float dot_tq1_0(const uint8_t* b, const void* a);
+float dot_tq2_0(const uint8_t* b, const void* a);
 }  // namespace ref
 
 struct BlockTraits {
@@ -76,7 +81,7 @@ struct BlockTraits {
   float (*dot)(const uint8_t* block, const void* act);  // nullptr where act is None
 };
 
-constexpr int kNumBlockTypes = 9;
+constexpr int kNumBlockTypes = 11;
 inline constexpr BlockTraits kBlockTypes[kNumBlockTypes] = {
     {BlockType::F32, "f32", 1, 4, ActBlock::None, false, 0, 0, ref::deq_f32, nullptr},
     {BlockType::F16, "f16", 1, 2, ActBlock::None, false, 0, 0, ref::deq_f16, nullptr},
@@ -87,6 +92,8 @@ inline constexpr BlockTraits kBlockTypes[kNumBlockTypes] = {
     {BlockType::Q4_K, "q4_k", 256, 144, ActBlock::Q8K, false, 4, 0, ref::deq_q4_k, ref::dot_q4_k},
     {BlockType::Q6_K, "q6_k", 256, 210, ActBlock::Q8K, false, 2, 208, ref::deq_q6_k, ref::dot_q6_k},
     {BlockType::BF16, "bf16", 1, 2, ActBlock::None, false, 0, 0, ref::deq_bf16, nullptr},
+    {BlockType::TQ1_0, "tq1_0", 256, 54, ActBlock::Q8K, false, 0, 0, ref::deq_tq1_0, ref::dot_tq1_0},
+    {BlockType::TQ2_0, "tq2_0", 256, 66, ActBlock::Q8K, false, 0, 0, ref::deq_tq2_0, ref::dot_tq2_0},
 };
 
 // Row of bt in kBlockTypes (the index of every kernel table); -1 for an unknown code.

@@ -185,6 +185,105 @@ struct BlkQ6_K : BlkOf<BlockType::Q6_K> {
   }
 };
 
+// ---- ternary kinds (TQ2_0, TQ1_0): weight d * (t - 1), code t in {0, 1, 2} (TQ2_0 also 3) ----
+// runs(p, f) calls f(k, t) for the 8 runs k of 32 consecutive weights (32k .. 32k+31), t their codes
+// as unsigned bytes; d(p) is the block's scale.
+struct BlkTQ2_0 : BlkOf<BlockType::TQ2_0> {
+  template <class F>
+  static void runs(const uint8_t* p, F&& f) {  // bit pair l of qs[32h + m] is weight 128h + 32l + m
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load32(p + 32 * h);
+      f(4 * h + 0, _mm256_and_si256(v, m3));
+      f(4 * h + 1, _mm256_and_si256(_mm256_srli_epi16(v, 2), m3));
+      f(4 * h + 2, _mm256_and_si256(_mm256_srli_epi16(v, 4), m3));
+      f(4 * h + 3, _mm256_and_si256(_mm256_srli_epi16(v, 6), m3));
+    }
+  }
+  static float d(const uint8_t* p) { return h2f(p + 64); }
+};
+
+// TQ1_0's base-3 bytes: byte b times 3^n (mod 256) brings code n to the top trit, which is
+// (t * 3) >> 8, i.e. (t >= 86) + (t >= 171). m holds each byte's multiplier 3^n.
+inline __m256i tq1_codes(__m256i v, __m256i m) {
+  const __m256i lo = _mm256_and_si256(_mm256_mullo_epi16(v, _mm256_and_si256(m, _mm256_set1_epi16(0xFF))),
+                                      _mm256_set1_epi16(0xFF));
+  const __m256i hi = _mm256_slli_epi16(_mm256_mullo_epi16(_mm256_srli_epi16(v, 8), _mm256_srli_epi16(m, 8)), 8);
+  const __m256i t = _mm256_or_si256(lo, hi);
+  const __m256i ge86 = _mm256_cmpeq_epi8(_mm256_max_epu8(t, _mm256_set1_epi8((char)86)), t);
+  const __m256i ge171 = _mm256_cmpeq_epi8(_mm256_max_epu8(t, _mm256_set1_epi8((char)171)), t);
+  return _mm256_sub_epi8(_mm256_sub_epi8(_mm256_setzero_si256(), ge86), ge171);  // 0xFF is -1: 0, 1 or 2
+}
+
+struct BlkTQ1_0 : BlkOf<BlockType::TQ1_0> {
+  template <class F>
+  static void runs(const uint8_t* p, F&& f) {
+    auto pow3 = [](char lo, char hi) { return _mm256_set_m128i(_mm_set1_epi8(hi), _mm_set1_epi8(lo)); };
+    const __m256i v = load32(p);  // qs[0..31]: code n of qs[m] is weight 32n + m
+    f(0, tq1_codes(v, pow3(1, 1)));
+    f(1, tq1_codes(v, pow3(3, 3)));
+    f(2, tq1_codes(v, pow3(9, 9)));
+    f(3, tq1_codes(v, pow3(27, 27)));
+    f(4, tq1_codes(v, pow3(81, 81)));
+    // qs[32..47]: code n of qs[32 + m] is weight 160 + 16n + m; runs 5 and 6 take codes 0, 1 and 2, 3
+    const __m128i u = _mm_loadu_si128((const __m128i*)(p + 32));
+    const __m256i uu = _mm256_set_m128i(u, u);
+    f(5, tq1_codes(uu, pow3(1, 3)));
+    f(6, tq1_codes(uu, pow3(9, 27)));
+    // run 7: code 4 of qs[32..47], then qh: code n of qh[j] is weight 240 + 4n + j
+    uint32_t qh;
+    std::memcpy(&qh, p + 48, 4);
+    const __m256i w = _mm256_set_m128i(_mm_set1_epi32((int)qh), u);
+    const __m256i m = _mm256_set_m128i(_mm_set_epi32(0x1b1b1b1b, 0x09090909, 0x03030303, 0x01010101), _mm_set1_epi8(81));
+    f(7, tq1_codes(w, m));
+  }
+  static float d(const uint8_t* p) { return h2f(p + 52); }
+};
+
+// The int8 dot of ternary blocks: sum_j (t_j - 1) a_j = sum_j t_j a_j - sum_j a_j, the activation
+// sum from bsums (their 16 lanes: only the total matters). With VNNI one vpdpbusd per run;
+// without, the pair sums of maddubs stay in int16 (|sum| <= 8 runs * 2 * 3 * 128 + 2048 < 2^15)
+// and one madd per block widens them. dot2 takes two rows' blocks against one activation block,
+// each activation run loaded once for both.
+template <class B>
+struct Tern : B {
+  using Act = block_q8_K;
+  template <int N>
+  static void dotn(const uint8_t* const (&p)[N], const block_q8_K& a, __m256 (&acc)[N]) {
+    const __m256i bs = load32(a.bsums);
+#if defined(__AVX512VNNI__)
+    const __m256i s0 = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(bs, _mm256_set1_epi16(1)));
+    __m256i s[N];
+    for (int k = 0; k < N; ++k) s[k] = s0;
+    auto step = [&](int k, int r, __m256i t) { s[k] = _mm256_dpbusd_epi32(s[k], t, load32(a.qs + 32 * r)); };
+#else
+    const __m256i s0 = _mm256_sub_epi16(_mm256_setzero_si256(), bs);
+    __m256i s[N];
+    for (int k = 0; k < N; ++k) s[k] = s0;
+    auto step = [&](int k, int r, __m256i t) {
+      s[k] = _mm256_add_epi16(s[k], _mm256_maddubs_epi16(t, load32(a.qs + 32 * r)));
+    };
+#endif
+    for (int k = 0; k < N; ++k) B::runs(p[k], [&](int r, __m256i t) { step(k, r, t); });
+    for (int k = 0; k < N; ++k) {
+#if defined(__AVX512VNNI__)
+      const __m256i si = s[k];
+#else
+      const __m256i si = _mm256_madd_epi16(s[k], _mm256_set1_epi16(1));
+#endif
+      acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_set1_ps(B::d(p[k]) * a.d), acc[k]);
+    }
+  }
+  static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float&) {
+    const uint8_t* const q[1] = {p};
+    __m256 c[1] = {acc};
+    dotn<1>(q, a, c);
+    acc = c[0];
+  }
+};
+using KTQ1_0 = Tern<BlkTQ1_0>;
+using KTQ2_0 = Tern<BlkTQ2_0>;
+
 // The 32-block kinds share their chunk and int8 dot forms.
 template <class B>
 struct Blk32 : B {
@@ -266,6 +365,90 @@ void gemv_f32(float* y, const void* xv, const uint8_t* w, const TileLayout& L, i
                        }
                        y[r + i] += V::hsum(V::add(a0, a1));
                        if (n == 2) y[r + i + 1] += V::hsum(V::add(c0, c1));
+                     }
+                   });
+}
+
+// ---- ternary, int8 activations: payload order (stripe, tile, row pair), each row's 8 float
+// lanes kept across the column tiles of its stripe (acc, 32 bytes a row, in L1) and summed once
+// at the stripe's end: a 256-weight block fills a 256-column tile, and a horizontal sum per block
+// and row would cost as much as the block's dot ----
+template <class T>
+void gemv_tern_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
+  const block_q8_K* x = (const block_q8_K*)xv;
+  thread_local std::vector<__m256> acc;
+  for_stripes(L, w, row_begin, row_end, [&](const Stripe& S, int lo, int hi) {
+    acc.assign((size_t)S.nr, _mm256_setzero_ps());
+    for (int t = 0; t < S.ntiles(); ++t) {
+      const uint8_t* tile = S.tile(t);
+      const int nb = S.nb(t), cb0 = t * S.bpt;
+      for (int i = lo; i < hi; i += 2) {
+        const int i1 = i + 1 < hi ? i + 1 : i;  // an odd last row pairs with itself; its twin is dropped
+        // row i's blocks: base + b * stride (TileRow; without its divisions for whole rows, g = 1)
+        const uint8_t* base[2];
+        size_t stride[2];
+        if (S.g == 1) {
+          base[0] = tile + (size_t)i * nb * T::kBB, base[1] = tile + (size_t)i1 * nb * T::kBB;
+          stride[0] = stride[1] = T::kBB;
+        } else {
+          const TileRow r0(tile, S.nr, nb, S.g, T::kBB, i), r1(tile, S.nr, nb, S.g, T::kBB, i1);
+          base[0] = r0.base, base[1] = r1.base, stride[0] = r0.stride, stride[1] = r1.stride;
+        }
+        __m256 a[2] = {acc[i], acc[i1]};
+        for (int b = 0; b < nb; ++b) {
+          const uint8_t* const p[2] = {base[0] + b * stride[0], base[1] + b * stride[1]};
+          T::template dotn<2>(p, x[cb0 + b], a);
+        }
+        acc[i] = a[0];
+        if (i1 != i) acc[i1] = a[1];
+      }
+    }
+    for (int i = lo; i < hi; ++i) y[S.row + i - row_begin] = V::hsum8(acc[i]);
+  });
+}
+
+// ---- ternary, fp32 activations, without a multiply per weight: with the code's bits b1, b0,
+// t - 1 = 2 b1 + b0 - 1, so a block's dot is 2 A1 + A0 - S, A1 and A0 the masked sums of x where
+// b1 / b0 is set (vblendvps on the bit moved to the sign, then vaddps) and S the block's sum of x,
+// shared by the rows of a pass; one multiply by d per block and row. Two rows at a time ----
+template <class T>
+__m256 tern_masked_sum(const uint8_t* p, const float* xb) {
+  __m256 a1 = _mm256_setzero_ps(), a0 = _mm256_setzero_ps();
+  T::runs(p, [&](int k, __m256i t) {
+    const __m128i h[2] = {_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)};
+    for (int g = 0; g < 4; ++g) {  // 8 weights: their codes as int32 lanes
+      const __m256i c = _mm256_cvtepu8_epi32(g & 1 ? _mm_srli_si128(h[g / 2], 8) : h[g / 2]);
+      const __m256 x8 = _mm256_loadu_ps(xb + 32 * k + 8 * g);
+      a1 = _mm256_add_ps(a1, _mm256_blendv_ps(_mm256_setzero_ps(), x8, _mm256_castsi256_ps(_mm256_slli_epi32(c, 30))));
+      a0 = _mm256_add_ps(a0, _mm256_blendv_ps(_mm256_setzero_ps(), x8, _mm256_castsi256_ps(_mm256_slli_epi32(c, 31))));
+    }
+  });
+  return _mm256_add_ps(_mm256_add_ps(a1, a1), a0);
+}
+
+template <class T>
+void gemv_tern_f32(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
+  const float* x = (const float*)xv;
+  walk_tiles_whole(y, w, L, row_begin, row_end,
+                   [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
+                     const float* xt = x + (size_t)cb0 * T::kQK;
+                     for (int i = 0; i < nr; i += 2) {
+                       const int n = nr - i < 2 ? nr - i : 2;
+                       const TileRow r0(tile, nr, nb, L.g, T::kBB, i), r1(tile, nr, nb, L.g, T::kBB, i + n - 1);
+                       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                       for (int b = 0; b < nb; ++b) {
+                         const float* xb = xt + (size_t)b * T::kQK;
+                         __m256 s = _mm256_setzero_ps();
+                         for (int j = 0; j < T::kQK; j += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(xb + j));
+                         const uint8_t* p0 = r0.base + b * r0.stride;
+                         a0 = _mm256_fmadd_ps(_mm256_set1_ps(T::d(p0)), _mm256_sub_ps(tern_masked_sum<T>(p0, xb), s), a0);
+                         if (n == 2) {
+                           const uint8_t* p1 = r1.base + b * r1.stride;
+                           a1 = _mm256_fmadd_ps(_mm256_set1_ps(T::d(p1)), _mm256_sub_ps(tern_masked_sum<T>(p1, xb), s), a1);
+                         }
+                       }
+                       y[r + i] += V::hsum8(a0);
+                       if (n == 2) y[r + i + 1] += V::hsum8(a1);
                      }
                    });
 }
@@ -370,6 +553,10 @@ inline void fill_table(KernelTable& t) {
   set_kind<KQ8_0>(t);
   set_kind<KQ4_K>(t);
   set_kind<KQ6_K>(t);
+  set_gemv_f32<gemv_tern_f32<BlkTQ1_0>>(t, BlockType::TQ1_0);
+  set_gemv_q8<gemv_tern_q8<KTQ1_0>>(t, BlockType::TQ1_0);
+  set_gemv_f32<gemv_tern_f32<BlkTQ2_0>>(t, BlockType::TQ2_0);
+  set_gemv_q8<gemv_tern_q8<KTQ2_0>>(t, BlockType::TQ2_0);
   t.quantize_q8a = quantize_q8a_v;
   t.quantize_q8K = quantize_q8K_v;
 }

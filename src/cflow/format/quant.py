@@ -3,9 +3,14 @@
 encode: float32 (R, C) -> uint8 (R, C/QK * block_bytes), each row GGUF-encoded.
 decode: uint8 (R, C/QK * block_bytes) -> float32 (R, C).
 
-gguf-py (0.19) quantizes f32, f16, bf16, q8_0, q4_0, q4_1 and q5_0; it dequantizes all of them
-plus q4_k and q6_k. For q4_k and q6_k, writers pass already-encoded row blocks (uint8), which is
-what GGUF conversion does; `can_encode` says which types take float input.
+gguf-py (0.19) quantizes f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, tq1_0 and tq2_0; it dequantizes
+all of them plus q4_k and q6_k. For q4_k and q6_k, writers pass already-encoded row blocks (uint8),
+which is what GGUF conversion does; `can_encode` says which types take float input.
+
+Ternary types: GGUF's quantizer (gguf-py's, llama.cpp's quantize_row_tq*_ref) takes d = max |w| per
+block of 256, which keeps ternary values (a model trained ternary) exactly and zeroes most of any
+other matrix. `ternarize` is the step before it for a model that was not trained ternary: BitNet
+b1.58's absmean rounding per block, with the scale refit by least squares.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from cflow.format.tiles import BlockType
 
 # Types gguf-py can quantize from floats (checked against gguf-py 0.19; q4_k/q6_k raise
 # NotImplementedError there).
-_ENCODABLE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0")
+_ENCODABLE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "tq1_0", "tq2_0")
+TERNARY = ("tq1_0", "tq2_0")
 
 
 def _qtype(bt: BlockType):
@@ -70,3 +76,21 @@ def decode(rows: np.ndarray, bt: BlockType, cols: int) -> np.ndarray:
     from gguf.quants import dequantize
 
     return np.asarray(dequantize(rows, _qtype(bt)), dtype=np.float32).reshape(rows.shape[0], cols)
+
+
+def ternarize(x: np.ndarray, block: int = 256) -> np.ndarray:
+    """float (R, C) -> the nearest ternary values, d * t with t in {-1, 0, 1} and one d per block of
+    `block` weights along a row (C % block == 0): t = clip(round(w / mean|w|), -1, 1) (BitNet b1.58's
+    absmean rule), then d = mean |w| over the non-zero t, the least-squares scale for those t. Values
+    already ternary with one scale per block come back unchanged; encode() then stores them exactly
+    but for d's rounding to f16."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % block:
+        raise CflowFormatError(f"ternarize: expected (R, C) with C a multiple of {block}, got {x.shape}")
+    b = x.reshape(-1, block)
+    mean = np.abs(b).mean(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(mean > 0, np.clip(np.rint(b / mean), -1, 1), 0).astype(np.float32)
+        nz = np.count_nonzero(t, axis=1)[:, None]
+        d = np.where(nz > 0, (np.abs(b) * (t != 0)).sum(axis=1, keepdims=True) / np.maximum(nz, 1), 0)
+    return (t * d.astype(np.float32)).reshape(x.shape)

@@ -43,7 +43,8 @@ class BlockType:
 
 
 # Codes are GGML's, so GGUF tensors convert by table lookup; 64..127 are reserved for cflow's
-# own types (64: ternary, 2 bits per weight; layout defined by the ternary kernels).
+# own types (64: reserved for a ternary layout of cflow's own; GGUF's TQ1_0 / TQ2_0 measured fast
+# enough as they are, docs/KERNELS.md).
 BLOCK_TYPES: dict[str, BlockType] = {
     bt.name: bt
     for bt in (
@@ -56,6 +57,8 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("q4_k", 12, 256, 144),
         BlockType("q6_k", 14, 256, 210),
         BlockType("bf16", 30, 1, 2),
+        BlockType("tq1_0", 34, 256, 54),
+        BlockType("tq2_0", 35, 256, 66),
     )
 }
 TERNARY_CODE = 64  # reserved: ternary weights

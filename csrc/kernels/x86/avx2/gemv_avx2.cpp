@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include <cstring>
+#include <vector>
 
 #include "../../isa_kernels.h"
 #include "../../tile_walk.h"
