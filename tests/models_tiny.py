@@ -46,6 +46,8 @@ def hf_config(arch: str):
     if arch == "gemma3":
         return tf.Gemma3TextConfig(**common, sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                    query_pre_attn_scalar=10, final_logit_softcapping=None)
+    if arch == "bitnet":  # squared-ReLU FFN, as Microsoft's checkpoints
+        return tf.BitNetConfig(**common, rope_theta=10000.0, hidden_act="relu2", tie_word_embeddings=False)
     raise ValueError(arch)
 
 

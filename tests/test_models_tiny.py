@@ -12,7 +12,7 @@ from models_tiny import build  # noqa: E402
 from cflow.convert import load_source  # noqa: E402
 from cflow.llm import LLM  # noqa: E402
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "bitnet"]
 ENGINES = ["native", "ref"]
 
 
@@ -32,6 +32,7 @@ def test_config_maps_the_architecture(tiny):
     c = load_source(d).config
     assert c.arch == arch and (c.d_model, c.d_ff, c.n_head, c.n_kv_head, c.head_dim) == (72, 136, 6, 2, 12)
     assert c.qkv_bias == (arch == "qwen2") and c.qk_norm == (arch in ("qwen3", "gemma3"))
+    assert c.sub_norms == (arch == "bitnet") and (c.act == "relu2") == (arch == "bitnet")
     if arch == "gemma3":
         assert c.layer_types == ["sliding", "global", "sliding"] and c.sliding_window == 5
 

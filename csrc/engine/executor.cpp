@@ -346,12 +346,12 @@ void Engine::validate() {
           } else {
             check(M->rows == 2 * R, "gate_up rows must be twice the FFN width");
             check(o.chunk > 0 && o.chunk % M->g == 0, "gate_up chunk must be a positive multiple of the interleave");
-            check(o.act == 0 || o.act == 1, "unknown activation");
+            check(o.act >= 0 && o.act <= 2, "unknown activation");
           }
         } else if constexpr (std::is_same_v<T, ActMul>) {
           const int F = buffer(o.dst, "act_mul dst");
           check(buffer(o.src, "act_mul src") == 2 * F, "input is not (gate, up) of twice the output width");
-          check(o.act == 0 || o.act == 1, "unknown activation");
+          check(o.act >= 0 && o.act <= 2, "unknown activation");
         } else if constexpr (std::is_same_v<T, Attention>) {
           check(o.n_head > 0 && o.n_kv_head > 0 && o.n_head % o.n_kv_head == 0, "heads");
           check(o.head_dim > 0 && o.head_dim % 2 == 0 && o.head_dim <= 1024, "head_dim must be even, at most 1024");
@@ -393,7 +393,7 @@ void Engine::validate() {
                 "top_k " + std::to_string(rw / 2) + " > n_expert " + std::to_string(o.n_expert));
           check(rw / 2 <= 64, "top_k above 64");
           norm_of(o.norm, C, "norm");
-          check(o.act == 0 || o.act == 1, "unknown activation");
+          check(o.act >= 0 && o.act <= 2, "unknown activation");
           check(std::isfinite(o.scale), "bad scale");
           std::vector<const ExpertRef*> set(o.n_expert);
           for (int e = 0; e < o.n_expert; ++e) {
@@ -509,10 +509,16 @@ static void row_share(const TileLayout& L, int tid, int nth, int* r0, int* r1) {
   *r1 = unit_row(L, (int)((int64_t)U * (tid + 1) / nth));
 }
 
-// h[j] = act(g[j]) * u[j]: SwiGLU (act 0) or GeGLU with tanh GELU (act 1).
+// h[j] = act(g[j]) * u[j]: SwiGLU (act 0), GeGLU with tanh GELU (act 1) or squared ReLU (act 2,
+// BitNet b1.58's relu2: a loop the compiler vectorizes).
 static void act_mul(int act, const float* g, const float* u, float* h, int n) {
   if (act == 0) ops().swiglu(h, g, u, n);
-  else ops().geglu(h, g, u, n);
+  else if (act == 1) ops().geglu(h, g, u, n);
+  else
+    for (int j = 0; j < n; ++j) {
+      const float r = g[j] > 0.0f ? g[j] : 0.0f;
+      h[j] = r * r * u[j];
+    }
 }
 
 // ---------------------------------------------------------------- ops

@@ -20,7 +20,7 @@ from typing import Any
 from cflow.errors import CflowError
 
 ROPE_STYLES = ("neox", "interleaved")  # neox: rotate halves (HF llama); interleaved: pairs (2i, 2i+1)
-ACTIVATIONS = ("silu", "gelu_tanh")  # gated FFN: silu -> SwiGLU, gelu_tanh -> GeGLU
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")  # gated FFN: SwiGLU, GeGLU, squared-ReLU GLU (BitNet)
 # Fields every config carried before they moved to the pipeline-native family's PNTConfig, with
 # the values files of dense models hold: such headers still load (the fields are dropped).
 MOVED_TO_FAMILY = {"delta_d": 0, "delta_e": 0, "routing_anchor": "post_dense", "combine": "delayed_sum", "n_iter": 1,
@@ -29,7 +29,7 @@ RECONVERT = "re-convert the model with this version of cflow (cflow convert SRC 
 MAX_SIZE = 1 << 24  # bound of every count and width: far above any model's, far below int32 overflow
 SIZES = ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "max_seq_len")  # 1..MAX_SIZE
 COUNTS = ("d_ff", "sliding_window", "n_expert", "top_k", "d_expert", "d_shared")  # 0..MAX_SIZE
-SWITCHES = ("tie_embeddings", "qkv_bias", "qk_norm", "post_norms", "expert_renorm")
+SWITCHES = ("tie_embeddings", "qkv_bias", "qk_norm", "post_norms", "sub_norms", "expert_renorm")
 # The float fields' ranges: (low (excluded), high, whether 0 stands for the default or "off").
 # A value outside is no trained model's, and it turns every activation into inf, NaN or noise:
 # norm_eps <= 0 divides a zero row by zero, a huge attention scale overflows the scores, and a
@@ -86,6 +86,7 @@ class ModelConfig:
     qkv_bias: bool = False  # qwen2
     qk_norm: bool = False  # qwen3, gemma3: RMSNorm over each head of q and k
     post_norms: bool = False  # gemma3: extra RMSNorm after attention and after the FFN
+    sub_norms: bool = False  # bitnet: RMSNorm of the attention output before Wo, of the GLU output before Wd
     embed_scale: float = 1.0  # gemma: sqrt(d_model)
     attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim); gemma3: query_pre_attn_scalar**-0.5
     sliding_window: int = 0  # 0: all layers global

@@ -74,7 +74,7 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-ACT_FNS = {P.ACTS["silu"]: silu, P.ACTS["gelu_tanh"]: gelu_tanh}
+ACT_FNS = {P.ACTS["silu"]: silu, P.ACTS["gelu_tanh"]: gelu_tanh, P.ACTS["relu2"]: lambda x: np.square(np.maximum(x, 0))}
 
 
 class RefEngine(EngineBase):

@@ -35,7 +35,7 @@ STREAMS = ("embed", "attention", "dense", "router", "experts", "head")
 ROLE_STREAMS = {"qkv": "attention", "attn_output": "attention", "gate_up": "dense", "down": "dense", "head": "head",
                 "experts": "experts"}
 KIND_STREAMS = {"Embed": "embed", "Attention": "attention", "Router": "router", "Experts": "experts"}
-ACTS = {"silu": 0, "gelu_tanh": 1}  # GateUp / ActMul `act`
+ACTS = {"silu": 0, "gelu_tanh": 1, "relu2": 2}  # GateUp / ActMul `act` (relu2: max(x, 0)^2)
 PACK_CODES = {"blocks": 0, "planes": 1}
 
 

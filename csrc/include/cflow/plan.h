@@ -88,12 +88,12 @@ enum Stream : int32_t { kEmbed = 0, kAttention = 1, kDense = 2, kRouter = 3, kEx
   CFLOW_PRODUCT_FIELDS(X)                                                                        \
   X(int32_t, dst, -1, "buffer of width F = R / 2: act(gate x) * (up x)")                         \
   X(int32_t, chunk, 0, "W's rows come in pieces: `chunk` gate rows, then the same up rows")     \
-  X(int32_t, act, 0, "0: silu (SwiGLU), 1: tanh-GELU (GeGLU)") \
+  X(int32_t, act, 0, "0: silu (SwiGLU), 1: tanh-GELU (GeGLU), 2: squared ReLU") \
   CFLOW_STREAM_FIELD(X)
 #define CFLOW_OP_ACT_MUL(X)                                                                      \
   X(int32_t, src, -1, "buffer of width 2F: (gate | up)")                                         \
   X(int32_t, dst, -1, "buffer of width F: act(gate) * up")                                       \
-  X(int32_t, act, 0, "0: silu, 1: tanh-GELU") \
+  X(int32_t, act, 0, "0: silu, 1: tanh-GELU, 2: squared ReLU") \
   CFLOW_STREAM_FIELD(X)
 #define CFLOW_OP_ATTENTION(X)                                                                    \
   X(int32_t, kv, -1, "KV cache slot of the sequence state (one per attention layer)")            \
@@ -138,7 +138,7 @@ enum Stream : int32_t { kEmbed = 0, kAttention = 1, kDense = 2, kRouter = 3, kEx
   X(int32_t, norm, -1, "RMSNorm weight (C,) applied to src first, or -1")                        \
   X(int32_t, route, -1, "the Router's dst (width 2 top_k)")                                      \
   X(int32_t, dst, -1, "buffer of width C")                                                       \
-  X(int32_t, act, 0, "0: silu (SwiGLU), 1: tanh-GELU (GeGLU)")                                   \
+  X(int32_t, act, 0, "0: silu (SwiGLU), 1: tanh-GELU (GeGLU), 2: squared ReLU")                                   \
   X(float, scale, 1.f, "multiplies the sum")                                                     \
   X(bool, accumulate, false, "dst += y instead of dst = y")                                      \
   X(bool, two_level, false, "int8 path: two-level activations") \

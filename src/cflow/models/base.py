@@ -110,7 +110,7 @@ GGUF_MOE_NAMES = {
     "blk.{l}.ffn_gate_inp_shexp.weight": "blk.{l}.shexp.gate",
 }
 
-HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2"}
 LAYER_TENSOR = re.compile(r"blk\.\d+\.")
 _REQUIRED = object()
 
@@ -350,6 +350,8 @@ def dense_tensors(cfg: ModelConfig, present) -> dict[str, tuple[int, ...]]:
             need.update({b + "attn_q_norm": (c.head_dim,), b + "attn_k_norm": (c.head_dim,)})
         if c.post_norms:
             need.update({b + "attn_post_norm": (c.d_model,), b + "ffn_post_norm": (c.d_model,)})
+        if c.sub_norms:
+            need.update({b + "attn_sub_norm": (c.q_dim,), b + "ffn_sub_norm": (c.d_ff,)})
     return need
 
 

@@ -2,8 +2,10 @@
 
 One layer, with the switches of ModelConfig (qkv_bias, qk_norm, post_norms, layer_types ...):
 
-    h = x + post_attn_norm?( Wo @ attn( rope( qk_norm?( Wqkv @ rms(x) + b? ) ) ) )
-    x = h + post_ffn_norm?( Wd @ ( act(Wg @ rms(h)) * (Wu @ rms(h)) ) )
+    h = x + post_attn_norm?( Wo @ sub_norm?( attn( rope( qk_norm?( Wqkv @ rms(x) + b? ) ) ) ) )
+    x = h + post_ffn_norm?( Wd @ sub_norm?( act(Wg @ rms(h)) * (Wu @ rms(h)) ) )
+
+(sub_norm: BitNet b1.58's RMSNorms blk.{l}.attn_sub_norm and ffn_sub_norm, the Matmul's input norm.)
 
 or, in a mixture-of-experts model (cfg.n_expert), the FFN is the top_k of n_expert such gated
 FFNs, chosen per token by the router R (blk.{l}.ffn_gate_inp; softmax, top_k, the gates
@@ -28,8 +30,8 @@ from cflow.plan import ACTS, ActMul, Add, Attention, Embed, Experts, GateUp, Mat
 def build_decoder(b: PlanBuilder, cfg) -> Plan:
     if cfg.rope_style != "neox":
         raise UnsupportedError(f"rope style {cfg.rope_style!r}: the engines run neox rope (rotate halves)")
-    if cfg.n_expert and cfg.post_norms:
-        raise UnsupportedError("mixture-of-experts layers with post norms are not supported")
+    if cfg.n_expert and (cfg.post_norms or cfg.sub_norms):
+        raise UnsupportedError("mixture-of-experts layers with post norms or sub norms are not supported")
     act = ACTS[cfg.act]
     d, q, kv = cfg.d_model, cfg.q_dim, cfg.kv_dim
     X = b.buffer("x", d)
@@ -55,14 +57,15 @@ def build_decoder(b: PlanBuilder, cfg) -> Plan:
             raise CflowFormatError(f"{p}ffn_gate_up: stripe fusion without stripe rows")
         return gu.stripe_rows
 
-    def residual_out(weight: str, src: int, post_norm: str, role: str) -> None:
-        """x += W @ src, or (post norms) x += post_norm(W @ src)."""
+    def residual_out(weight: str, src: int, post_norm: str, sub_norm: str, role: str) -> None:
+        """x += W @ sub_norm?(src), or (post norms) x += post_norm(W @ src)."""
+        norm = sub_norm if cfg.sub_norms else -1
         if cfg.post_norms:
-            b.op(Matmul, weight=weight, src=src, dst=TMP, role=role)
+            b.op(Matmul, weight=weight, norm=norm, src=src, dst=TMP, role=role)
             b.barrier()
             b.op(Add, norm=post_norm, src=TMP, dst=X)
         else:
-            b.op(Matmul, weight=weight, src=src, dst=X, accumulate=True, role=role)
+            b.op(Matmul, weight=weight, norm=norm, src=src, dst=X, accumulate=True, role=role)
         b.barrier()
 
     for l in range(cfg.n_layer):
@@ -82,7 +85,7 @@ def build_decoder(b: PlanBuilder, cfg) -> Plan:
              window=cfg.sliding_window if sliding else 0, scale=cfg.attn_scale,
              rope_theta=(cfg.rope_local_theta or cfg.rope_theta) if sliding else cfg.rope_theta)
         b.barrier()
-        residual_out(p + "attn_output", ATT, p + "attn_post_norm", "attn_output")
+        residual_out(p + "attn_output", ATT, p + "attn_post_norm", p + "attn_sub_norm", "attn_output")
         if cfg.n_expert:  # route rms(h); x += the chosen experts' gated sum (inputs gathered before x is written)
             b.expert_table(l, cfg.n_expert)
             if cfg.d_shared:  # the shared expert and its gate read rms(h) before x changes
@@ -113,7 +116,7 @@ def build_decoder(b: PlanBuilder, cfg) -> Plan:
             b.barrier()
             b.op(ActMul, src=GU, dst=H, act=act)
         b.barrier()
-        residual_out(p + "ffn_down", H, p + "ffn_post_norm", "down")
+        residual_out(p + "ffn_down", H, p + "ffn_post_norm", p + "ffn_sub_norm", "down")
     head = "tok_embd" if cfg.tie_embeddings and not b.has("output") else "output"
     b.op(Matmul, weight=head, norm="output_norm", src=X, dst=LOGITS, last_token=True,
          softcap=cfg.final_logit_softcap, role="head")
