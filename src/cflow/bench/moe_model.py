@@ -290,7 +290,12 @@ def add_metadata(w, g: Geometry, wtype: str) -> None:
     w.add_expert_feed_forward_length(g.d_expert)
     w.add_file_type(int(ftype))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokens, types, merges, specials = tokenizer(g.vocab)
+    add_tokenizer(w, g.vocab)
+
+
+def add_tokenizer(w, vocab: int) -> None:
+    """The minimal byte-level BPE of `tokenizer(vocab)` as GGUF tokenizer metadata."""
+    tokens, types, merges, specials = tokenizer(vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
@@ -308,16 +313,14 @@ def expert_bytes(specs: list[TensorSpec]) -> int:
     return sum(s.nbytes() for s in specs if s.name.endswith("_exps.weight"))
 
 
-def write(path: str | os.PathLike, g: Geometry = Geometry(), wtype: str = "q4_0", seed: int = 0,
-          progress: bool = True) -> dict:
-    """Write the model to `path` (atomically); returns its sizes: file, tensors, experts, per token."""
+def write_streamed(path: str | os.PathLike, arch: str, add_meta, specs: list[TensorSpec], data, desc: str,
+                   progress: bool = True) -> None:
+    """A GGUF of architecture `arch` at `path`, atomically: add_meta(writer) adds the metadata, then
+    the tensor infos of `specs`, then each tensor's bytes data(i, spec) (numpy, of spec.nbytes()), one
+    at a time, to a temporary name beside `path`, renamed when complete."""
     from tqdm import tqdm
 
     gguf = _gguf()
-    if wtype not in TYPES:
-        raise CflowError(f"--type must be one of {', '.join(TYPES)}, got {wtype!r}")
-    check_geometry(g, wtype)
-    specs = tensor_specs(g, wtype)
     total = sum(s.nbytes() for s in specs)
     path = Path(path)
     parent = path.resolve().parent
@@ -330,8 +333,8 @@ def write(path: str | os.PathLike, g: Geometry = Geometry(), wtype: str = "q4_0"
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     w = None
     try:
-        w = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3MOE])
-        add_metadata(w, g, wtype)
+        w = gguf.GGUFWriter(tmp, arch)
+        add_meta(w)
         for s in specs:
             if s.qtype == "F32":
                 w.add_tensor_info(s.name, s.shape, np.dtype(np.float32), s.nbytes())
@@ -341,14 +344,14 @@ def write(path: str | os.PathLike, g: Geometry = Geometry(), wtype: str = "q4_0"
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        with tqdm(total=total, desc=f"moe-model {path.name}"[:40], unit="B", unit_scale=True, disable=not progress,
+        with tqdm(total=total, desc=f"{desc} {path.name}"[:40], unit="B", unit_scale=True, disable=not progress,
                   file=sys.stderr, mininterval=1.0) as bar:
             for i, s in enumerate(specs):
-                data = tensor_data(s, np.random.default_rng([seed, i]))
-                assert data.nbytes == s.nbytes(), s.name
-                w.write_tensor_data(data)
-                bar.update(data.nbytes)
-                del data
+                d = data(i, s)
+                assert d.nbytes == s.nbytes(), s.name
+                w.write_tensor_data(d)
+                bar.update(d.nbytes)
+                del d
         f = w.fout[0]
         f.flush()
         os.fsync(f.fileno())
@@ -359,6 +362,20 @@ def write(path: str | os.PathLike, g: Geometry = Geometry(), wtype: str = "q4_0"
             f.close()
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write(path: str | os.PathLike, g: Geometry = Geometry(), wtype: str = "q4_0", seed: int = 0,
+          progress: bool = True) -> dict:
+    """Write the model to `path` (atomically); returns its sizes: file, tensors, experts, per token."""
+    gguf = _gguf()
+    if wtype not in TYPES:
+        raise CflowError(f"--type must be one of {', '.join(TYPES)}, got {wtype!r}")
+    check_geometry(g, wtype)
+    specs = tensor_specs(g, wtype)
+    total = sum(s.nbytes() for s in specs)
+    write_streamed(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3MOE], lambda w: add_metadata(w, g, wtype), specs,
+                   lambda i, s: tensor_data(s, np.random.default_rng([seed, i])), "moe-model", progress)
+    path = Path(path)
     ex = expert_bytes(specs)
     dense = sum(s.nbytes() for s in specs[1:] if not s.name.endswith("_exps.weight"))  # all but token_embd
     embd_row = specs[0].nbytes() // g.vocab

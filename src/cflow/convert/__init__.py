@@ -31,7 +31,10 @@ from cflow.config import ModelConfig
 from cflow.errors import CflowError, CflowFormatError, UnsupportedError
 from cflow.format.tiles import BLOCK_TYPES, block_type
 
-QUANTS = ("keep", "q4_0", "q4_1", "q8_0", "f16", "f32")
+QUANTS = ("keep", "q4_0", "q4_1", "q8_0", "f16", "f32", "tq1_0", "tq2_0")
+# Ternary targets: the layers' matrices become d * {-1, 0, 1} (format.quant.ternarize); the
+# embedding table and the head, which BitNet b1.58 keeps in high precision too, become q8_0.
+TERNARY_TABLES_QUANT = "q8_0"
 FLOAT_TYPES = {"f32": np.float32, "f16": np.float16}
 
 
@@ -241,8 +244,10 @@ def requantize(ckpt: Checkpoint, quant: str) -> Checkpoint:
         raise UnsupportedError(f"unknown quantization {quant!r}; supported: {', '.join(QUANTS)}")
     if quant == "keep":
         return ckpt
-    bt = BLOCK_TYPES[quant]
+    from cflow.format.quant import TERNARY, ternarize
+
     out = {}
+    err2 = norm2 = 0.0  # ternary targets: squared error and squared norm over the ternarized matrices
     for name, t in ckpt.tensors.items():
         if len(t.shape) != 2:
             out[name] = t if t.type == "f32" else Tensor("f32", t.shape, t.dequantize(), t.parts)
@@ -250,13 +255,25 @@ def requantize(ckpt: Checkpoint, quant: str) -> Checkpoint:
         if name.endswith(".ffn_gate_inp"):  # a router (n_expert, d): small, and kept as the source has it
             out[name] = t
             continue
-        target = quant if t.shape[1] % bt.block_elems == 0 else "f16" if quant != "f32" else "f32"
+        q = TERNARY_TABLES_QUANT if quant in TERNARY and not name.startswith("blk.") else quant
+        if q in TERNARY and t.shape[1] % BLOCK_TYPES[q].block_elems:  # rows not in blocks of 256
+            q = TERNARY_TABLES_QUANT
+        target = q if t.shape[1] % BLOCK_TYPES[q].block_elems == 0 else "f16" if q != "f32" else "f32"
         if t.type == target:
             out[name] = t
             continue
-        out[name] = Tensor(target, t.shape, quantize(target, t.dequantize()), t.parts)
+        w = t.dequantize()
+        if target in TERNARY:
+            tw = ternarize(w)
+            err2 += float(np.square(tw - w, dtype=np.float64).sum())
+            norm2 += float(np.square(w, dtype=np.float64).sum())
+            w = tw
+        out[name] = Tensor(target, t.shape, quantize(target, w), t.parts)
+    meta = dict(ckpt.metadata, quant=quant)
+    if norm2:  # how far the ternary weights are from the source's, the first measure of what was lost
+        meta["ternarize_weight_error"] = round((err2 / norm2) ** 0.5, 6)
     # parts kept apart for their different block types now share one: fused (experts need it)
-    return dataclasses.replace(ckpt, tensors=fuse_layers(ckpt.config, out), metadata=dict(ckpt.metadata, quant=quant))
+    return dataclasses.replace(ckpt, tensors=fuse_layers(ckpt.config, out), metadata=meta)
 
 
 # ---------------------------------------------------------------------------- writing
