@@ -209,7 +209,8 @@ GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa) {
   if (used == Isa::Avx2) return avx2::gemv_batch(bt, pack, at);
   if (used != Isa::Avx512) return nullptr;
 #if defined(CFLOW_AMX)
-  if (amx_usable()) return avx512::amx_gemv_batch(bt, pack, at);
+  if (amx_usable())  // the AMX kernels, where the type has one (the ternary types: the VNNI one)
+    if (GemvBatchFn f = avx512::amx_gemv_batch(bt, pack, at)) return f;
 #endif
   return avx512::vnni_gemv_batch(bt, pack, at);
 #else

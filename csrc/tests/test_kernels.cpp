@@ -56,7 +56,9 @@ std::vector<uint8_t> random_rows(BlockType wt, int rows, int cols) {
       case BlockType::Q4_0: case BlockType::Q5_0: case BlockType::Q8_0: put16(p, f32_to_fp16(0.01f * u(rng()))); break;
       case BlockType::Q4_1: put16(p, f32_to_fp16(0.01f * u(rng()))); put16(p + 2, f32_to_fp16(0.05f * u(rng()))); break;
       case BlockType::Q4_K: put16(p, f32_to_fp16(0.001f * u(rng()))); put16(p + 2, f32_to_fp16(0.001f * u(rng()))); break;
-      case BlockType::Q6_K: put16(p + 208, f32_to_fp16(0.001f * u(rng()))); break;
+      case BlockType::Q6_K: case BlockType::TQ1_0: case BlockType::TQ2_0:  // d: the last two bytes
+        put16(p + bb - 2, f32_to_fp16(0.001f * u(rng())));
+        break;
     }
   }
   return m;
@@ -109,7 +111,8 @@ void naive(BlockType wt, const std::vector<uint8_t>& rm, int rows, int cols, con
 }
 
 const BlockType kAll[] = {BlockType::F32, BlockType::F16, BlockType::BF16, BlockType::Q4_0, BlockType::Q4_1,
-                      BlockType::Q5_0, BlockType::Q8_0, BlockType::Q4_K, BlockType::Q6_K};
+                      BlockType::Q5_0, BlockType::Q8_0, BlockType::Q4_K, BlockType::Q6_K, BlockType::TQ1_0,
+                      BlockType::TQ2_0};
 
 }  // namespace
 
@@ -202,9 +205,37 @@ TEST(simd_paths_match_scalar_on_ragged_shapes) {
   }
 }
 
+// m tokens through `batch` and, one by one, through the GEMV of the same (wt, pack, at): the same
+// floats, bit for bit (rows in two calls: the first stripe, then the rest).
+static bool batch_matches(BlockType wt, AType at, const Tiling& ts, int m, GemvBatchFn batch, int rows, int cols,
+                          const std::vector<uint8_t>& tiled) {
+  GemvFn one = gemv_fn(wt, ts.pack, at, best_isa());
+  const TileLayout L = layout(wt, rows, cols, ts);
+  const size_t ab = act_bytes(wt, at, cols);
+  std::vector<uint8_t> xa(m * ab);
+  for (int k = 0; k < m; ++k) prepare_act(wt, at, xa.data() + k * ab, random_x(cols).data(), cols);
+  const int r0 = std::min(ts.tr, rows), r1 = rows;  // from the second stripe on (rows < tr: nothing)
+  const int ldy = rows + 5;
+  std::vector<float> yb((size_t)m * ldy, NAN), y1((size_t)m * ldy, NAN);
+  batch(yb.data(), ldy, xa.data(), m, tiled.data(), L, 0, r0);
+  batch(yb.data() + r0, ldy, xa.data(), m, tiled.data(), L, r0, r1);
+  for (int k = 0; k < m; ++k) {
+    one(y1.data() + (size_t)k * ldy, xa.data() + k * ab, tiled.data(), L, 0, r0);
+    one(y1.data() + (size_t)k * ldy + r0, xa.data() + k * ab, tiled.data(), L, r0, r1);
+  }
+  bool same = true;
+  for (int k = 0; k < m; ++k)
+    same &= std::memcmp(yb.data() + (size_t)k * ldy, y1.data() + (size_t)k * ldy, sizeof(float) * rows) == 0;
+  if (!same)
+    std::fprintf(stderr, "batched != alone: %s %s m=%d rows=%d cols=%d g=%d\n", block_name(wt),
+                 at == AType::Q8 ? "q8" : "q8x2", m, rows, cols, ts.g);
+  return same;
+}
+
 // The batched GEMV gives every token exactly (bitwise) what the GEMV gives it alone, for batches
 // of one to more than one A tile of tokens, full and ragged groups, several column tiles; it
-// exists for every planes type on AVX2 and AVX-512 (AMX where usable, else VNNI).
+// exists for every planes type on AVX2 and AVX-512 (AMX where usable, else VNNI), and for the
+// ternary types' whole blocks with one int8 level.
 TEST(batched_gemv_is_bitwise_the_gemv_of_each_token) {
   bool any = false;
   std::uniform_int_distribution<int> ri(1, 300);
@@ -217,32 +248,22 @@ TEST(batched_gemv_is_bitwise_the_gemv_of_each_token) {
         CHECK(!batch == (best_isa() == Isa::Scalar));  // every planes type has one on AVX2 and AVX-512
         if (!batch) continue;
         any = true;
-        GemvFn one = gemv_fn(wt, ts.pack, at, best_isa());
         const int qk = block_elems(wt), rows = 16 + ri(rng()), cols = qk * (1 + ri(rng()) % (qk == 256 ? 5 : 24));
-        const TileLayout L = layout(wt, rows, cols, ts);
         const auto tiled = pack(wt, random_rows(wt, rows, cols), rows, cols, ts);
         for (int m : {1, 2, 3, 8, 9, 16, 17, 33}) {
-          const size_t ab = act_bytes(wt, at, cols);
-          std::vector<uint8_t> xa(m * ab);
-          for (int k = 0; k < m; ++k) prepare_act(wt, at, xa.data() + k * ab, random_x(cols).data(), cols);
-          const int r0 = ts.tr, r1 = rows;  // from the second stripe on (rows < tr: nothing)
-          const int ldy = rows + 5;
-          std::vector<float> yb((size_t)m * ldy, NAN), y1((size_t)m * ldy, NAN);
-          batch(yb.data(), ldy, xa.data(), m, tiled.data(), L, 0, r0);
-          batch(yb.data() + r0, ldy, xa.data(), m, tiled.data(), L, r0, r1);
-          for (int k = 0; k < m; ++k) {
-            one(y1.data() + (size_t)k * ldy, xa.data() + k * ab, tiled.data(), L, 0, r0);
-            one(y1.data() + (size_t)k * ldy + r0, xa.data() + k * ab, tiled.data(), L, r0, r1);
-          }
-          bool same = true;
-          for (int k = 0; k < m; ++k)
-            same &= std::memcmp(yb.data() + (size_t)k * ldy, y1.data() + (size_t)k * ldy, sizeof(float) * std::min(rows, r1)) == 0;
-          if (!same)
-            std::fprintf(stderr, "batched != alone: %s %s m=%d rows=%d cols=%d g=%d\n", block_name(wt),
-                         at == AType::Q8 ? "q8" : "q8x2", m, rows, cols, g);
-          CHECK(same);
+          CHECK(batch_matches(wt, at, ts, m, batch, rows, cols, tiled));
         }
       }
+  for (BlockType wt : {BlockType::TQ1_0, BlockType::TQ2_0})  // whole blocks, one level
+    for (const Tiling& ts : {Tiling{96, 256, 1, Pack::Blocks}, Tiling{64, 512, 4, Pack::Blocks}}) {
+      GemvBatchFn batch = gemv_batch_fn(wt, ts.pack, AType::Q8, best_isa());
+      CHECK(!batch == (best_isa() == Isa::Scalar));
+      if (!batch) continue;
+      any = true;
+      const int rows = 16 + ri(rng()), cols = 256 * (2 + ri(rng()) % 5);
+      const auto tiled = pack(wt, random_rows(wt, rows, cols), rows, cols, ts);
+      for (int m : {1, 2, 7, 8, 9, 17}) CHECK(batch_matches(wt, AType::Q8, ts, m, batch, rows, cols, tiled));
+    }
   if (!any) std::fprintf(stderr, "  (no batched GEMV on this CPU: nothing to compare)\n");
 }
 

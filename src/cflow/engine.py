@@ -172,6 +172,10 @@ class EngineBase:
         from cflow import plan as P
 
         self.plan = build_plan(self.file, cfg, self.precise_roles)
+        if self.precise and not any(getattr(op, "two_level", False) for op in self.plan.ops):
+            self.activations = "int8"  # every matrix one level: a ternary model (plan.PlanBuilder.op)
+        elif self.precise and any(t.type in P.TERNARY_CODES for t in self.plan.tensors):
+            self.activations += " (int8 on the ternary matrices and the head)"
         self.bytes_per_token = P.bytes_per_token(self.plan)
         self.vocab = self.plan.buffers[self.plan.logits].width
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 from cflow._native import core
 from cflow.engine import ROLES
 from cflow.errors import CflowError, CflowFormatError, UnsupportedError
+from cflow.format.quant import TERNARY
+from cflow.format.tiles import BLOCK_TYPES
 
 Barrier, Embed, Matmul, GateUp, ActMul, Attention = (core.Barrier, core.Embed, core.Matmul, core.GateUp, core.ActMul,
                                                      core.Attention)
@@ -37,6 +39,7 @@ ROLE_STREAMS = {"qkv": "attention", "attn_output": "attention", "gate_up": "dens
 KIND_STREAMS = {"Embed": "embed", "Attention": "attention", "Router": "router", "Experts": "experts"}
 ACTS = {"silu": 0, "gelu_tanh": 1, "relu2": 2}  # GateUp / ActMul `act` (relu2: max(x, 0)^2)
 PACK_CODES = {"blocks": 0, "planes": 1}
+TERNARY_CODES = tuple(BLOCK_TYPES[n].code for n in TERNARY)  # tq1_0, tq2_0
 
 
 def tensor_ref(name: str, t) -> TensorRef:
@@ -76,6 +79,7 @@ class PlanBuilder:
         self.experts: list[ExpertRef] = []
         self._ids: dict[str, int] = {}
         self.stream = "attention"  # of ops that name none (ActMul, Add): the last one named
+        self.ternary_layers = False  # an op so far multiplies by a ternary matrix
 
     # ---------------------------------------------------------------- tensors and buffers
     def has(self, name: str) -> bool:
@@ -116,7 +120,14 @@ class PlanBuilder:
         if role is not None:
             if role not in ROLES and role != "experts":
                 raise CflowError(f"unknown role {role!r}")
-            fields["two_level"] = (role if role != "experts" else "gate_up") in self.precise
+            # ternary weights take one int8 level: BitNet b1.58 trains with 8-bit activations, and
+            # their kernels are compute-bound, so a second level would cost its full time; so does
+            # the head of a model whose layers are ternary (at two levels, a tenth of its decode
+            # step), as llama.cpp runs it (docs/KERNELS.md, "Ternary")
+            ternary = fields.get("weight", -1) >= 0 and self.tensors[fields["weight"]].type in TERNARY_CODES
+            self.ternary_layers |= ternary
+            one_level = ternary or (role == "head" and self.ternary_layers)
+            fields["two_level"] = (role if role != "experts" else "gate_up") in self.precise and not one_level
         stream = stream or ROLE_STREAMS.get(role) or KIND_STREAMS.get(kind.__name__) or self.stream
         if stream not in STREAMS:
             raise CflowError(f"unknown stream {stream!r}; the streams are {', '.join(STREAMS)}")

@@ -5,9 +5,10 @@
 //   BlockTraits  per type, one row of kBlockTypes: name, weights and bytes per block, the scalar
 //                block codec (dequantize; the int8 dot with one activation block), the int8
 //                activation block its kernels take (ActBlock: block_q8a for the 32-blocks,
-//                block_q8_K for the K-quants, none for float types), whether the prefill GEMM has
-//                int8 kernels for it (the K-quants' GEMM is fp32 only: data here, read by the one
-//                predicate has_int8_path), the header bytes of its planes pack (0: no pack)
+//                block_q8_K for the K-quants and the ternary types, none for float types),
+//                whether the prefill GEMM has int8 kernels for it (the K-quants' and the ternary
+//                types' GEMM is fp32 only; their prompt rows take the batched GEMV: data here,
+//                read by the one predicate has_int8_path), the header bytes of its planes pack (0: no pack)
 //                and where those header words sit in a whole block (Q6_K: at its end).
 //   TileLayout   one tiled matrix: type, shape, tile (tr, tc), interleave g and pack. Every GEMV
 //                and GEMM kernel takes it.

@@ -243,42 +243,43 @@ struct BlkTQ1_0 : BlkOf<BlockType::TQ1_0> {
 // The int8 dot of ternary blocks: sum_j (t_j - 1) a_j = sum_j t_j a_j - sum_j a_j, the activation
 // sum from bsums (their 16 lanes: only the total matters). With VNNI one vpdpbusd per run;
 // without, the pair sums of maddubs stay in int16 (|sum| <= 8 runs * 2 * 3 * 128 + 2048 < 2^15)
-// and one madd per block widens them. dot2 takes two rows' blocks against one activation block,
-// each activation run loaded once for both.
+// and one madd per block widens them. codes(p, c) decodes a block's 8 runs once; isum(c, a) is
+// their integer dot with one activation block, as 8 int32 lanes; finish adds it, scaled, into the
+// row's 8 float lanes. The GEMV (one token) and the batched GEMV (one decode, several tokens) run
+// the same three, so a token's result does not depend on its batch.
 template <class B>
 struct Tern : B {
   using Act = block_q8_K;
-  template <int N>
-  static void dotn(const uint8_t* const (&p)[N], const block_q8_K& a, __m256 (&acc)[N]) {
+  static void codes(const uint8_t* p, __m256i (&c)[8]) {
+    B::runs(p, [&](int r, __m256i t) { c[r] = t; });
+  }
+  static __m256i isum(const __m256i (&c)[8], const block_q8_K& a) {
     const __m256i bs = load32(a.bsums);
 #if defined(__AVX512VNNI__)
-    const __m256i s0 = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(bs, _mm256_set1_epi16(1)));
-    __m256i s[N];
-    for (int k = 0; k < N; ++k) s[k] = s0;
-    auto step = [&](int k, int r, __m256i t) { s[k] = _mm256_dpbusd_epi32(s[k], t, load32(a.qs + 32 * r)); };
+    __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(bs, _mm256_set1_epi16(1)));
+    for (int r = 0; r < 8; ++r) s = _mm256_dpbusd_epi32(s, c[r], load32(a.qs + 32 * r));
+    return s;
 #else
-    const __m256i s0 = _mm256_sub_epi16(_mm256_setzero_si256(), bs);
-    __m256i s[N];
-    for (int k = 0; k < N; ++k) s[k] = s0;
-    auto step = [&](int k, int r, __m256i t) {
-      s[k] = _mm256_add_epi16(s[k], _mm256_maddubs_epi16(t, load32(a.qs + 32 * r)));
-    };
+    __m256i s16 = _mm256_sub_epi16(_mm256_setzero_si256(), bs);
+    for (int r = 0; r < 8; ++r) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[r], load32(a.qs + 32 * r)));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 #endif
-    for (int k = 0; k < N; ++k) B::runs(p[k], [&](int r, __m256i t) { step(k, r, t); });
+  }
+  static __m256 finish(const uint8_t* p, const block_q8_K& a, __m256i s, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(B::d(p) * a.d), acc);
+  }
+  template <int N>
+  static void dotn(const uint8_t* const (&p)[N], const block_q8_K& a, __m256 (&acc)[N]) {
     for (int k = 0; k < N; ++k) {
-#if defined(__AVX512VNNI__)
-      const __m256i si = s[k];
-#else
-      const __m256i si = _mm256_madd_epi16(s[k], _mm256_set1_epi16(1));
-#endif
-      acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_set1_ps(B::d(p[k]) * a.d), acc[k]);
+      __m256i c[8];
+      codes(p[k], c);
+      acc[k] = finish(p[k], a, isum(c, a), acc[k]);
     }
   }
   static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float&) {
-    const uint8_t* const q[1] = {p};
-    __m256 c[1] = {acc};
-    dotn<1>(q, a, c);
-    acc = c[0];
+    __m256i c[8];
+    codes(p, c);
+    acc = finish(p, a, isum(c, a), acc);
   }
 };
 using KTQ1_0 = Tern<BlkTQ1_0>;
@@ -397,6 +398,10 @@ void gemv_tern_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& 
         __m256 a[2] = {acc[i], acc[i1]};
         for (int b = 0; b < nb; ++b) {
           const uint8_t* const p[2] = {base[0] + b * stride[0], base[1] + b * stride[1]};
+          // the payload order is linear within a row (and, rows of one block, within a tile):
+          // a hint kPrefetchAhead bytes ahead of each block, about one per cache line (planes.h)
+          __builtin_prefetch(p[0] + kPrefetchAhead, 0, 3);
+          if (i1 != i) __builtin_prefetch(p[1] + kPrefetchAhead, 0, 3);
           T::template dotn<2>(p, x[cb0 + b], a);
         }
         acc[i] = a[0];
@@ -405,6 +410,53 @@ void gemv_tern_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& 
     }
     for (int i = lo; i < hi; ++i) y[S.row + i - row_begin] = V::hsum8(acc[i]);
   });
+}
+
+// The batched form (kernels.h GemvBatchFn): groups of up to kTernGroup tokens; each block decoded
+// once (Tern::codes) and met by every token of the group (isum, finish: the GEMV's operations in
+// its order, so each token's result is the GEMV's bit for bit). acc: each (token, row)'s 8 lanes.
+constexpr int kTernGroup = 8;
+template <class T>
+void gemv_tern_batch(float* y, int ldy, const void* xv, int m, const uint8_t* w, const TileLayout& L, int row_begin,
+                     int row_end) {
+  const size_t ab = act_bytes(T::kType, AType::Q8, L.cols);  // one token's row of block_q8_K
+  thread_local std::vector<__m256> acc;
+  for (int t0 = 0; t0 < m; t0 += kTernGroup) {
+    const int nt = std::min(kTernGroup, m - t0);
+    const block_q8_K* x[kTernGroup];
+    for (int k = 0; k < nt; ++k) x[k] = (const block_q8_K*)((const uint8_t*)xv + (size_t)(t0 + k) * ab);
+    for_stripes(L, w, row_begin, row_end, [&](const Stripe& S, int lo, int hi) {
+      acc.assign((size_t)nt * S.nr, _mm256_setzero_ps());
+      for (int t = 0; t < S.ntiles(); ++t) {
+        const uint8_t* tile = S.tile(t);
+        const int nb = S.nb(t), cb0 = t * S.bpt;
+        for (int i = lo; i < hi; ++i) {
+          const TileRow r(tile, S.nr, nb, S.g, T::kBB, i);
+          for (int b = 0; b < nb; ++b) {
+            const uint8_t* p = r.base + b * r.stride;
+            __builtin_prefetch(p + kPrefetchAhead, 0, 3);
+            __m256i c[8];
+            T::codes(p, c);
+            for (int k = 0; k < nt; ++k) {
+              __m256& a = acc[(size_t)k * S.nr + i];
+              a = T::finish(p, x[k][cb0 + b], T::isum(c, x[k][cb0 + b]), a);
+            }
+          }
+        }
+      }
+      for (int k = 0; k < nt; ++k)
+        for (int i = lo; i < hi; ++i)
+          y[(size_t)(t0 + k) * ldy + S.row + i - row_begin] = V::hsum8(acc[(size_t)k * S.nr + i]);
+    });
+  }
+}
+
+// The batched ternary kernel of (bt, pack, at), nullptr for other combinations.
+inline GemvBatchFn tern_batch_fn(BlockType bt, Pack pack, AType at) {
+  if (pack != Pack::Blocks || at != AType::Q8) return nullptr;
+  if (bt == BlockType::TQ2_0) return gemv_tern_batch<KTQ2_0>;
+  if (bt == BlockType::TQ1_0) return gemv_tern_batch<KTQ1_0>;
+  return nullptr;
 }
 
 // ---- ternary, fp32 activations, without a multiply per weight: with the code's bits b1, b0,

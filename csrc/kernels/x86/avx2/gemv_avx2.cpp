@@ -318,6 +318,7 @@ void gemv_batch_avx2(float* y, int ldy, const void* xv, int m, const uint8_t* w,
 }  // namespace
 
 GemvBatchFn gemv_batch(BlockType bt, Pack pack, AType at) {
+  if (GemvBatchFn f = tern_batch_fn(bt, pack, at)) return f;
   return planes_batch_fn(bt, pack, at, [](auto wt, auto two) -> GemvBatchFn {
     return gemv_batch_avx2<decltype(wt)::value, decltype(two)::value>;
   });

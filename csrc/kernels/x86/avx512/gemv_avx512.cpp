@@ -568,6 +568,7 @@ void fill_wide(KernelTable& t) {
 }  // namespace
 
 GemvBatchFn vnni_gemv_batch(BlockType bt, Pack pack, AType at) {
+  if (GemvBatchFn f = tern_batch_fn(bt, pack, at)) return f;
   return planes_batch_fn(bt, pack, at, [](auto wt, auto two) -> GemvBatchFn {
     return gemv_batch_vnni<decltype(wt)::value, decltype(two)::value>;
   });
