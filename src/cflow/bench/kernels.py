@@ -12,6 +12,14 @@ in the time), its min..max, and % of the probe: the median over repeats of kerne
 same repeat (paired, because on a shared machine the bandwidth on offer moves by several times
 within a run). The weights are random bytes with sane scales: a GEMV's speed does not
 depend on the values.
+
+--ternary: instead, one shape (--rows x --cols, default 16384 x 8192: Q4_0 75 MB, TQ2_0 35 MB, both
+far beyond L3) in each of: Q4_0 as convert writes it (the 4-bit reference), TQ2_0 and TQ1_0 with
+int8 activations (the default), TQ2_0 with fp32 activations (masked add and subtract, no multiply
+per weight), and the dequantize-then-multiply baseline (the scalar reference kernel on TQ2_0: each
+block decoded to 256 floats, then multiplied with x). Repeats alternate the kernels and a probe
+pass; reported per kernel: ms per GEMV (median, min..max), weights/s, GB/s, % of the probe, and
+TQ2_0's speed-up over Q4_0 and over the baseline, each the median of the per-repeat ratios.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import json
 import statistics
 import sys
 
-TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
+TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q4_k", "q6_k", "tq2_0", "tq1_0", "f16", "bf16", "f32"]
 
 
 def add_arguments(p):
@@ -37,6 +45,9 @@ def add_arguments(p):
     p.add_argument("--resident", action="store_true",
                    help="instead: each kernel on a 0.5 MB matrix that stays in L2 (200 timed runs, median), "
                         "its compute ceiling with memory out of the way; no probe")
+    p.add_argument("--ternary", action="store_true",
+                   help="instead: ternary kernels against Q4_0 and a dequantize-then-multiply baseline at one shape")
+    p.add_argument("--rows", type=int, default=16384, help="--ternary: matrix rows (default 16384)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line")
 
 
@@ -80,8 +91,8 @@ def _matrix(bt, cols: int, mb: float, rng):
     if bt.name in PLANES_HEADER:  # planes chunks: the 16 d (and 16 m) words lead each chunk
         chunks = w.reshape(-1, PLANES_MAX_G * bt.block_bytes)
         chunks[:, :PLANES_MAX_G * PLANES_HEADER[bt.name]] = np.tile(half, PLANES_MAX_G * PLANES_HEADER[bt.name] // 2)
-    if bt.name == "q6_k":
-        blocks[:, 208:210] = half
+    if bt.name in ("q6_k", "tq1_0", "tq2_0"):  # d: the last two bytes
+        blocks[:, -2:] = half
     if bt.name == "f32":
         blocks[:] = np.frombuffer(np.float32(0.5).tobytes(), dtype=np.uint8)
     if bt.name in ("f16", "bf16"):
@@ -107,6 +118,8 @@ def main(args) -> int:
 
     if args.resident:
         return _resident(args, bts, threads, log)
+    if args.ternary:
+        return _ternary(args, threads, log)
     probe = {}
     for t in threads:
         runs = K.probe_read(args.probe_mib, t, args.repeats, args.isa)
@@ -180,4 +193,65 @@ def _resident(args, bts, threads, log) -> int:
                     f"{max(gb):.1f} best (L2-resident)")
     if args.json:
         sys.stdout.write(json.dumps({"resident": True, "best_isa": K.best_isa(), "kernels": results}) + "\n")
+    return 0
+
+
+# (name, type, activations, isa cap, repeats per repeat round): the --ternary kernels, Q4_0 first
+TERNARY_KERNELS = [("q4_0", "q4_0", "q8", None, 1), ("tq2_0", "tq2_0", "q8", None, 1), ("tq1_0", "tq1_0", "q8", None, 1),
+                   ("tq2_0 fp32 masked", "tq2_0", "f32", None, 1), ("tq2_0 dequantize+multiply", "tq2_0", "f32", "scalar", 1)]
+
+
+def _ternary(args, threads, log) -> int:
+    import numpy as np
+
+    from cflow import kernels as K
+    from cflow.errors import CflowError
+    from cflow.format.tiles import block_type
+
+    if args.rows < 128 or args.rows % 128:
+        raise CflowError("--rows must be a positive multiple of 128")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(args.cols).astype(np.float32)
+    mats = {}
+    for _, name, _, _, _ in TERNARY_KERNELS:
+        if name not in mats:
+            bt = block_type(name)
+            w, _ = _matrix(bt, args.cols, args.rows * args.cols / bt.block_elems * bt.block_bytes / 1e6, rng)
+            mats[name] = (bt, w, _layouts(bt, args.cols)["tiled"])
+    results, summary = [], {}
+    for t in threads:
+        secs = {k[0]: [] for k in TERNARY_KERNELS}
+        paired = []
+        for label, name, act, isa, _ in TERNARY_KERNELS:  # warm-up
+            bt, w, (tile, g, pack) = mats[name]
+            K._call(K.core.gemv_time, name, w, x, args.rows, args.cols, tile, g, act, isa, t, 0, 1, pack)
+        for _ in range(args.repeats):
+            paired += K.probe_read(args.probe_mib, t, 1, args.isa)
+            for label, name, act, isa, _ in TERNARY_KERNELS:
+                bt, w, (tile, g, pack) = mats[name]
+                secs[label] += K._call(K.core.gemv_time, name, w, x, args.rows, args.cols, tile, g, act,
+                                       isa or args.isa, t, 1, 0, pack)
+        for label, name, act, isa, _ in TERNARY_KERNELS:
+            bt, w, (tile, g, pack) = mats[name]
+            s = secs[label]
+            gb = [w.size / v * 1e-9 for v in s]
+            r = {"kernel": label, "type": name, "act": act, "isa": K.gemv_isa(name, act, isa or args.isa, pack),
+                 "threads": t, "ms": 1e3 * statistics.median(s), "min_ms": 1e3 * min(s), "max_ms": 1e3 * max(s),
+                 "gweights_per_s": args.rows * args.cols / statistics.median(s) * 1e-9, "gbps": statistics.median(gb),
+                 "pct_of_probe": statistics.median(100.0 * k / p for k, p in zip(gb, paired)),
+                 "mb": round(w.size / 1e6, 1), "interleave": g, "pack": pack}
+            results.append(r)
+            log(f"{label:26s} {r['isa']:6s} {t} thr: {r['ms']:8.2f} ms ({r['min_ms']:.2f}..{r['max_ms']:.2f}) "
+                f"{r['gweights_per_s']:6.2f} Gweights/s {r['gbps']:5.1f} GB/s {r['pct_of_probe']:5.1f}% of probe")
+        tq = secs["tq2_0"]
+        ratio = lambda other: statistics.median(o / q for o, q in zip(secs[other], tq))  # noqa: E731
+        summary[str(t)] = {"tq2_0_vs_q4_0": ratio("q4_0"), "tq2_0_vs_dequantize_multiply":
+                           ratio("tq2_0 dequantize+multiply"), "tq2_0_vs_fp32_masked": ratio("tq2_0 fp32 masked")}
+        log(f"  {t} thr: TQ2_0 is {summary[str(t)]['tq2_0_vs_q4_0']:.2f}x Q4_0, "
+            f"{summary[str(t)]['tq2_0_vs_dequantize_multiply']:.1f}x dequantize+multiply, "
+            f"{summary[str(t)]['tq2_0_vs_fp32_masked']:.1f}x its fp32 masked path "
+            f"(medians of per-repeat ratios); probe {statistics.median(paired):.1f} GB/s")
+    if args.json:
+        sys.stdout.write(json.dumps({"ternary": True, "rows": args.rows, "cols": args.cols, "best_isa": K.best_isa(),
+                                     "kernels": results, "speedups": summary}) + "\n")
     return 0
