@@ -161,3 +161,47 @@ def test_ternary_qat_trains_evaluates_and_exports_ternary_weights(tmp_path, tok,
     # resuming needs the same choice
     assert main(args[:-len(TINY) - 1] + ["--resume"] + TINY) == 2
     assert "--ternary must match" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["bitnet", "llama"])
+def test_llama_shaped_ternary_qat_exports_tq2_0_the_engine_runs(tmp_path, tok, capsys, arch):
+    # the dense baselines: --ternary trains, eval agrees with the run, and `export --type tq2_0`
+    # stores the ternary values exactly (d_model and d_ff whole blocks of 256): the engine with fp32
+    # activations gives the torch model's logits (computed with those weights, fp32 activations)
+    import numpy as np
+    import torch
+
+    from cflow.engine import Engine
+    from cflow.format.reader import CflowFile
+    from cflow.models.dense import Dense
+    from cflow.models.pnt import ternary_values
+    from cflow.train import checkpoint
+
+    run = tmp_path / arch
+    dims = ["--d-model", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--d-ff", "512",
+            "--seq-len", "32", "--batch", "4", "--vocab-size", "320", "--warmup", "2", "--log-every", "1", "--quiet",
+            "--lr", "3e-3"]
+    assert main(["train", "--arch", arch, "--data", SAMPLE, "--tokenizer", tok, "--steps", "6", "--out", str(run),
+                 "--ternary"] + dims) == 0
+    a = losses(run)
+    assert a[-1] < a[0]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", SAMPLE, "--json"]) == 0
+    final = json.loads((run / "final.json").read_text())
+    assert json.loads(capsys.readouterr().out)["ppl"] == pytest.approx(final["test_ppl"], rel=1e-6)
+    out = tmp_path / f"{arch}.cflow"
+    assert main(["export", str(run), "-o", str(out), "--type", "tq2_0", "--embd-type", "f32"]) == 0
+    ck = checkpoint.load(run)
+    plain = Dense(ck["config"]).eval()  # the ternarized weights, fp32 activations
+    plain.load_state_dict({k: ternary_values(v) if k.startswith("layers.") and v.dim() == 2 else v
+                           for k, v in ck["model"].items()})
+    with CflowFile(out, verify=True) as f:
+        assert f.metadata["ternary_qat"] is True and f.config.arch == arch
+        assert {f.tensors[n].type.name for n in f.tensors if n.startswith("blk.") and n.endswith(("qkv", "down"))} \
+            == {"tq2_0"}
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 300, 32)]  # the trained length
+    with torch.no_grad():
+        ref = plain(torch.tensor([ids]))[0][0].numpy()
+    e = Engine(str(out), threads=2, fast=False)
+    got = e.forward(e.new_state(), ids, all_logits=True)
+    assert (np.abs(got - ref).max(-1) / np.abs(ref).max(-1)).max() <= 1e-3

@@ -19,9 +19,8 @@ def main(args) -> int:
 
     import torch
 
-    from cflow.models.pnt import PNT
     from cflow.train import checkpoint, data, tokenizer
-    from cflow.train.trainer import evaluate
+    from cflow.train.trainer import evaluate, make_model
 
     torch.set_num_threads(args.threads)
     ck = checkpoint.load(args.checkpoint)
@@ -30,15 +29,15 @@ def main(args) -> int:
     tokenizer.check_vocab(tok, cfg.vocab_size, f"checkpoint {args.checkpoint}")
     train_txt, test_txt = data.split(data.read_texts(args.data))
     stream = data.encode(tok, test_txt if args.split == "test" else train_txt)
-    model = PNT(cfg, ternary=bool(ck["train_args"].get("ternary", False)))
+    model = make_model(cfg, bool(ck["train_args"].get("ternary", False)))
     model.load_state_dict(ck["model"])
     seq = args.seq_len or ck["train_args"].get("seq_len", cfg.max_seq_len)
     ev = evaluate(model, stream, min(seq, cfg.max_seq_len), args.batch)
-    rec = {"arch": cfg.variant, "step": ck["step"], "split": args.split, "ppl": ev["ppl"], "acc": ev["acc"],
+    rec = {"arch": getattr(cfg, "variant", cfg.arch), "step": ck["step"], "split": args.split, "ppl": ev["ppl"], "acc": ev["acc"],
            "loss": ev["loss"], "tokens": ev["tokens"]}
     if args.json:
         print(json.dumps(rec))
     else:
-        print(f"{cfg.variant} step {ck['step']}: {args.split} perplexity {ev['ppl']:.3f}  top-1 accuracy "
+        print(f"{getattr(cfg, 'variant', cfg.arch)} step {ck['step']}: {args.split} perplexity {ev['ppl']:.3f}  top-1 accuracy "
               f"{100 * ev['acc']:.2f}%  ({ev['tokens']} tokens)")
     return 0

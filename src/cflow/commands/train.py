@@ -4,7 +4,8 @@ HELP = "train a pipeline-native model (AdamW, cosine, checkpoints, resume; DDP u
 
 
 def add_arguments(p):
-    p.add_argument("--arch", required=True, help="preset: arch1, arch2_4_combined, arch2_4_sync, arch3, arch4_async_experts, arch5")
+    p.add_argument("--arch", required=True, help="preset: arch1, arch2_4_combined, arch2_4_sync, arch3, arch4_async_experts, arch5; "
+                   "or a llama-shaped baseline: llama, bitnet (BitNet b1.58's shape)")
     p.add_argument("--data", required=True, help="*.txt (<|endoftext|> separated), *.jsonl ({\"text\":...}), .xz/.gz, or hf:NAME")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--out", default="runs/train", help="run folder: ckpt.pt, metrics.jsonl, loss.png, final.json")

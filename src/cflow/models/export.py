@@ -68,10 +68,40 @@ def _spec(kind, data, wtype, etype):
     return dict(type=wtype, data=data, fuse=kind, **tensor_layout(wtype, 2))
 
 
+def export_dense(ck: dict, path: str, wtype: str, etype: str) -> int:
+    """A llama-shaped checkpoint (models/dense.py) through the converter's writer: the layers'
+    matrices in wtype (a ternary type stores a ternary-trained model's values exactly), the
+    embedding table and the head in etype; returns the number of tensors written."""
+    from cflow.convert import Checkpoint, Tensor, quantize, requantize
+    from cflow.convert.write import write_cflow
+    from cflow.models.dense import Dense
+
+    cfg = ck["config"]
+    model = Dense(cfg, ternary=bool(ck["train_args"].get("ternary", False)))
+    model.load_state_dict(ck["model"])
+    tensors = {}
+    for name, t in model.tensors().items():
+        a = t.numpy()
+        parts = []
+        if name.endswith("attn_qkv"):
+            b = name[:-len("attn_qkv")]
+            parts = [(b + "attn_q", cfg.q_dim), (b + "attn_k", cfg.kv_dim), (b + "attn_v", cfg.kv_dim)]
+        tensors[name] = Tensor("f32", a.shape, a, parts)
+    meta = {"source": "cflow train", "step": ck["step"], "ternary_qat": model.ternary}
+    out = requantize(Checkpoint(cfg, tensors, tokenizer_json=ck["tokenizer"], special_tokens={"eos": "<|endoftext|>"},
+                                metadata=meta), wtype)
+    for name in ("tok_embd", "output"):
+        out.tensors[name] = Tensor(etype, tensors[name].shape, quantize(etype, tensors[name].data))
+    write_cflow(out, path, progress=False)
+    return len(out.tensors)
+
+
 def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q8_0") -> int:
     """Write `path`; returns the number of tensors written."""
     ck = checkpoint.load(ckpt)
     cfg = ck["config"]
+    if cfg.arch != "pnt":
+        return export_dense(ck, path, wtype, etype)
     ternary = bool(ck["train_args"].get("ternary", False))
     sd = ternarized(ck["model"]) if ternary else ck["model"]  # what a ternary QAT model computed with
     dense, experts = tensor_map(sd, cfg)

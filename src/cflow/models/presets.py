@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from cflow.errors import CflowError
+from cflow.config import ModelConfig
 from cflow.models.pipeline_native import PNTConfig
 
 # The paper's geometry as inferred in PAPER.md: d=512, 6 layers, vocab 50,257 untied, MHA
@@ -34,12 +35,29 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def preset(name: str, **overrides: Any) -> PNTConfig:
+# Llama-shaped baselines outside the family (models/dense.py), for the ternary QAT comparison on a
+# plain dense decoder: name -> (description, ModelConfig fields)
+DENSE_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama-shaped dense decoder (SwiGLU)", dict(arch="llama", act="silu")),
+    "bitnet": ("BitNet b1.58's shape: llama with sub-norms and a squared-ReLU GLU", dict(arch="bitnet", act="relu2",
+                                                                                        sub_norms=True)),
+}
+DENSE_FIELDS = ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "max_seq_len")
+
+
+def preset(name: str, **overrides: Any) -> PNTConfig | ModelConfig:
     """PNTConfig of preset `name` at the paper's geometry, with `overrides` (geometry or any
     field) applied on top. For arch5, n_layer is the applied depth: n_layer/3 unique layers
-    run 3 times."""
+    run 3 times. A dense preset (DENSE_PRESETS) gives a ModelConfig of the same geometry, its
+    experts' fields ignored."""
+    if name in DENSE_PRESETS:
+        kw = {k: v for k, v in PAPER_GEOMETRY.items() if k in DENSE_FIELDS}
+        kw.update({k: v for k, v in overrides.items() if v is not None and k in DENSE_FIELDS})
+        kw.update(DENSE_PRESETS[name][1])
+        kw["head_dim"] = kw["d_model"] // kw["n_head"]
+        return ModelConfig(norm_eps=1e-5, **kw)
     if name not in PRESETS:
-        raise CflowError(f"unknown arch {name!r}; choose one of: {', '.join(PRESETS)}")
+        raise CflowError(f"unknown arch {name!r}; choose one of: {', '.join([*PRESETS, *DENSE_PRESETS])}")
     kw: dict[str, Any] = dict(arch="pnt", act="gelu_tanh", variant=name)
     kw.update(PAPER_GEOMETRY)
     kw.update(PRESETS[name][1])

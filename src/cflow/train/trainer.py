@@ -26,6 +26,15 @@ from cflow.train import checkpoint, data, tokenizer
 GEOMETRY = ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "n_expert", "top_k", "d_expert")
 
 
+def make_model(cfg, ternary: bool):
+    """The torch model of a config: PNT for the pipeline-native family, else the llama-shaped Dense."""
+    if cfg.arch == "pnt":
+        return PNT(cfg, ternary=ternary)
+    from cflow.models.dense import Dense
+
+    return Dense(cfg, ternary=ternary)
+
+
 def lr_at(step: int, lr: float, warmup: int, total: int, min_frac: float) -> float:
     """Linear warmup to lr over `warmup` steps, then cosine decay to min_frac * lr at `total`."""
     if step < warmup:
@@ -155,7 +164,7 @@ def train(args) -> dict:
         raise CflowError(f"--ternary must match the checkpoint being resumed ({ck_path}: "
                          f"ternary={bool(ck['train_args'].get('ternary', False))})")
     torch.manual_seed(args.seed)
-    model = PNT(cfg, ternary=ternary)
+    model = make_model(cfg, ternary)
     step0 = 0
     if ck is not None:
         model.load_state_dict(ck["model"])
@@ -203,7 +212,7 @@ def train(args) -> dict:
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, initial=step0, desc=cfg.variant, mininterval=2.0, file=sys.stderr)
+        bar = tqdm(total=args.steps, initial=step0, desc=getattr(cfg, "variant", cfg.arch), mininterval=2.0, file=sys.stderr)
     tokens_per_step = args.batch * args.seq_len
     t_last, s_last = time.perf_counter(), step0
     end = min(args.steps, args.stop_after) if args.stop_after else args.steps
@@ -258,7 +267,7 @@ def train(args) -> dict:
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         os.replace(tmp, out / "final.json")
         log.close()
-        plot_metrics(metrics, out / "loss.png", f"{cfg.variant} (seed {args.seed})")
+        plot_metrics(metrics, out / "loss.png", f"{getattr(cfg, 'variant', cfg.arch)} (seed {args.seed})")
     elif log:
         log.close()
     if world > 1:
