@@ -203,39 +203,42 @@ struct BlkTQ2_0 : BlkOf<BlockType::TQ2_0> {
   static float d(const uint8_t* p) { return h2f(p + 64); }
 };
 
-// TQ1_0's base-3 bytes: byte b times 3^n (mod 256) brings code n to the top trit, which is
-// (t * 3) >> 8, i.e. (t >= 86) + (t >= 171). m holds each byte's multiplier 3^n.
-inline __m256i tq1_codes(__m256i v, __m256i m) {
-  const __m256i lo = _mm256_and_si256(_mm256_mullo_epi16(v, _mm256_and_si256(m, _mm256_set1_epi16(0xFF))),
-                                      _mm256_set1_epi16(0xFF));
-  const __m256i hi = _mm256_slli_epi16(_mm256_mullo_epi16(_mm256_srli_epi16(v, 8), _mm256_srli_epi16(m, 8)), 8);
-  const __m256i t = _mm256_or_si256(lo, hi);
-  const __m256i ge86 = _mm256_cmpeq_epi8(_mm256_max_epu8(t, _mm256_set1_epi8((char)86)), t);
-  const __m256i ge171 = _mm256_cmpeq_epi8(_mm256_max_epu8(t, _mm256_set1_epi8((char)171)), t);
-  return _mm256_sub_epi8(_mm256_sub_epi8(_mm256_setzero_si256(), ge86), ge171);  // 0xFF is -1: 0, 1 or 2
+// TQ1_0's base-3 bytes: byte b times 3^n (mod 256) brings code n to the top trit, (t * 3) >> 8.
+// Both steps in byte arithmetic, no multiply: x3 = x + 2x; x9 = 8x + x, the 16-bit shift's carries
+// across bytes masked off; the top trit (t * 3) >> 8 = (t + t / 2 + carries) >> 7 >> 1, formed with
+// two byte averages (the averages round up, so t - 1 goes in; t = 0 stays 0) and the top two bits.
+inline __m256i times3(__m256i x) { return _mm256_add_epi8(x, _mm256_add_epi8(x, x)); }
+inline __m256i times9(__m256i x) {
+  return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(x, 3), _mm256_set1_epi8((char)0xF8)), x);
+}
+inline __m256i top_trit(__m256i t) {
+  const __m256i q = _mm256_subs_epu8(t, _mm256_set1_epi8(1));
+  const __m256i a = _mm256_avg_epu8(q, _mm256_avg_epu8(q, _mm256_setzero_si256()));  // about 3t / 4
+  return _mm256_and_si256(_mm256_srli_epi16(a, 6), _mm256_set1_epi8(3));
 }
 
 struct BlkTQ1_0 : BlkOf<BlockType::TQ1_0> {
   template <class F>
   static void runs(const uint8_t* p, F&& f) {
-    auto pow3 = [](char lo, char hi) { return _mm256_set_m128i(_mm_set1_epi8(hi), _mm_set1_epi8(lo)); };
     const __m256i v = load32(p);  // qs[0..31]: code n of qs[m] is weight 32n + m
-    f(0, tq1_codes(v, pow3(1, 1)));
-    f(1, tq1_codes(v, pow3(3, 3)));
-    f(2, tq1_codes(v, pow3(9, 9)));
-    f(3, tq1_codes(v, pow3(27, 27)));
-    f(4, tq1_codes(v, pow3(81, 81)));
+    const __m256i v3 = times3(v), v9 = times9(v), v27 = times9(v3), v81 = times9(v9);
+    f(0, top_trit(v));
+    f(1, top_trit(v3));
+    f(2, top_trit(v9));
+    f(3, top_trit(v27));
+    f(4, top_trit(v81));
     // qs[32..47]: code n of qs[32 + m] is weight 160 + 16n + m; runs 5 and 6 take codes 0, 1 and 2, 3
     const __m128i u = _mm_loadu_si128((const __m128i*)(p + 32));
     const __m256i uu = _mm256_set_m128i(u, u);
-    f(5, tq1_codes(uu, pow3(1, 3)));
-    f(6, tq1_codes(uu, pow3(9, 27)));
-    // run 7: code 4 of qs[32..47], then qh: code n of qh[j] is weight 240 + 4n + j
+    const __m256i u3 = times3(uu), u9 = times9(uu), u27 = times9(u3), u81 = times9(u9);
+    f(5, top_trit(_mm256_blend_epi32(uu, u3, 0xF0)));
+    f(6, top_trit(_mm256_blend_epi32(u9, u27, 0xF0)));
+    // run 7: code 4 of qs[32..47], then qh: code n of qh[j] is weight 240 + 4n + j (dword 4 + n)
     uint32_t qh;
     std::memcpy(&qh, p + 48, 4);
-    const __m256i w = _mm256_set_m128i(_mm_set1_epi32((int)qh), u);
-    const __m256i m = _mm256_set_m128i(_mm_set_epi32(0x1b1b1b1b, 0x09090909, 0x03030303, 0x01010101), _mm_set1_epi8(81));
-    f(7, tq1_codes(w, m));
+    const __m256i w = _mm256_set1_epi32((int)qh), w3 = times3(w), w9 = times9(w), w27 = times9(w3);
+    const __m256i hi = _mm256_blend_epi32(_mm256_blend_epi32(w, w3, 0x20), _mm256_blend_epi32(w9, w27, 0x80), 0xC0);
+    f(7, top_trit(_mm256_blend_epi32(u81, hi, 0xF0)));
   }
   static float d(const uint8_t* p) { return h2f(p + 52); }
 };
