@@ -1,5 +1,6 @@
 """Table and loss curves of the PNT experiment: python scripts/pnt_results.py runs/exp [docs/img/pnt_loss.png]
 Ternary QAT against full precision: python scripts/pnt_results.py --ternary runs/exp runs/exp-ternary
+(the llama-shaped baselines the same way: --ternary runs/dense runs/dense-ternary)
 
 Prints a Markdown table (one row per preset; mean and spread when several seeds ran) built from
 each run's final.json and `cflow analyze`'s arithmetic at the trained and at the paper's size;
@@ -14,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from cflow.analysis.bandwidth import analyze  # noqa: E402
 from cflow.config import ModelConfig  # noqa: E402
-from cflow.models.presets import PRESETS, preset  # noqa: E402
+from cflow.models.presets import DENSE_PRESETS, PRESETS, preset  # noqa: E402
 
 
 def finished(root: Path) -> dict:
@@ -35,7 +36,7 @@ def ternary_table(fp_root: Path, t_root: Path) -> None:
     fp, tq = finished(fp_root), finished(t_root)
     print("| arch | seeds | full precision: test ppl | top-1 | ternary QAT: test ppl | top-1 | ppl ratio | top-1 change |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in PRESETS:
+    for name in [*PRESETS, *DENSE_PRESETS]:  # the family's presets, then the llama-shaped baselines
         seeds = sorted({d.name for d in fp.get(name, [])} & {d.name for d in tq.get(name, [])})
         if not seeds:
             continue
