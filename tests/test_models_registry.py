@@ -27,7 +27,7 @@ def test_registry_lookups():
     assert {"llama", "qwen2", "qwen3", "gemma3", "pnt"} <= set(models.names())
     assert models.for_hf("mistral").name == "llama" and models.for_gguf("gemma3").name == "gemma3"
     assert {"pnt", "llama"} <= set(models.supported("native")) and "llama" in models.supported("ref")
-    with pytest.raises(UnsupportedError, match="unsupported architecture 'mamba'; supported: gemma3, llama"):
+    with pytest.raises(UnsupportedError, match="unsupported architecture 'mamba'; supported: bitnet, gemma3, llama"):
         models.get("mamba")
 
 
