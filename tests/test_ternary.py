@@ -88,13 +88,11 @@ def test_ternarize_keeps_ternary_values_and_rounds_by_absmean():
 
 # ---------------------------------------------------------------- BitNet b1.58, ternary-valued
 
-torch = pytest.importorskip("torch")
-
-
 @pytest.fixture(scope="module")
 def bitnet(tmp_path_factory):
     """A tiny BitNet whose layer matrices are ternary with a power-of-two scale per matrix (so f16
     holds it exactly), d_model and d_ff multiples of 256 (the ternary block)."""
+    torch = pytest.importorskip("torch")
     import transformers as tf
     from models_tiny import train_tokenizer
 
@@ -120,6 +118,8 @@ def bitnet(tmp_path_factory):
 
 
 def logits_of(model, ids):
+    import torch
+
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
@@ -144,6 +144,8 @@ def test_convert_tq2_0_is_lossless_for_a_ternary_model(bitnet, tmp_path, capsys)
         # transformers with the embedding table and head the file holds (q8_0), every other weight as it is
         sd = model.state_dict()
         emb, head = f.dequantize("tok_embd"), f.dequantize("output")
+    import torch
+
     ref_model = type(model)(model.config).eval()
     ref_model.load_state_dict(dict(sd, **{"model.embed_tokens.weight": torch.from_numpy(emb),
                                          "lm_head.weight": torch.from_numpy(head)}))
