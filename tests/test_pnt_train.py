@@ -117,6 +117,18 @@ def test_ddp_two_processes_match_one(tmp_path, tok):
     assert a == pytest.approx(b, abs=2e-3)
 
 
+def train_ternary_and_eval(run: Path, capsys, args: list[str]) -> None:
+    """6 steps of --ternary training into `run`: the loss falls, and `cflow eval` of the checkpoint
+    gives the run's own final perplexity (eval runs the quantized model)."""
+    assert main(["train", "--data", SAMPLE, "--steps", "6", "--out", str(run), "--ternary"] + args) == 0
+    a = losses(run)
+    assert a[-1] < a[0]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", SAMPLE, "--json"]) == 0
+    final = json.loads((run / "final.json").read_text())
+    assert json.loads(capsys.readouterr().out)["ppl"] == pytest.approx(final["test_ppl"], rel=1e-6)
+
+
 def test_ternary_qat_trains_evaluates_and_exports_ternary_weights(tmp_path, tok, capsys):
     # --ternary: the loss falls, eval runs the quantized model (the same perplexity as the run's
     # final one), and the exported matrices hold three values each (-s, 0, s), s = their mean |w|
@@ -128,15 +140,7 @@ def test_ternary_qat_trains_evaluates_and_exports_ternary_weights(tmp_path, tok,
     from cflow.train import checkpoint
 
     run = tmp_path / "t"
-    args = ["train", "--arch", "arch2_4_combined", "--data", SAMPLE, "--tokenizer", tok, "--steps", "6",
-            "--out", str(run), "--ternary"] + TINY
-    assert main(args) == 0
-    a = losses(run)
-    assert a[-1] < a[0]
-    capsys.readouterr()
-    assert main(["eval", str(run), "--data", SAMPLE, "--json"]) == 0
-    final = json.loads((run / "final.json").read_text())
-    assert json.loads(capsys.readouterr().out)["ppl"] == pytest.approx(final["test_ppl"], rel=1e-6)
+    train_ternary_and_eval(run, capsys, ["--arch", "arch2_4_combined", "--tokenizer", tok] + TINY)
     out = tmp_path / "t.cflow"
     assert main(["export", str(run), "-o", str(out), "--type", "f32"]) == 0
     sd = checkpoint.load(run)["model"]
@@ -159,7 +163,8 @@ def test_ternary_qat_trains_evaluates_and_exports_ternary_weights(tmp_path, tok,
     steps = q / (x.abs().amax(-1, keepdim=True) / 127)
     assert torch.allclose(steps, steps.round(), atol=1e-4) and (q - x).abs().max() <= x.abs().max() / 254 + 1e-6
     # resuming needs the same choice
-    assert main(args[:-len(TINY) - 1] + ["--resume"] + TINY) == 2
+    assert main(["train", "--arch", "arch2_4_combined", "--data", SAMPLE, "--tokenizer", tok, "--steps", "6",
+                 "--out", str(run), "--resume"] + TINY) == 2
     assert "--ternary must match" in capsys.readouterr().err
 
 
@@ -181,14 +186,7 @@ def test_llama_shaped_ternary_qat_exports_tq2_0_the_engine_runs(tmp_path, tok, c
     dims = ["--d-model", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--d-ff", "512",
             "--seq-len", "32", "--batch", "4", "--vocab-size", "320", "--warmup", "2", "--log-every", "1", "--quiet",
             "--lr", "3e-3"]
-    assert main(["train", "--arch", arch, "--data", SAMPLE, "--tokenizer", tok, "--steps", "6", "--out", str(run),
-                 "--ternary"] + dims) == 0
-    a = losses(run)
-    assert a[-1] < a[0]
-    capsys.readouterr()
-    assert main(["eval", str(run), "--data", SAMPLE, "--json"]) == 0
-    final = json.loads((run / "final.json").read_text())
-    assert json.loads(capsys.readouterr().out)["ppl"] == pytest.approx(final["test_ppl"], rel=1e-6)
+    train_ternary_and_eval(run, capsys, ["--arch", arch, "--tokenizer", tok] + dims)
     out = tmp_path / f"{arch}.cflow"
     assert main(["export", str(run), "-o", str(out), "--type", "tq2_0", "--embd-type", "f32"]) == 0
     ck = checkpoint.load(run)
