@@ -60,13 +60,17 @@ def _outdated(f) -> bool:
     """Whether an open cached conversion was written by an older cflow, to convert again: an
     older format version, or a matrix in whole blocks whose type today's converter writes in a
     faster layout (the planes pack gained Q5_0, Q4_K and Q6_K after files that hold them were
-    cached)."""
+    cached; ternary matrices gained whole-row tiles)."""
     from cflow.convert.write import tensor_layout
     from cflow.format.spec import VERSION
 
     if f.preamble.version < VERSION:
         return True
-    return any(t.pack != tensor_layout(t.type.name, len(t.shape))["pack"] for t in f.tensors.values())
+    for t in f.tensors.values():
+        lay = tensor_layout(t.type.name, len(t.shape), cols=t.shape[1] if len(t.shape) == 2 else None)
+        if t.pack != lay["pack"] or tuple(lay.get("tile", t.tile)) != tuple(t.tile):
+            return True
+    return False
 
 
 def load_model(model: str, *, cache=None, quiet: bool = False):

@@ -63,8 +63,8 @@ def _layouts(bt, cols: int) -> dict:
     """The layouts compared over the same bytes: {name: (tile, interleave, pack)}."""
     from cflow.convert.write import tensor_layout
 
-    lay = tensor_layout(bt.name, 2)
-    out = {"tiled": ((128, 256), lay["interleave"], lay["pack"])}
+    lay = tensor_layout(bt.name, 2, cols=cols)
+    out = {"tiled": (lay.get("tile", (128, 256)), lay["interleave"], lay["pack"])}
     if lay["pack"] == "planes":
         out["tiled_blocks"] = ((128, 256), 1, "blocks")
     out["row_major"] = ((128, cols), 1, "blocks")

@@ -62,10 +62,10 @@ def _spec(kind, data, wtype, etype):
     if kind == "norm":
         return dict(type="f32", data=np.ascontiguousarray(data))
     if kind == "embd":
-        return dict(type=etype, data=data, **tensor_layout(etype, 2))
+        return dict(type=etype, data=data, **tensor_layout(etype, 2, cols=data.shape[1]))
     if kind == "mat":
-        return dict(type=wtype, data=data, **tensor_layout(wtype, 2))
-    return dict(type=wtype, data=data, fuse=kind, **tensor_layout(wtype, 2))
+        return dict(type=wtype, data=data, **tensor_layout(wtype, 2, cols=data.shape[1]))
+    return dict(type=wtype, data=data, fuse=kind, **tensor_layout(wtype, 2, cols=data[0][1].shape[1]))
 
 
 def export_dense(ck: dict, path: str, wtype: str, etype: str) -> int:
