@@ -72,6 +72,11 @@ struct TileRow {
   const uint8_t* base;
   size_t stride;
   TileRow(const uint8_t* tile, int nr, int nb, int g, int bb, int i) {
+    if (g == 1) {  // whole rows: no divisions (a kernel builds one per row and tile)
+      base = tile + (size_t)i * nb * bb;
+      stride = (size_t)bb;
+      return;
+    }
     const int g0 = i - i % g, gg = nr - g0 < g ? nr - g0 : g;
     base = tile + ((size_t)g0 * nb + (i - g0)) * bb;
     stride = (size_t)gg * bb;

@@ -388,19 +388,10 @@ void gemv_tern_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& 
       const int nb = S.nb(t), cb0 = t * S.bpt;
       for (int i = lo; i < hi; i += 2) {
         const int i1 = i + 1 < hi ? i + 1 : i;  // an odd last row pairs with itself; its twin is dropped
-        // row i's blocks: base + b * stride (TileRow; without its divisions for whole rows, g = 1)
-        const uint8_t* base[2];
-        size_t stride[2];
-        if (S.g == 1) {
-          base[0] = tile + (size_t)i * nb * T::kBB, base[1] = tile + (size_t)i1 * nb * T::kBB;
-          stride[0] = stride[1] = T::kBB;
-        } else {
-          const TileRow r0(tile, S.nr, nb, S.g, T::kBB, i), r1(tile, S.nr, nb, S.g, T::kBB, i1);
-          base[0] = r0.base, base[1] = r1.base, stride[0] = r0.stride, stride[1] = r1.stride;
-        }
+        const TileRow r0(tile, S.nr, nb, S.g, T::kBB, i), r1(tile, S.nr, nb, S.g, T::kBB, i1);
         __m256 a[2] = {acc[i], acc[i1]};
         for (int b = 0; b < nb; ++b) {
-          const uint8_t* const p[2] = {base[0] + b * stride[0], base[1] + b * stride[1]};
+          const uint8_t* const p[2] = {r0.base + b * r0.stride, r1.base + b * r1.stride};
           // the payload order is linear within a row (and, rows of one block, within a tile):
           // a hint kPrefetchAhead bytes ahead of each block, about one per cache line (planes.h)
           __builtin_prefetch(p[0] + kPrefetchAhead, 0, 3);
