@@ -38,16 +38,28 @@ void bind_engine(nb::module_& m) {
       .def(
           "__init__",
           [](PyEngine* self, nb::object owner, Arr<const uint8_t> buf, const Plan& plan, int n_ctx, int threads,
-             bool fast, const std::string& schedule, bool all_experts) {
+             bool fast, const std::string& schedule, bool all_experts, const std::string& experts,
+             const std::string& path, uint64_t cache_bytes, int io_threads, bool predict, bool direct) {
             if (buf.ndim() != 1) throw nb::value_error("weights must be a 1-D uint8 buffer");
             EngineOptions opt;
             if (schedule == "pipeline") opt.schedule = Schedule::Pipeline;
             else if (schedule != "sequential") throw nb::value_error("schedule must be 'sequential' or 'pipeline'");
             opt.all_experts = all_experts;
+            if (experts == "sync") opt.experts = ExpertPolicy::Sync;
+            else if (experts == "staged") opt.experts = ExpertPolicy::Staged;
+            else if (experts != "mmap") throw nb::value_error("experts must be 'mmap', 'sync' or 'staged'");
+            if (io_threads < 1 || io_threads > 256) throw nb::value_error("io_threads must be in 1..256");
+            opt.tier.path = path;
+            opt.tier.cache_bytes = cache_bytes;
+            opt.tier.io_threads = io_threads;
+            opt.tier.direct = direct;
+            opt.predict = predict;
+            nb::gil_scoped_release nogil;  // the tier allocates its buffers
             new (self) PyEngine{owner, std::make_unique<Engine>(buf.data(), buf.size(), plan, n_ctx, threads, fast, opt)};
           },
           "owner"_a, "buf"_a, "plan"_a, "n_ctx"_a, "threads"_a, "fast"_a, "schedule"_a = "sequential",
-          "all_experts"_a = false)
+          "all_experts"_a = false, "experts"_a = "mmap", "path"_a = "", "cache_bytes"_a = 0, "io_threads"_a = 4,
+          "predict"_a = true, "direct"_a = true)
       .def("new_state", [](PyEngine& e) { return e.eng->new_state(); })
       .def_prop_ro("threads", [](PyEngine& e) { return e.eng->threads(); })
       .def_prop_ro("vocab", [](PyEngine& e) { return e.eng->vocab(); })
@@ -58,6 +70,25 @@ void bind_engine(nb::module_& m) {
              return nb::make_tuple(std::vector<uint64_t>(c.bytes, c.bytes + kNumStreams), c.steps, c.rows);
            },
            "(bytes per stream, steps, rows) since the engine was made")
+      .def("tier_report",
+           [](PyEngine& e) {
+             const TierReport r = e.eng->tier_report();
+             nb::dict d;
+             d["hits"] = r.io.hits;
+             d["misses"] = r.io.misses;
+             d["hinted_reads"] = r.io.hinted_reads;
+             d["hinted_used"] = r.io.hinted_used;
+             d["reads"] = r.io.reads;
+             d["bytes_read"] = r.io.bytes_read;
+             d["read_s"] = r.io.read_s;
+             d["wait_s"] = r.io.wait_s;
+             d["slots"] = r.io.slots;
+             d["direct"] = r.io.direct;
+             d["predicted"] = r.predicted;
+             d["predicted_right"] = r.predicted_right;
+             return d;
+           },
+           "the expert tier's counters since the engine was made (zeros without a tier)")
       .def_prop_ro("critical_path_bytes", [](PyEngine& e) { return e.eng->critical_path_bytes(); })
       .def_prop_ro("stream_bytes", [](PyEngine& e) { return e.eng->stream_bytes(); })
       .def_prop_ro("teams", [](PyEngine& e) { return e.eng->teams(); }, "per team: (lane bits, threads)")

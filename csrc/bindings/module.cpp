@@ -3,7 +3,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <nanobind/ndarray.h>
+
 #include "cflow/cpu.h"
+#include "cflow/crc32c.h"
 
 namespace nb = nanobind;
 
@@ -24,6 +27,11 @@ NB_MODULE(_core, m) {
       if (name == cflow::isa_name(isa)) return cflow::isa_supported(isa);
     throw nb::value_error(("unknown ISA: " + name).c_str());
   });
+  m.def("crc32c", [](nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> data, uint32_t value) {
+    nb::gil_scoped_release nogil;
+    return cflow::crc32c(data.data(), data.size(), value);
+  }, nb::arg("data"), nb::arg("value") = 0,
+     "CRC-32C of a uint8 array, continuing from value (crc32c(b, crc32c(a)) == crc32c(a + b)).");
   bind_kernels(m);
   bind_ops(m);
   bind_plan(m);

@@ -17,6 +17,7 @@
 #endif
 
 #include "cflow/engine.h"
+#include "cflow/expert_tier.h"
 #include "cflow/ops.h"
 #include "cflow/threadpool.h"
 
@@ -36,6 +37,10 @@ struct Scratch {
   std::vector<int32_t> ex_of;        // (n, top_k): the assignment of each (row, slot), slots by expert id
   std::vector<float> ex_gate;        // (n, top_k): its gate
   std::vector<float> ex_in, ex_h, ex_out;  // per assignment: input (C), hidden (F), output (C)
+  // experts from a tier: those still to run, the one running and its bytes (the lead's pick)
+  std::vector<int> ex_todo;
+  int ex_cur = -1;
+  const uint8_t* ex_ptr = nullptr;
 };
 
 // A barrier of a few threads of the pool (a team of the pipeline schedule): spins, then yields.
@@ -87,6 +92,10 @@ struct Engine::Workspace {
   int n_pre = 0;                                  // rows [0, n_pre): sequences with several new tokens
   std::vector<int32_t> first_row, last_row;       // per sequence, in the caller's order
   std::vector<State*> states;                     // per sequence, in row order
+  // expert tier (staged): per experts_of_ slot, per expert, the tier slot its router pinned (-1:
+  // none); per experts_of_ slot, the experts predicted for it (decode rows), checked at its router
+  std::vector<std::vector<int>> pinned;
+  std::vector<std::vector<int>> predicted;
 };
 
 // The threads that run one op together: the whole pool (sequential schedule) or a team of it
@@ -98,6 +107,9 @@ struct Engine::Team {
   Scratch* shared = nullptr;
   Scratch* priv = nullptr;
   int op = 0;  // index of the op running
+  // the expert the team runs from a tier slot: its entry and the slot's bytes (Engine::weight)
+  const ExpertRef* ex = nullptr;
+  const uint8_t* ex_data = nullptr;
   bool lead() const { return tid == 0; }
   void barrier() const {
     if (nth <= 1) return;
@@ -151,6 +163,7 @@ Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threa
       fast_(fast), isa_(best_isa()) {
   validate();
   plan_schedule();
+  make_tier();
   vecs_.resize(W_.size());
   // Norm and bias vectors are small: dequantize them once.
   auto keep_vec = [&](int id) {
@@ -426,6 +439,63 @@ void Engine::validate() {
   }
   for (size_t s = 0; s < kv_width_.size(); ++s)
     if (!kv_width_[s]) fail("plan: KV slot " + std::to_string(s) + " is not used by any attention op");
+  // Each Router and the Experts op that reads its choice (the latest Router writing its route
+  // buffer before it), and each Router's successor (the staged policy's prediction target).
+  routes_slot_.assign(plan_.ops.size(), -1);
+  next_router_.assign(plan_.ops.size(), -1);
+  int last = -1;
+  for (size_t i = 0; i < plan_.ops.size(); ++i) {
+    if (std::holds_alternative<Router>(plan_.ops[i])) {
+      if (last >= 0) next_router_[last] = (int)i;
+      last = (int)i;
+    }
+    if (const Experts* x = std::get_if<Experts>(&plan_.ops[i]))
+      for (int j = (int)i - 1; j >= 0; --j)
+        if (const Router* r = std::get_if<Router>(&plan_.ops[j]); r && r->dst == x->route) {
+          routes_slot_[j] = expert_slot_[i];
+          break;
+        }
+  }
+}
+
+// The expert tier of the sync and staged policies: one entry per expert of the plan's table,
+// each with its checksum; enough slots for the experts that can be pinned at once (staged: every
+// router between an Experts op and its own, quota_ each, and the op's own quota_).
+void Engine::make_tier() {
+  if (opt_.experts == ExpertPolicy::Mmap) return;
+  if (experts_of_.empty()) fail("expert tier: the model has no mixture-of-experts layers");
+  std::vector<TierEntry> entries;
+  for (const ExpertRef& e : plan_.experts) {
+    if (e.crc32c < 0)
+      fail("expert tier: expert (layer " + std::to_string(e.layer) + ", expert " + std::to_string(e.expert) +
+           ") has no checksum in the expert table (a file written before experts carried one): convert the model "
+           "again");
+    entries.push_back({e.layer, e.expert, (uint64_t)e.offset, (uint64_t)e.length, (uint32_t)e.crc32c});
+  }
+  int top_k = 1, in_flight = 1;  // routers pinned while an Experts op waits, its own included
+  for (size_t i = 0; i < plan_.ops.size(); ++i) {
+    const Experts* x = std::get_if<Experts>(&plan_.ops[i]);
+    if (!x) continue;
+    top_k = std::max(top_k, plan_.buffers[x->route].width / 2);
+    int routers = 0;
+    for (int j = (int)i - 1; j >= 0; --j)
+      if (const Router* r = std::get_if<Router>(&plan_.ops[j])) {
+        ++routers;
+        if (r->dst == x->route) break;
+      }
+    in_flight = std::max(in_flight, routers);
+  }
+  const bool staged = opt_.experts == ExpertPolicy::Staged;
+  tier_ = std::make_unique<ExpertTier>(opt_.tier, std::move(entries), staged ? top_k * (in_flight + 1) : 1);
+  quota_ = std::max(top_k, tier_->slots() / (in_flight + 1));
+}
+
+TierReport Engine::tier_report() const {
+  TierReport r;
+  if (tier_) r.io = tier_->stats();
+  r.predicted = predicted_.load(std::memory_order_relaxed);
+  r.predicted_right = predicted_right_.load(std::memory_order_relaxed);
+  return r;
 }
 
 // ---------------------------------------------------------------- helpers
@@ -638,7 +708,7 @@ void Engine::matmul_rows(const Matmul& op, Workspace&, Team& t, const float* src
 
 // n >= 2 rows through the tile GEMM (int8 activations where the type has an int8 GEMM).
 void Engine::matmul_gemm(const Matmul& op, Team& t, const float* src, int lds, int n, float* dst, int ldd) {
-  const Weight& W = W_[op.weight];
+  const Weight W = weight(op.weight, t);
   const TileLayout& L = W.L;
   const bool q8 = fast_ && has_int8_path(L.bt(), true);
   Input in = prepare(t, src, lds, n, L.cols, op.norm, q8, q8 && op.two_level);
@@ -660,7 +730,7 @@ void Engine::matmul_gemm(const Matmul& op, Team& t, const float* src, int lds, i
 
 // m single rows, each as a one-token step computes it.
 void Engine::matmul_single(const Matmul& op, Team& t, const float* src, int lds, int m, float* dst, int ldd) {
-  const Weight& W = W_[op.weight];
+  const Weight W = weight(op.weight, t);
   const TileLayout& L = W.L;
   Scratch& s = *t.priv;
   AType at;
@@ -705,7 +775,7 @@ void Engine::run_op(const GateUp& op, Workspace& ws, Team& t) {
 }
 
 void Engine::gate_up_rows(const GateUp& op, Team& t, const float* src, int lds, int n_pre, int n, float* h, int ldh) {
-  const Weight& W = W_[op.weight];
+  const Weight W = weight(op.weight, t);
   const TileLayout& L = W.L;
   const int C = L.cols, F = L.rows / 2, c = op.chunk, nth = t.nth, tid = t.tid;
   const int P = (F + c - 1) / c;
@@ -931,7 +1001,7 @@ void Engine::run_op(const Router& op, Workspace& ws, Team& t) {
     }
     if (op.renorm)
       for (int j = 0; j < K; ++j) gates[j] /= sum;
-  }
+  }  if (tier_ && opt_.experts == ExpertPolicy::Staged) stage_reads(op, ws, t);
 }
 
 // Each row's top_k experts (from the Router's dst), grouped by expert: every chosen expert's
@@ -1022,28 +1092,33 @@ void Engine::run_op(const Experts& op, Workspace& ws, Team& t) {
     while (k < start[e + 1] && sh.ex_row[k] < ws.n_pre) ++k;
     return k - start[e];
   };
-  for (int e = 0; e < E; ++e) {
-    const int m = start[e + 1] - start[e];
-    if (!m) continue;
+  auto gate_up = [&](int e) {
     GateUp g;
     g.weight = X[e]->gate_up;
     g.chunk = X[e]->chunk;
     g.act = op.act;
     g.two_level = op.two_level;
-    gate_up_rows(g, t, sh.ex_in.data() + (size_t)start[e] * C, C, prompt_rows(e), m,
+    gate_up_rows(g, t, sh.ex_in.data() + (size_t)start[e] * C, C, prompt_rows(e), start[e + 1] - start[e],
                  sh.ex_h.data() + (size_t)start[e] * F, F);
-  }
-  t.barrier();
-  for (int e = 0; e < E; ++e) {
-    const int m = start[e + 1] - start[e];
-    if (!m) continue;
+  };
+  auto down = [&](int e) {
     Matmul d;
     d.weight = X[e]->down;
     d.two_level = op.two_level;
-    matmul_rows(d, ws, t, sh.ex_h.data() + (size_t)start[e] * F, F, prompt_rows(e), m,
+    matmul_rows(d, ws, t, sh.ex_h.data() + (size_t)start[e] * F, F, prompt_rows(e), start[e + 1] - start[e],
                 sh.ex_out.data() + (size_t)start[e] * C, C);
+  };
+  if (tier_) {
+    experts_from_tier(op, ws, t, gate_up, down);
+    if (ws.failed) return;
+  } else {
+    for (int e = 0; e < E; ++e)
+      if (start[e + 1] > start[e]) gate_up(e);
+    t.barrier();
+    for (int e = 0; e < E; ++e)
+      if (start[e + 1] > start[e]) down(e);
+    t.barrier();
   }
-  t.barrier();
   float* dst = ws.bufs[op.dst].data();
   Scratch& s = *t.priv;
   grow(s.xn, (size_t)C);
@@ -1058,6 +1133,154 @@ void Engine::run_op(const Experts& op, Workspace& ws, Team& t) {
     float* d = dst + (size_t)r * C;
     for (int c = 0; c < C; ++c) d[c] = op.accumulate ? d[c] + op.scale * acc[c] : op.scale * acc[c];
   }
+}
+
+// ---------------------------------------------------------------- expert tier
+Engine::Weight Engine::weight(int id, const Team& t) const {
+  if (t.ex && (id == t.ex->gate_up || id == t.ex->down))
+    return {t.ex_data + (plan_.tensors[id].offset - t.ex->offset), W_[id].L};
+  return W_[id];
+}
+
+int Engine::tier_key(const ExpertRef* e) const { return (int)(e - plan_.experts.data()); }
+
+// The staged policy's reads, at the router (its lead, once every row is routed): the chosen
+// experts pinned in the tier (at most quota_ of them; the Experts op requests the rest as it
+// goes), first come first; then, for a decode step, the prediction: the next router applied to
+// this router's input, its top_k read ahead unpinned. A prediction made here for this layer is
+// scored against the choice.
+void Engine::stage_reads(const Router& op, Workspace& ws, Team& t) {
+  const int slot = routes_slot_[t.op];
+  t.barrier();  // every row routed
+  if (!t.lead() || slot < 0) return;
+  const std::vector<const ExpertRef*>& X = experts_of_[slot];
+  const int E = (int)X.size(), K = op.top_k;
+  const float* route = ws.bufs[op.dst].data();
+  std::vector<int>& pin = ws.pinned[slot];
+  if (pin.size() != (size_t)E) pin.assign(E, -1);
+  int held = 0;
+  for (int r = 0; r < ws.n && held < quota_; ++r)
+    for (int j = 0; j < K && held < quota_; ++j) {
+      const int e = (int)route[(size_t)r * 2 * K + j];
+      if (e < 0 || e >= E || pin[e] >= 0) continue;
+      pin[e] = tier_->request(tier_key(X[e]));
+      ++held;
+    }
+  std::vector<int>& guess = ws.predicted[slot];
+  if (ws.n == 1 && !guess.empty()) {
+    predicted_.fetch_add(K, std::memory_order_relaxed);
+    int right = 0;
+    for (int j = 0; j < K; ++j)
+      right += std::count(guess.begin(), guess.end(), (int)route[j]) > 0;
+    predicted_right_.fetch_add(right, std::memory_order_relaxed);
+  }
+  guess.clear();
+  const int nr = next_router_[t.op], ns = nr >= 0 ? routes_slot_[nr] : -1;
+  if (!opt_.predict || ws.n != 1 || ns < 0) return;
+  const Router& next = std::get<Router>(plan_.ops[nr]);
+  const TileLayout& L = W_[next.weight].L;
+  const int C = L.cols;
+  if (C != plan_.buffers[op.src].width) return;
+  Scratch& s = *t.priv;
+  grow(s.scores, (size_t)L.rows);
+  grow(s.xn, (size_t)C);
+  const float* x = ws.bufs[op.src].data();
+  if (next.norm >= 0) {
+    rmsnorm(x, vec(next.norm), C, s.xn.data());
+    x = s.xn.data();
+  }
+  float* p = s.scores.data();
+  dot_rows(x, vec(next.weight), (size_t)C, L.rows, C, p);
+  std::vector<int>& g = ws.predicted[ns];
+  for (int j = 0; j < next.top_k; ++j) {  // top_k of the scores (softmax keeps their order)
+    int best = -1;
+    for (int e = 0; e < L.rows; ++e)
+      if (std::find(g.begin(), g.end(), e) == g.end() && (best < 0 || p[e] > p[best])) best = e;
+    g.push_back(best);
+  }
+  const std::vector<const ExpertRef*>& Y = experts_of_[ns];
+  for (int e : g)
+    if (e < (int)Y.size()) tier_->hint(tier_key(Y[e]));
+}
+
+// The experts of an Experts op from the tier, one at a time: the lead picks the next (staged: one
+// whose read has landed if any, keeping up to quota_ requests ahead; sync: the next in id order,
+// read now), the team runs its gate/up and down, and the lead unpins it once the team met again.
+// Each expert's rows get exactly what the mapped path gives them (the same kernels on the same
+// bytes), whatever the order.
+template <class GU, class DN>
+void Engine::experts_from_tier(const Experts& op, Workspace& ws, Team& t, GU&& gate_up, DN&& down) {
+  const std::vector<const ExpertRef*>& X = experts_of_[expert_slot_[t.op]];
+  const int E = op.n_expert;
+  Scratch& sh = *t.shared;
+  const int32_t* start = sh.ex_start.data();
+  const bool staged = opt_.experts == ExpertPolicy::Staged;
+  std::vector<int>& pin = ws.pinned[expert_slot_[t.op]];
+  auto pick = [&]() {  // lead: the next expert into sh.ex_cur / sh.ex_ptr, -1 when done or failed
+    sh.ex_cur = -1;
+    if (sh.ex_todo.empty() || ws.failed) return;
+    try {
+      if (!staged) {
+        const int e = sh.ex_todo.front();
+        sh.ex_todo.erase(sh.ex_todo.begin());
+        sh.ex_ptr = tier_->acquire_sync(tier_key(X[e]), &pin[e]);
+        sh.ex_cur = e;
+        return;
+      }
+      int held = 0;
+      for (int e : sh.ex_todo) held += pin[e] >= 0;
+      for (int e : sh.ex_todo)
+        if (pin[e] < 0 && held < quota_) pin[e] = tier_->request(tier_key(X[e])), ++held;
+      size_t q = 0;
+      while (q < sh.ex_todo.size() && !(pin[sh.ex_todo[q]] >= 0 && tier_->ready(pin[sh.ex_todo[q]]))) ++q;
+      if (q == sh.ex_todo.size()) q = 0;
+      const int e = sh.ex_todo[q];
+      sh.ex_todo.erase(sh.ex_todo.begin() + q);
+      if (pin[e] < 0) pin[e] = tier_->request(tier_key(X[e]));
+      sh.ex_ptr = tier_->wait(pin[e]);
+      sh.ex_cur = e;
+    } catch (const std::runtime_error& err) {
+      std::lock_guard<std::mutex> lk(mu_);
+      ws.error = err.what();
+      ws.failed = true;
+    }
+  };
+  if (t.lead()) {
+    if (pin.size() != (size_t)E) pin.assign(E, -1);
+    sh.ex_todo.clear();
+    for (int e = 0; e < E; ++e)
+      if (start[e + 1] > start[e]) sh.ex_todo.push_back(e);
+    pick();
+  }
+  t.barrier();
+  for (;;) {
+    const int e = sh.ex_cur;
+    if (e < 0) break;
+    t.ex = X[e];
+    t.ex_data = sh.ex_ptr;
+    gate_up(e);
+    t.barrier();
+    down(e);
+    t.ex = nullptr;
+    t.ex_data = nullptr;
+    const int done = pin[e];
+    if (t.lead()) pick();  // the next one's read may still be landing while the team finishes
+    t.barrier();
+    if (t.lead()) {
+      tier_->unpin(done);
+      pin[e] = -1;
+    }
+  }
+}
+
+// Unpins whatever a forward's routers pinned and no Experts op used (a step that failed).
+void Engine::release_pins(Workspace& ws) {
+  for (std::vector<int>& pin : ws.pinned)
+    for (int& p : pin)
+      if (p >= 0) {
+        tier_->unpin(p);
+        p = -1;
+      }
 }
 
 // ---------------------------------------------------------------- forward
@@ -1347,6 +1570,8 @@ void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logit
     n += s.n;
   }
   Claim claim(seqs);
+  std::unique_lock<std::mutex> tier_lock(tier_mu_, std::defer_lock);
+  if (tier_) tier_lock.lock();
   std::unique_ptr<Workspace> wsp = take_workspace();
   Workspace& ws = *wsp;
   ws.n = n;
@@ -1390,12 +1615,16 @@ void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logit
   for (auto& s : ws.priv) grow(s->xn, maxc);
   ++ws.epoch;
   ws.failed = false;
+  ws.pinned.resize(experts_of_.size());
+  ws.predicted.resize(experts_of_.size());
   try {
     ws.pool.run([this, &ws](int tid, int) { run(ws, tid); });
   } catch (...) {
+    if (tier_) release_pins(ws);
     give_workspace(std::move(wsp));
     throw;
   }
+  if (tier_) release_pins(ws);
   counts_[kNumStreams].fetch_add(1, std::memory_order_relaxed);
   counts_[kNumStreams + 1].fetch_add(n, std::memory_order_relaxed);
   if (ws.failed) {

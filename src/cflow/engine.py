@@ -283,6 +283,38 @@ class State:
             raise CflowError(str(e)) from None
 
 
+EXPERT_POLICIES = ("mmap", "sync", "staged")
+"""Where a mixture-of-experts model's experts come from (docs/ENGINE.md, "Experts on disk"): the
+mapping (the page cache decides what stays in RAM), or a bounded cache of experts read from the
+file with O_DIRECT when a layer needs them (sync) or as soon as the router has chosen, with the
+next layer's experts predicted and read ahead (staged)."""
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(v) -> int:
+    """Bytes from an int or a string such as "8G", "8GiB", "512M", "1.5g", "4096" (K, M, G, T are
+    powers of 1024, with or without "iB"/"B")."""
+    if isinstance(v, bool):
+        raise CflowError(f"a size must be a number of bytes or a string like 8G, got {v!r}")
+    if isinstance(v, (int, np.integer)):
+        n = int(v)
+    else:
+        t = str(v).strip().lower().removesuffix("ib").removesuffix("b")
+        unit = t[-1:] if t[-1:] in _UNITS else ""
+        try:
+            n = int(float(t[:len(t) - len(unit)]) * _UNITS[unit])
+        except ValueError:
+            raise CflowError(f"a size must be a number of bytes or a string like 8G, 512M, got {v!r}") from None
+    if n <= 0:
+        raise CflowError(f"a size must be positive, got {v!r}")
+    return n
+
+
+def _align(n: int) -> int:
+    return (n + 4095) // 4096 * 4096
+
+
 SCHEDULES = ("sequential", "pipeline")
 """Engine(schedule=...): every thread on every op in plan order, or the weight streams' lanes on
 teams of threads that wait only on true dependencies (docs/ENGINE.md, "Schedules")."""
@@ -294,24 +326,73 @@ class Engine(EngineBase):
     schedule: "sequential" or "pipeline" (SCHEDULES; the same logits either way).
     all_experts: multiply every expert of each MoE layer and keep the chosen ones (same results,
     all the expert bytes read: the A/B of conditional expert loading).
+    ram_budget: bytes (or "8G") the model's weights may keep in RAM. A mixture-of-experts model
+    larger than that keeps its other weights mapped and its experts in a cache of the rest of the
+    budget, read from the file (expert_policy "staged" unless another is given); a model within
+    it runs from the mapping. expert_policy: one of EXPERT_POLICIES ("sync" and "staged" without
+    a budget cache every expert once read); io_threads: the staged policy's reads in flight;
+    predict: whether staged reads ahead the next layer's predicted experts. The same logits under
+    every policy.
     """
 
     def __init__(self, weights, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True,
-                 precise: bool | Iterable[str] = True, schedule: str = "sequential", all_experts: bool = False):
+                 precise: bool | Iterable[str] = True, schedule: str = "sequential", all_experts: bool = False,
+                 ram_budget=None, expert_policy: str | None = None, io_threads: int = 4, predict: bool = True):
         from cflow._native import core
 
         if schedule not in SCHEDULES:
             raise CflowError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if expert_policy is not None and expert_policy not in EXPERT_POLICIES:
+            raise CflowError(f"expert_policy must be one of {', '.join(EXPERT_POLICIES)}, got {expert_policy!r}")
+        if not isinstance(io_threads, int) or not 1 <= io_threads <= 256:
+            raise CflowError(f"io_threads must be in 1..256, got {io_threads!r}")
         super().__init__(weights, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise)
         self.schedule, self.all_experts = schedule, bool(all_experts)
         buf = getattr(self.file, "buffer", None)
         if buf is None:
             raise CflowError("the native engine runs .cflow files (convert the model first: cflow convert)")
+        self.ram_budget = None if ram_budget is None else parse_size(ram_budget)
+        self.expert_policy, cache = self._expert_tier(expert_policy)
+        self.expert_cache_bytes = cache
         try:
             self._core = core.EngineCore(buf, buf, self.plan, self.n_ctx, self.threads, self.fast, schedule,
-                                         self.all_experts)
+                                         self.all_experts, self.expert_policy, str(self.file.path), cache,
+                                         io_threads, bool(predict))
         except (RuntimeError, ValueError) as e:
             raise CflowFormatError(f"cannot run this model: {e}") from None
+
+    def _expert_tier(self, policy: str | None) -> tuple[str, int]:
+        """(policy, bytes of expert cache) for the ram_budget and the policy asked for."""
+        experts = getattr(self.file, "experts", {}) or {}
+        size = int(self.file.size)
+        expert_bytes = sum(_align(e.length) for e in experts.values())
+        resident = size - expert_bytes
+        budget = self.ram_budget
+        if policy is None:
+            policy = "staged" if budget is not None and size > budget and experts else "mmap"
+        if policy == "mmap":
+            return policy, 0
+        if not experts:
+            raise CflowError(f"expert_policy {policy!r} reads experts from disk, but this model has no "
+                             "mixture-of-experts layers (a dense model runs from its mapping)")
+        if budget is None:
+            return policy, expert_bytes
+        if budget <= resident:
+            raise CflowError(f"a RAM budget of {budget / 2**30:.2f} GiB is below the {resident / 2**30:.2f} GiB of "
+                             "weights that stay mapped (attention, dense, router, embedding and head): raise it")
+        return policy, min(budget - resident, expert_bytes)
+
+    def tier_report(self) -> dict:
+        """The expert tier's counters since the engine was made: reads and bytes from disk, cache
+        hits and misses (pinned requests), hinted reads and how many were used, seconds in reads
+        and waiting for them, slots, whether reads bypass the page cache (direct), and the staged
+        policy's predictions (predicted, predicted_right); with hit_rate and prediction_accuracy."""
+        r = dict(self._core.tier_report())
+        asked = r["hits"] + r["misses"]
+        r["hit_rate"] = r["hits"] / asked if asked else None
+        r["prediction_accuracy"] = r["predicted_right"] / r["predicted"] if r["predicted"] else None
+        r["policy"], r["cache_bytes"] = self.expert_policy, self.expert_cache_bytes
+        return r
 
     @property
     def critical_path_bytes(self) -> float:

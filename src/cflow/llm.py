@@ -60,11 +60,13 @@ def _outdated(f) -> bool:
     """Whether an open cached conversion was written by an older cflow, to convert again: an
     older format version, or a matrix in whole blocks whose type today's converter writes in a
     faster layout (the planes pack gained Q5_0, Q4_K and Q6_K after files that hold them were
-    cached; ternary matrices gained whole-row tiles)."""
+    cached; ternary matrices gained whole-row tiles; experts gained checksums)."""
     from cflow.convert.write import tensor_layout
     from cflow.format.spec import VERSION
 
     if f.preamble.version < VERSION:
+        return True
+    if any(e.crc32c is None for e in f.experts.values()):  # experts gained checksums (the expert tier's)
         return True
     for t in f.tensors.values():
         lay = tensor_layout(t.type.name, len(t.shape), cols=t.shape[1] if len(t.shape) == 2 else None)
@@ -107,11 +109,12 @@ ENGINES = ("native", "ref")
 
 
 def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None = None, precise: bool = True,
-                schedule: str = "sequential", all_experts: bool = False):
+                **native):
     """The engine for an opened model: "native" (the default; also CFLOW_ENGINE) or "ref", the numpy
     interpreter of the same plan. fast / precise: the native engine's activations
-    (cflow.engine.ACTIVATIONS); the reference engine always runs fp32 activations. schedule,
-    all_experts: the native engine's (cflow.engine.Engine); the reference engine runs op by op."""
+    (cflow.engine.ACTIVATIONS); the reference engine always runs fp32 activations. native: the
+    native engine's other options (schedule, all_experts, ram_budget, expert_policy, io_threads:
+    cflow.engine.Engine); the reference engine runs op by op from memory and takes none of them."""
     choice = engine or os.environ.get("CFLOW_ENGINE") or "native"
     if choice not in ENGINES:
         raise CflowError(f"engine must be one of {', '.join(ENGINES)}, got {choice!r}")
@@ -121,8 +124,7 @@ def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None 
         return RefEngine(src, threads=threads, n_ctx=n_ctx)
     from cflow.engine import Engine
 
-    return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise, schedule=schedule,
-                  all_experts=all_experts)
+    return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise, **native)
 
 
 class LLM:
@@ -130,11 +132,12 @@ class LLM:
 
     model: a name known to `cflow pull` (pulled on first use), a .cflow path, a .gguf path, an HF
     directory (converted into the cache on first use) or hf://owner/repo/file.
+    native: the native engine's options (cflow.engine.Engine): schedule, all_experts, and the expert
+    tier's ram_budget (bytes or "8G"), expert_policy ("mmap", "sync", "staged"), io_threads.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, threads=None, n_ctx=None, fast=True,
-                 engine: str | None = None, cache=None, quiet: bool = False, precise: bool = True,
-                 schedule: str = "sequential", all_experts: bool = False):
+                 engine: str | None = None, cache=None, quiet: bool = False, precise: bool = True, **native):
         self.name = model
         self.file = load_model(model, cache=cache, quiet=quiet)
         self.config = self.file.config
@@ -145,7 +148,7 @@ class LLM:
         self.generation_defaults, self.generation_defaults_source = generation_defaults(
             getattr(self.file, "generation", None))
         self.engine = make_engine(self.file, threads=threads, n_ctx=n_ctx, fast=fast, engine=engine, precise=precise,
-                                  schedule=schedule, all_experts=all_experts)
+                                  **native)
         self.n_ctx = self.engine.n_ctx
         self._template = None
 

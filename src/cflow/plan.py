@@ -149,15 +149,15 @@ class PlanBuilder:
                                        "another single type)")
             gu = self.entry(p + "ffn_gate_up")
             if ent is None:  # a checkpoint in memory (reference engine): no file range
-                off, length = -1, 0
+                off, length, crc = -1, 0, None
             else:
-                off, length = ent.offset, ent.length
+                off, length, crc = ent.offset, ent.length, getattr(ent, "crc32c", None)
             chunk = gu.stripe_rows if getattr(gu, "fuse", None) == "stripe" else gu.shape[0] // 2
             if not chunk:
                 raise CflowFormatError(f"{p}ffn_gate_up: stripe fusion without stripe rows")
             self.experts.append(ExpertRef(layer=layer, expert=e, offset=int(off), length=int(length),
                                           gate_up=self.tensor(p + "ffn_gate_up"), down=self.tensor(p + "ffn_down"),
-                                          chunk=int(chunk)))
+                                          chunk=int(chunk), crc32c=-1 if crc is None else int(crc)))
 
     def barrier(self) -> None:
         if self.ops and not isinstance(self.ops[-1], Barrier):

@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "cflow/expert_tier.h"
 #include "cflow/gemm.h"
 #include "cflow/kernels.h"  // GemvFn: the decode path
 #include "cflow/plan.h"
@@ -76,9 +77,25 @@ struct Seq {
 
 enum class Schedule : int { Sequential = 0, Pipeline = 1 };
 
+// Where experts come from (docs/ENGINE.md, "Experts on disk"): the mapping (the page cache
+// decides what stays in RAM), or an ExpertTier of slots read from the file when a layer needs
+// them (sync) or as soon as its router has chosen, with the next layer's experts predicted from
+// the current hidden state and read ahead (staged).
+enum class ExpertPolicy : int { Mmap = 0, Sync = 1, Staged = 2 };
+
 struct EngineOptions {
   Schedule schedule = Schedule::Sequential;
   bool all_experts = false;  // read (and multiply) every expert of an Experts op, keep the chosen
+  ExpertPolicy experts = ExpertPolicy::Mmap;
+  TierOptions tier;       // sync and staged: the file, the cache size, the I/O threads
+  bool predict = true;    // staged: read ahead the next layer's predicted experts
+};
+
+// The expert tier's counters (ExpertTier's), with the staged policy's predictions: of the
+// experts a decode row's next layer chose, how many the prediction had named.
+struct TierReport {
+  TierStats io;
+  uint64_t predicted = 0, predicted_right = 0;
 };
 
 // Weight bytes read since the engine was made, per Stream (plan.h), and the steps and rows that
@@ -104,6 +121,9 @@ class Engine {
   // Wall time per op kind (the index in Op) summed over forwards, seconds (CFLOW_PROFILE=1).
   std::vector<double> profile() const;
   ByteCounts byte_counts() const;
+  // nullptr-equivalent (slots 0) without a tier.
+  TierReport tier_report() const;
+  ExpertPolicy expert_policy() const { return opt_.experts; }
   // Weight bytes one token reads on the longest chain of true dependencies (an op reads what an
   // earlier one wrote) through the attention, dense and expert streams (top_k experts per
   // Experts op), and in all of them: the figures of `cflow analyze` for the same model.
@@ -121,6 +141,15 @@ class Engine {
     const uint8_t* data;
     TileLayout L;
   };
+  // Tensor id's weight for team t: its bytes in the expert slot the team is running, when the
+  // tensor is that expert's, else in the mapping.
+  Weight weight(int id, const Team& t) const;
+  template <class GU, class DN>
+  void experts_from_tier(const Experts& op, Workspace& ws, Team& t, GU&& gate_up, DN&& down);
+  void stage_reads(const Router& op, Workspace& ws, Team& t);
+  void release_pins(Workspace& ws);
+  int tier_key(const ExpertRef* e) const;  // the entry's index in plan_.experts (the tier's key)
+  void make_tier();
   void validate();
   void plan_schedule();
   void run(Workspace& ws, int tid);
@@ -170,6 +199,14 @@ class Engine {
   // per Experts op layer: the expert table's entries of experts 0 .. n_expert - 1
   std::vector<std::vector<const ExpertRef*>> experts_of_;  // indexed by an Experts op's `layer` slot
   std::vector<int> expert_slot_;                           // per op: its slot in experts_of_, or -1
+  // per op: for a Router, the experts_of_ slot of the Experts op it routes, and of the next
+  // Router's (the prediction's target); -1 where none
+  std::vector<int> routes_slot_, next_slot_;
+  std::vector<int> next_router_;  // per op: for a Router, the next Router op, or -1
+  std::unique_ptr<ExpertTier> tier_;
+  int quota_ = 0;  // staged: pins one router (or one Experts op) may hold
+  std::mutex tier_mu_;  // forwards on a tier run one at a time (pins are per forward)
+  mutable std::atomic<uint64_t> predicted_{0}, predicted_right_{0};
   // the pipeline schedule (plan_schedule): per op its team, the ops of other teams it waits for,
   // whether its team meets before it, whether others wait for it; per team its threads
   struct OpSched {

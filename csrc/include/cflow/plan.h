@@ -50,7 +50,8 @@ namespace cflow {
   X(int64_t, length, 0, "bytes of the range; both tensors lie inside it")                        \
   X(int32_t, gate_up, -1, "tensor (2 F, C): gate and up rows in `chunk`-row pieces")              \
   X(int32_t, down, -1, "tensor (C, F)")                                                          \
-  X(int32_t, chunk, 0, "gate_up's rows per piece (as GateUp's chunk)")
+  X(int32_t, chunk, 0, "gate_up's rows per piece (as GateUp's chunk)")                          \
+  X(int64_t, crc32c, -1, "CRC-32C of the range's `length` bytes, or -1 when the file has none")
 
 #define CFLOW_BUFFER_FIELDS(X)                                                                   \
   X(std::string, name, "", "what the buffer holds (x, qkv, logits, ...)")                        \

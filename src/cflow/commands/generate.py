@@ -47,14 +47,26 @@ def add_activation_arguments(p):
     p.add_argument("--all-experts", action="store_true",
                    help="multiply every expert of a mixture-of-experts layer, keep the chosen ones (the same "
                         "output, every expert byte read: the A/B of conditional expert loading)")
+    p.add_argument("--ram-budget", metavar="SIZE", default=None,
+                   help="RAM the weights may use (8G, 512M, ...): a mixture-of-experts model larger than that keeps "
+                        "its experts on disk and a cache of them in the rest (the same output)")
+    p.add_argument("--expert-policy", choices=("mmap", "sync", "staged"), default=None,
+                   help="where experts come from: mmap (the page cache decides; the default within the budget), "
+                        "sync (read with O_DIRECT when a layer needs them), staged (read as soon as the router "
+                        "chooses, the next layer's predicted experts read ahead; the default beyond the budget)")
+    p.add_argument("--io-threads", type=int, default=4, metavar="N",
+                   help="expert reads in flight with --expert-policy staged (default 4)")
 
 
 def activation_kwargs(args) -> dict:
-    """fast=, precise=, schedule= and all_experts= of LLM / Engine for --activations, --schedule,
-    --all-experts."""
+    """fast=, precise=, schedule=, all_experts= and the expert tier's options of LLM / Engine for
+    --activations, --schedule, --all-experts, --ram-budget, --expert-policy and --io-threads."""
     from cflow.engine import ACTIVATIONS
 
-    return dict(ACTIVATIONS[args.activations], schedule=args.schedule, all_experts=args.all_experts)
+    kw = dict(ACTIVATIONS[args.activations], schedule=args.schedule, all_experts=args.all_experts)
+    if args.ram_budget is not None or args.expert_policy is not None:
+        kw.update(ram_budget=args.ram_budget, expert_policy=args.expert_policy, io_threads=args.io_threads)
+    return kw
 
 
 def add_arguments(p):

@@ -159,15 +159,27 @@ class CflowFile:
                     break
                 pos = s.end
             for s in self.sections.values():
-                fh.seek(s.offset)
-                crc, left = 0, s.length
-                while left:
-                    b = fh.read(min(VERIFY_CHUNK, left))
-                    if not b:
-                        raise CflowFormatError(f"section {s.name!r}: file ends inside the section")
-                    crc, left = crc32(b, crc), left - len(b)
+                crc = _checksum(fh, s.offset, s.length, crc32, f"section {s.name!r}")
                 if crc != s.crc32:
                     raise CflowFormatError(f"section {s.name!r}: checksum mismatch (crc32 {crc:08x}, header says {s.crc32:08x})")
+            self._verify_experts(fh)
+
+    def _verify_experts(self, fh) -> None:
+        """Each expert's CRC-32C (the expert tier checks the same on every read from disk)."""
+        if not any(e.crc32c is not None for e in self.experts.values()):
+            return
+        from cflow._native import core
+
+        def crc32c(b, value):
+            return core.crc32c(np.frombuffer(b, dtype=np.uint8), value)
+
+        for (layer, expert), e in sorted(self.experts.items()):
+            if e.crc32c is None:
+                continue
+            crc = _checksum(fh, e.offset, e.length, crc32c, f"expert (layer {layer}, expert {expert})")
+            if crc != e.crc32c:
+                raise CflowFormatError(f"expert (layer {layer}, expert {expert}): checksum mismatch (crc32c "
+                                       f"{crc:08x}, the expert table says {e.crc32c:08x})")
 
     # ------------------------------------------------------------------ data
     @property
@@ -254,3 +266,15 @@ class CflowFile:
 
     def __repr__(self) -> str:
         return f"CflowFile({self.path!r}, {len(self.tensors)} tensors, {len(self.experts)} experts, {self.size} bytes)"
+
+
+def _checksum(fh, offset: int, length: int, fn, what: str) -> int:
+    """fn(bytes, value) chained over [offset, offset + length) of the open file, in chunks."""
+    fh.seek(offset)
+    crc, left = 0, length
+    while left:
+        b = fh.read(min(VERIFY_CHUNK, left))
+        if not b:
+            raise CflowFormatError(f"{what}: the file ends inside it")
+        crc, left = fn(b, crc), left - len(b)
+    return crc

@@ -167,6 +167,7 @@ class Expert:
     offset: int  # absolute, multiple of ALIGN
     length: int  # bytes used; align_up(length) bytes may be read (zero padding follows)
     tensors: tuple[str, ...] = field(default=())
+    crc32c: int | None = None  # CRC-32C of the `length` bytes (None: a file written before experts had one)
 
 
 # --------------------------------------------------------------------------- fused groups
@@ -336,7 +337,8 @@ def parse_expert(d: Any, i: int, sections: dict[str, Section], tensors: dict[str
         t = tensors[n]
         if t.offset < off or t.end > off + length:
             _fail(where, f"tensor {n!r} [{t.offset}, {t.end}) lies outside the expert's range [{off}, {off + length})")
-    return Expert(layer, expert, sec_name, off, length, tuple(names))
+    crc = _int(d, "crc32c", where, 0, 0xFFFFFFFF) if "crc32c" in d else None
+    return Expert(layer, expert, sec_name, off, length, tuple(names), crc)
 
 
 def _table(entries: list, parse, key, label, span) -> dict:

@@ -100,6 +100,7 @@ class CflowWriter:
         self._cur: list | None = None  # [name, offset, crc] of the open section
         self._tensors: dict[str, Tensor] = {}
         self._experts: dict[tuple[int, int], Expert] = {}
+        self._ecrc: int | None = None  # CRC-32C of the open expert's bytes so far
         self._done = False
         self._f.write(bytes(ALIGN))  # the preamble page, filled in last
         self._pos = ALIGN
@@ -120,6 +121,8 @@ class CflowWriter:
         with self._output():
             self._f.write(b)
         self._cur[2] = crc32(b, self._cur[2])
+        if self._ecrc is not None:
+            self._ecrc = self._crc32c(b, self._ecrc)
         self._pos += len(b)
 
     def _pad(self, a: int) -> None:
@@ -246,12 +249,24 @@ class CflowWriter:
         self._enter_section(section)
         self._pad(ALIGN)
         off, before = self._pos, set(self._tensors)
-        yield
+        self._ecrc = 0
+        try:
+            yield
+        finally:
+            crc, self._ecrc = self._ecrc, None
         names = tuple(n for n in self._tensors if n not in before)
         if not names:
             raise CflowError(f"expert (layer {layer}, expert {expert}) has no tensors")
-        self._experts[(layer, expert)] = Expert(layer, expert, section, off, self._pos - off, names)
+        self._experts[(layer, expert)] = Expert(layer, expert, section, off, self._pos - off, names, crc)
         self._pad(ALIGN)
+
+    @staticmethod
+    def _crc32c(b, value: int) -> int:
+        """CRC-32C (the native core's) of bytes b, continuing from value: what the expert tier
+        checks each expert read from disk against."""
+        from cflow._native import core
+
+        return core.crc32c(np.frombuffer(b, dtype=np.uint8), value)
 
     def copy_tensor(self, t: Tensor, payload, *, section: str = "weights") -> Tensor:
         """Write a tensor already tiled (another file's entry `t` and its bytes), unchanged."""
@@ -299,7 +314,8 @@ class CflowWriter:
                             for s in self._sections.values()]
         head["tensors"] = [t.to_dict() for t in self._tensors.values()]
         head["experts"] = [{"layer": e.layer, "expert": e.expert, "section": e.section, "offset": e.offset,
-                            "length": e.length, "tensors": list(e.tensors)} for e in self._experts.values()]
+                            "length": e.length, "tensors": list(e.tensors), "crc32c": e.crc32c}
+                           for e in self._experts.values()]
         raw = json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         hoff = self._pos
         self._f.write(raw)
