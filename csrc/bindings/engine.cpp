@@ -81,6 +81,7 @@ void bind_engine(nb::module_& m) {
              d["reads"] = r.io.reads;
              d["bytes_read"] = r.io.bytes_read;
              d["read_s"] = r.io.read_s;
+             d["busy_s"] = r.io.busy_s;
              d["wait_s"] = r.io.wait_s;
              d["slots"] = r.io.slots;
              d["direct"] = r.io.direct;

@@ -7,6 +7,7 @@
 
 #include "cflow/cpu.h"
 #include "cflow/crc32c.h"
+#include "cflow/planes.h"
 
 namespace nb = nanobind;
 
@@ -32,6 +33,9 @@ NB_MODULE(_core, m) {
     return cflow::crc32c(data.data(), data.size(), value);
   }, nb::arg("data"), nb::arg("value") = 0,
      "CRC-32C of a uint8 array, continuing from value (crc32c(b, crc32c(a)) == crc32c(a + b)).");
+  m.def("set_prefetch", &cflow::set_prefetch, nb::arg("on"),
+        "Turn the kernels' software prefetches on or off (CFLOW_PREFETCH=0 starts with them off).");
+  m.def("prefetch", &cflow::prefetch_on, "Whether the kernels issue their software prefetches.");
   bind_kernels(m);
   bind_ops(m);
   bind_plan(m);

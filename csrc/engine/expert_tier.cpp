@@ -215,7 +215,11 @@ void ExpertTier::read_into(int slot) {
   const TierEntry& e = entries_[key];
   uint8_t* buf = slots_[slot].buf;
   const size_t n = align_up(e.length);
-  const auto t0 = std::chrono::steady_clock::now();
+  auto t0 = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!inflight_++) busy_since_ = t0;
+  }
   size_t got = 0;
   std::string err;
   while (got < n) {
@@ -240,6 +244,7 @@ void ExpertTier::read_into(int slot) {
     }
   }
   std::lock_guard<std::mutex> lk(mu_);
+  if (!--inflight_) st_.busy_s += secs_since(busy_since_);
   ++st_.reads;
   st_.bytes_read += got;
   st_.read_s += dt;

@@ -1,5 +1,7 @@
 #include "cflow/cpu.h"
+#include "cflow/planes.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -82,5 +84,16 @@ bool amx_usable() {
   }();
   return ok;
 }
+
+}  // namespace cflow
+
+namespace cflow {
+
+// The kernels' software prefetch switch (cflow/planes.h): on unless CFLOW_PREFETCH=0.
+static bool prefetch_default() {
+  const char* v = std::getenv("CFLOW_PREFETCH");
+  return !(v && v[0] == '0' && !v[1]);
+}
+std::atomic<bool> g_prefetch{prefetch_default()};
 
 }  // namespace cflow

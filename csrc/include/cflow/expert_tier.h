@@ -21,6 +21,7 @@
 // Thread-safe: any thread may call anything; the engine serializes forwards that use a tier.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -52,6 +53,7 @@ struct TierStats {
   uint64_t hinted_used = 0;     // pinned requests served by a hinted read
   uint64_t reads = 0, bytes_read = 0;
   double read_s = 0;            // seconds inside preads (summed over the I/O threads)
+  double busy_s = 0;            // wall seconds with at least one read in flight
   double wait_s = 0;            // seconds the engine waited for experts (acquire_sync's reads included)
   int slots = 0;
   bool direct = false;          // the reads bypass the page cache
@@ -111,6 +113,8 @@ class ExpertTier {
   std::deque<int> queue_;            // slots waiting for an I/O thread
   bool stop_ = false;
   uint64_t clock_ = 0;
+  int inflight_ = 0;  // reads running now; busy_since_: when the first of them started
+  std::chrono::steady_clock::time_point busy_since_;
   std::vector<std::thread> io_;
   TierStats st_;
 };

@@ -16,6 +16,7 @@
 // qs; Q6_K's planes 0..31 are ql, 32..47 qh, 48..51 the int8 scales (docs/FORMAT.md 5.1 has
 // the weights of each). The transform is a permutation of the chunk's bytes: lossless.
 #pragma once
+#include <atomic>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -56,7 +57,13 @@ inline void planes_widen(const uint8_t* chunk, int g, int hdr, int bb, uint8_t* 
 // threads); 2048 bytes ahead brought both to the probe's figure, 1024 and 4096 less (docs/KERNELS.md).
 // A prefetch past the end of the mapping is harmless: prefetches never fault.
 constexpr size_t kPrefetchAhead = 2048;
+// Whether the kernels issue their software prefetches (set_prefetch; CFLOW_PREFETCH=0 starts
+// with them off): the A/B of explicit prefetch against the hardware prefetcher alone.
+extern std::atomic<bool> g_prefetch;
+inline void set_prefetch(bool on) { g_prefetch.store(on, std::memory_order_relaxed); }
+inline bool prefetch_on() { return g_prefetch.load(std::memory_order_relaxed); }
 inline void planes_prefetch(const uint8_t* chunk, size_t n) {
+  if (!prefetch_on()) return;
   for (size_t o = 0; o < n; o += 64) __builtin_prefetch(chunk + kPrefetchAhead + o, 0, 3);
 }
 

@@ -60,7 +60,7 @@ void micro(const Group& G, int i0, const QActs& x, int k0, float* y, int ldy, in
       __m256i wq[NR];
       float dw[NR], ow[NR];
       for (int r = 0; r < NR; ++r) wq[r] = expand<TYPE>(p + (size_t)r * G.bb, &dw[r], &ow[r]);
-      if (b + 4 < nb) _mm_prefetch((const char*)(p + 4 * step), _MM_HINT_T0);
+      if (b + 4 < nb && prefetch_on()) _mm_prefetch((const char*)(p + 4 * step), _MM_HINT_T0);
       for (int t = 0; t < NT; ++t)
         for (int l = 0; l < LEVELS; ++l) {
           const block_q8a& a = xr[t][l][cb];

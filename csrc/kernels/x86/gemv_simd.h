@@ -394,8 +394,10 @@ void gemv_tern_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& 
           const uint8_t* const p[2] = {r0.base + b * r0.stride, r1.base + b * r1.stride};
           // the payload order is linear within a row (and, rows of one block, within a tile):
           // a hint kPrefetchAhead bytes ahead of each block, about one per cache line (planes.h)
-          __builtin_prefetch(p[0] + kPrefetchAhead, 0, 3);
-          if (i1 != i) __builtin_prefetch(p[1] + kPrefetchAhead, 0, 3);
+          if (prefetch_on()) {
+            __builtin_prefetch(p[0] + kPrefetchAhead, 0, 3);
+            if (i1 != i) __builtin_prefetch(p[1] + kPrefetchAhead, 0, 3);
+          }
           T::template dotn<2>(p, x[cb0 + b], a);
         }
         acc[i] = a[0];
@@ -428,7 +430,7 @@ void gemv_tern_batch(float* y, int ldy, const void* xv, int m, const uint8_t* w,
           const TileRow r(tile, S.nr, nb, S.g, T::kBB, i);
           for (int b = 0; b < nb; ++b) {
             const uint8_t* p = r.base + b * r.stride;
-            __builtin_prefetch(p + kPrefetchAhead, 0, 3);
+            if (prefetch_on()) __builtin_prefetch(p + kPrefetchAhead, 0, 3);
             __m256i c[8];
             T::codes(p, c);
             for (int k = 0; k < nt; ++k) {

@@ -137,7 +137,7 @@ def _model_params(**fields):
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python's low-level API, timed by its perf counters."""
 
-    def __init__(self, gguf: str, threads: int, n_ctx: int):
+    def __init__(self, gguf: str, threads: int, n_ctx: int, extra_bufts: bool | None = None):
         try:
             import llama_cpp
         except ImportError as e:
@@ -148,7 +148,9 @@ class LlamaCppRunner:
         # extra buffer types are turned off there: llama.cpp then runs its AVX-512/VNNI CPU
         # kernels, which is what it runs on every CPU without AMX. On this model no other extra
         # buffer type (CPU_REPACK) applies.
-        self.extra_bufts = not _cpu_has_amx()
+        # extra_bufts=False also keeps the weights in the mapping (CPU_REPACK copies the matrices it
+        # takes into anonymous memory), as a memory-limited run needs.
+        self.extra_bufts = not _cpu_has_amx() if extra_bufts is None else bool(extra_bufts)
         with _model_params(use_extra_bufts=self.extra_bufts):
             self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                                        n_threads_batch=threads, verbose=False)

@@ -96,6 +96,27 @@ def check_stages(h: dict, tensors: dict) -> list[dict]:
     return stages
 
 
+def copy_tensors(src, w, names: list[str], section: str, done=lambda n: None) -> None:
+    """Copy tensors `names` of an open CflowFile `src` into writer `w`, in that order, their tiled
+    bytes unchanged: an expert's tensors together, as one range of the expert table (at its first
+    tensor's place). done(nbytes) after each tensor."""
+    owner = {n: key for key, e in src.experts.items() for n in e.tensors}  # expert tensor -> (layer, expert)
+    copied = set()
+    for name in names:
+        key = owner.get(name)
+        if key is None:
+            w.copy_tensor(src.tensor(name), src.tensor_bytes(name), section=section)
+            done(src.tensor(name).nbytes)
+            continue
+        if key in copied:
+            continue
+        copied.add(key)
+        with w.expert(*key, section=section):  # the expert's tensors, together
+            for n in src.experts[key].tensors:
+                w.copy_tensor(src.tensor(n), src.tensor_bytes(n), section=section)
+                done(src.tensor(n).nbytes)
+
+
 def write_vflow(src, out: str | os.PathLike, *, progress: bool = False) -> None:
     """Write the stage-major copy of an open CflowFile `src` (its tiled bytes unchanged) to `out`,
     atomically."""
@@ -106,7 +127,6 @@ def write_vflow(src, out: str | os.PathLike, *, progress: bool = False) -> None:
     cfg = src.config
     delta_d = getattr(cfg, "delta_d", 0)
     order = stage_order(list(src.tensors), delta_d, cfg.n_layer)
-    owner = {n: key for key, e in src.experts.items() for n in e.tensors}  # expert tensor -> (layer, expert)
     with CflowWriter(out, cfg, tokenizer_json=src.tokenizer_json, chat_template=src.chat_template,
                      special_tokens=src.special_tokens, metadata=src.metadata, generation=src.generation,
                      layout=LAYOUT) as w, \
@@ -114,17 +134,5 @@ def write_vflow(src, out: str | os.PathLike, *, progress: bool = False) -> None:
                  disable=not progress, leave=False) as bar:
         for k, names in enumerate(order):
             section = f"stage.{k}"
-            i = 0
-            while i < len(names):
-                key = owner.get(names[i])
-                if key is None:
-                    w.copy_tensor(src.tensor(names[i]), src.tensor_bytes(names[i]), section=section)
-                    bar.update(src.tensor(names[i]).nbytes)
-                    i += 1
-                    continue
-                with w.expert(*key, section=section):  # the expert's tensors, together
-                    for n in src.experts[key].tensors:
-                        w.copy_tensor(src.tensor(n), src.tensor_bytes(n), section=section)
-                        bar.update(src.tensor(n).nbytes)
-                i += sum(1 for n in names[i:] if owner.get(n) == key)
+            copy_tensors(src, w, names, section, bar.update)
             w.stage(k, section, names)

@@ -121,3 +121,28 @@ def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q
             w.add_expert(l, e, {name: _spec(kind, data, wtype, etype) for name, (kind, data) in ts.items()})
             n += len(ts)
     return n
+
+
+def random_pnt(preset_name: str, path: str, wtype: str = "q4_0", seed: int = 0, **geometry) -> str:
+    """A pipeline-native model of a preset with random weights, exported to `path` (matrices in
+    `wtype`, embedding and head Q8_0): decode speed does not depend on the weights' values, so it
+    measures the runtime at a real geometry (default: the paper's). Returns a one-line summary."""
+    import tempfile
+
+    import torch
+
+    from cflow.models.pnt import PNT
+    from cflow.models.presets import preset
+    from cflow.train import tokenizer
+
+    torch.manual_seed(seed)
+    cfg = preset(preset_name, **{k: v for k, v in geometry.items() if v is not None}, max_seq_len=2048)
+    tok = tokenizer.train_bpe(["once upon a time there was a little cat who lived in a big house"] * 20, 512)
+    m = PNT(cfg)
+    with tempfile.TemporaryDirectory() as d:
+        ck = f"{d}/ckpt.pt"
+        checkpoint.save(ck, model_state=m.state_dict(), optim_state=None, step=0, cfg=cfg, tokenizer_json=tok.to_str(),
+                        train_args={})
+        n = export_checkpoint(ck, path, wtype=wtype, etype="q8_0")
+    return (f"wrote {path}: {n} tensors, {m.n_params() / 1e6:.1f}M parameters "
+            f"({m.n_params(active=True) / 1e6:.1f}M active)")

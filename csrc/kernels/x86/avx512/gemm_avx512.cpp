@@ -11,6 +11,7 @@
 #include "../../isa_kernels.h"
 #include "../../tile_walk.h"
 #include "cflow/gemm.h"
+#include "cflow/planes.h"
 #include "vec.h"
 
 namespace cflow {
