@@ -46,8 +46,9 @@ def run(eng, ids, steps=12):
 
 
 @pytest.mark.parametrize("name", ["arch2_4_combined", "arch1"])
-@pytest.mark.parametrize("policy", EXPERT_POLICIES)
+@pytest.mark.parametrize("policy", EXPERT_POLICIES + ("staged-uring",))
 def test_every_policy_under_a_small_budget_gives_the_same_tokens(models, name, policy):
+    policy, _, io = policy.partition("-")
     path = models[name]
     ids = list(range(3, 60))
     ref, ref_toks = run(Engine(path, threads=2), ids)
@@ -55,7 +56,8 @@ def test_every_policy_under_a_small_budget_gives_the_same_tokens(models, name, p
     budget = budget_of(path, 9)  # 9 of the 24 experts: most reads are misses
     assert budget < os.path.getsize(path)
     for schedule in ("sequential", "pipeline"):
-        eng = Engine(path, threads=2, ram_budget=budget, expert_policy=policy, schedule=schedule)
+        eng = Engine(path, threads=2, ram_budget=budget, expert_policy=policy, schedule=schedule,
+                     io_backend=io or "pread")
         got, toks = run(eng, ids)
         np.testing.assert_array_equal(got, ref)
         assert toks == ref_toks
@@ -67,6 +69,7 @@ def test_every_policy_under_a_small_budget_gives_the_same_tokens(models, name, p
         assert r["reads"] > n_experts  # experts left the cache and were read again
         assert r["bytes_read"] >= r["reads"] * 4096
         assert r["misses"] > 0 and r["hits"] + r["misses"] >= r["reads"] - r["hinted_reads"]
+        assert r["io"] == (io or "pread") or (io == "uring" and r["io"] == "pread")  # a kernel may refuse io_uring
         if policy == "staged":
             assert r["predicted"] > 0 and 0 <= r["prediction_accuracy"] <= 1
             assert r["hinted_reads"] > 0
@@ -106,10 +109,11 @@ def damaged_copy(path, dst, layer, expert):
     return dst
 
 
-@pytest.mark.parametrize("policy", ["sync", "staged"])
+@pytest.mark.parametrize("policy", ["sync", "staged", "staged-uring"])
 def test_a_damaged_expert_is_an_error_naming_it(models, tmp_path, policy):
+    policy, _, io = policy.partition("-")
     path = damaged_copy(models["arch1"], tmp_path / "damaged.cflow", 1, 2)
-    eng = Engine(path, threads=2, expert_policy=policy, ram_budget=budget_of(path, 10))
+    eng = Engine(path, threads=2, expert_policy=policy, ram_budget=budget_of(path, 10), io_backend=io or "pread")
     st = eng.new_state()
     with pytest.raises(CflowError, match=r"expert \(layer 1, expert 2\).*checksum mismatch"):
         for t in range(3, 200):  # until a token routes to it
@@ -139,6 +143,8 @@ def test_budgets_and_policies_that_cannot_work_are_refused(models, tmp_path):
         Engine(path, expert_policy="fast")
     with pytest.raises(CflowError, match="io_threads"):
         Engine(path, expert_policy="staged", io_threads=0)
+    with pytest.raises(CflowError, match="io_backend"):
+        Engine(path, expert_policy="staged", io_backend="aio")
     for bad in ("", "8Q", "-1G", "0", True):
         with pytest.raises(CflowError, match="size"):
             parse_size(bad)

@@ -39,7 +39,8 @@ void bind_engine(nb::module_& m) {
           "__init__",
           [](PyEngine* self, nb::object owner, Arr<const uint8_t> buf, const Plan& plan, int n_ctx, int threads,
              bool fast, const std::string& schedule, bool all_experts, const std::string& experts,
-             const std::string& path, uint64_t cache_bytes, int io_threads, bool predict, bool direct) {
+             const std::string& path, uint64_t cache_bytes, int io_threads, bool predict, bool direct,
+             const std::string& io) {
             if (buf.ndim() != 1) throw nb::value_error("weights must be a 1-D uint8 buffer");
             EngineOptions opt;
             if (schedule == "pipeline") opt.schedule = Schedule::Pipeline;
@@ -53,13 +54,15 @@ void bind_engine(nb::module_& m) {
             opt.tier.cache_bytes = cache_bytes;
             opt.tier.io_threads = io_threads;
             opt.tier.direct = direct;
+            if (io == "uring") opt.tier.backend = IoBackend::Uring;
+            else if (io != "pread") throw nb::value_error("io must be 'pread' or 'uring'");
             opt.predict = predict;
             nb::gil_scoped_release nogil;  // the tier allocates its buffers
             new (self) PyEngine{owner, std::make_unique<Engine>(buf.data(), buf.size(), plan, n_ctx, threads, fast, opt)};
           },
           "owner"_a, "buf"_a, "plan"_a, "n_ctx"_a, "threads"_a, "fast"_a, "schedule"_a = "sequential",
           "all_experts"_a = false, "experts"_a = "mmap", "path"_a = "", "cache_bytes"_a = 0, "io_threads"_a = 4,
-          "predict"_a = true, "direct"_a = true)
+          "predict"_a = true, "direct"_a = true, "io"_a = "pread")
       .def("new_state", [](PyEngine& e) { return e.eng->new_state(); })
       .def_prop_ro("threads", [](PyEngine& e) { return e.eng->threads(); })
       .def_prop_ro("vocab", [](PyEngine& e) { return e.eng->vocab(); })
@@ -85,6 +88,7 @@ void bind_engine(nb::module_& m) {
              d["wait_s"] = r.io.wait_s;
              d["slots"] = r.io.slots;
              d["direct"] = r.io.direct;
+             d["io"] = r.io.backend == IoBackend::Uring ? "uring" : "pread";
              d["predicted"] = r.predicted;
              d["predicted_right"] = r.predicted_right;
              return d;

@@ -289,6 +289,9 @@ mapping (the page cache decides what stays in RAM), or a bounded cache of expert
 file with O_DIRECT when a layer needs them (sync) or as soon as the router has chosen, with the
 next layer's experts predicted and read ahead (staged)."""
 
+IO_BACKENDS = ("pread", "uring")
+"""How staged reads reach the disk: blocking preads on io_threads threads, or one io_uring."""
+
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -331,13 +334,15 @@ class Engine(EngineBase):
     budget, read from the file (expert_policy "staged" unless another is given); a model within
     it runs from the mapping. expert_policy: one of EXPERT_POLICIES ("sync" and "staged" without
     a budget cache every expert once read); io_threads: the staged policy's reads in flight;
-    predict: whether staged reads ahead the next layer's predicted experts. The same logits under
-    every policy.
+    predict: whether staged reads ahead the next layer's predicted experts; io_backend: "pread" (a
+    thread per read in flight) or "uring" (one thread, the reads in flight on an io_uring; the
+    threads where the kernel refuses it). The same logits under every policy.
     """
 
     def __init__(self, weights, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True,
                  precise: bool | Iterable[str] = True, schedule: str = "sequential", all_experts: bool = False,
-                 ram_budget=None, expert_policy: str | None = None, io_threads: int = 4, predict: bool = True):
+                 ram_budget=None, expert_policy: str | None = None, io_threads: int = 4, predict: bool = True,
+                 io_backend: str = "pread"):
         from cflow._native import core
 
         if schedule not in SCHEDULES:
@@ -346,6 +351,8 @@ class Engine(EngineBase):
             raise CflowError(f"expert_policy must be one of {', '.join(EXPERT_POLICIES)}, got {expert_policy!r}")
         if not isinstance(io_threads, int) or not 1 <= io_threads <= 256:
             raise CflowError(f"io_threads must be in 1..256, got {io_threads!r}")
+        if io_backend not in IO_BACKENDS:
+            raise CflowError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
         super().__init__(weights, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise)
         self.schedule, self.all_experts = schedule, bool(all_experts)
         buf = getattr(self.file, "buffer", None)
@@ -357,7 +364,7 @@ class Engine(EngineBase):
         try:
             self._core = core.EngineCore(buf, buf, self.plan, self.n_ctx, self.threads, self.fast, schedule,
                                          self.all_experts, self.expert_policy, str(self.file.path), cache,
-                                         io_threads, bool(predict))
+                                         io_threads, bool(predict), True, io_backend)
         except (RuntimeError, ValueError) as e:
             raise CflowFormatError(f"cannot run this model: {e}") from None
 

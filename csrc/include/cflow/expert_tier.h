@@ -25,6 +25,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -32,11 +33,17 @@
 
 namespace cflow {
 
+// How the staged reads reach the disk: a pool of threads each in a blocking pread, or one thread
+// keeping the reads in flight on an io_uring (raw syscalls; where the kernel refuses io_uring the
+// pool runs instead, and stats().backend says which ran).
+enum class IoBackend : int { Pread = 0, Uring = 1 };
+
 struct TierOptions {
   std::string path;          // the mapped .cflow file, opened again for the reads
   uint64_t cache_bytes = 0;  // RAM for the slots (their count: cache_bytes / the largest expert, rounded)
-  int io_threads = 4;        // staged: reads in flight
+  int io_threads = 4;        // staged: reads in flight (pread threads, or the io_uring's depth)
   bool direct = true;        // O_DIRECT where the file system allows it
+  IoBackend backend = IoBackend::Pread;
 };
 
 // Where one expert lies and what its bytes must check to.
@@ -57,6 +64,7 @@ struct TierStats {
   double wait_s = 0;            // seconds the engine waited for experts (acquire_sync's reads included)
   int slots = 0;
   bool direct = false;          // the reads bypass the page cache
+  IoBackend backend = IoBackend::Pread;
 };
 
 class ExpertTier {
@@ -98,7 +106,12 @@ class ExpertTier {
   int victim_locked() const;  // a slot to fill: empty, else the least recently used unpinned one; -1: none
   int claim_locked(int key, std::unique_lock<std::mutex>& lk, bool block);
   void read_into(int slot);   // the pread and the check, without the lock; sets st
+  void begin_read();           // busy-time bookkeeping of a read that starts now (under the lock)
+  void finish_read(int slot, size_t got, double secs, std::string err);  // the check, the state (no lock held)
   void io_loop();
+  void uring_loop();           // the io_uring backend's one thread
+  struct Uring;
+  std::unique_ptr<Uring> uring_;
   std::string name(int key) const;
 
   TierOptions opt_;

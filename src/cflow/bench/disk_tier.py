@@ -7,8 +7,9 @@ fresh process confined to --memory-limit by the kernel (cgroup v2 `memory.max`, 
 counts against it). A run prefills a short prompt, then decodes --tokens greedy tokens ("cold":
 the expert cache fills) and --warm-tokens more ("warm"). Reported per phase: tok/s, MiB read from
 disk per token (the process's storage reads, /proc/self/io read_bytes: mapped faults and O_DIRECT
-reads alike), and for the tier the cache hit rate, the prediction's accuracy and the seconds spent
-waiting on reads.
+reads alike), and for the tier the cache hit rate (experts already in a slot when routed, hinted
+reads not counted), the prediction's accuracy and the milliseconds per token spent waiting on
+reads.
 
 The overlap model (the paper's): a token costs compute C and reads IO. Sync waits for every read,
 so t_sync = C + IO_sync, with C and IO_sync taken from the sync run (its step time less its wait
@@ -42,6 +43,8 @@ def add_arguments(p):
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of mmap,sync,staged (default all)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--io-threads", type=int, default=4, help="the staged policy's reads in flight (default 4)")
+    p.add_argument("--io", choices=("pread", "uring"), default="pread",
+                   help="how staged reads reach the disk (default pread threads)")
     p.add_argument("--tokens", type=int, default=16, help="cold decode steps (default 16)")
     p.add_argument("--warm-tokens", type=int, default=32, help="warm decode steps after them (default 32)")
     p.add_argument("--activations", default="int8", choices=("int8x2", "int8", "fp32"),
@@ -151,7 +154,7 @@ def _child(spec: dict) -> dict:
 
         eng = Engine(spec["model"], threads=spec["threads"], n_ctx=256, **ACTIVATIONS[spec["activations"]],
                      expert_policy=spec["policy"], ram_budget=spec["ram_budget"] if spec["policy"] != "mmap" else None,
-                     io_threads=spec["io_threads"])
+                     io_threads=spec["io_threads"], io_backend=spec.get("io", "pread"))
         st = eng.new_state()
         prompt = _prompt(eng.vocab, 8, 1)
         tok = int(np.argmax(eng.forward(st, prompt)))
@@ -177,14 +180,16 @@ def _child(spec: dict) -> dict:
             d.update(read_s=r1["read_s"] - r0["read_s"], wait_s=r1["wait_s"] - r0["wait_s"],
                      busy_s=r1["busy_s"] - r0["busy_s"])
             asked = d["hits"] + d["misses"]
-            rec.update(hit_rate=round(d["hits"] / asked, 3) if asked else None,
+            # hit_rate: found in the cache when routed; found_rate: also those a prediction had started
+            rec.update(hit_rate=round((d["hits"] - d["hinted_used"]) / asked, 3) if asked else None,
+                       found_rate=round(d["hits"] / asked, 3) if asked else None,
                        prediction_accuracy=round(d["predicted_right"] / d["predicted"], 3) if d["predicted"] else None,
                        tier_mib_per_token=round(d["bytes_read"] / n / 2**20, 1),
                        wait_ms_per_token=round(1e3 * d["wait_s"] / n, 1),
                        io_busy_ms_per_token=round(1e3 * d["busy_s"] / n, 1),
                        read_gbps=round(d["bytes_read"] / d["busy_s"] / 1e9, 3) if d["busy_s"] else None,
                        hinted_reads=d["hinted_reads"], hinted_used=d["hinted_used"])
-            rec["slots"], rec["direct"] = r1["slots"], r1["direct"]
+            rec["slots"], rec["direct"], rec["io"] = r1["slots"], r1["direct"], r1["io"]
         out["phases"][phase] = rec
     return out
 
@@ -228,9 +233,9 @@ def main(args) -> int:
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     log(f"{args.model}: {size / 2**30:.2f} GiB, limit {limit / 2**30:.2f} GiB, tier budget {budget / 2**30:.2f} GiB")
     spec = dict(model=args.model, threads=args.threads, activations=args.activations, ram_budget=budget,
-                io_threads=args.io_threads, tokens=args.tokens, warm_tokens=args.warm_tokens)
+                io_threads=args.io_threads, io=args.io, tokens=args.tokens, warm_tokens=args.warm_tokens)
     results = {"model": args.model, "model_bytes": size, "memory_limit": limit, "ram_budget": budget,
-               "threads": args.threads, "io_threads": args.io_threads, "activations": args.activations, "runs": {}}
+               "threads": args.threads, "io_threads": args.io_threads, "io": args.io, "activations": args.activations, "runs": {}}
     for pol in policies:
         log(f"  cflow {pol} ...")
         results["runs"][pol] = _run_limited(dict(spec, engine="cflow", policy=pol), limit, log)

@@ -56,6 +56,8 @@ def add_activation_arguments(p):
                         "chooses, the next layer's predicted experts read ahead; the default beyond the budget)")
     p.add_argument("--io-threads", type=int, default=4, metavar="N",
                    help="expert reads in flight with --expert-policy staged (default 4)")
+    p.add_argument("--io", choices=("pread", "uring"), default="pread",
+                   help="how staged reads reach the disk: pread threads (the default) or one io_uring")
 
 
 def activation_kwargs(args) -> dict:
@@ -65,7 +67,8 @@ def activation_kwargs(args) -> dict:
 
     kw = dict(ACTIVATIONS[args.activations], schedule=args.schedule, all_experts=args.all_experts)
     if args.ram_budget is not None or args.expert_policy is not None:
-        kw.update(ram_budget=args.ram_budget, expert_policy=args.expert_policy, io_threads=args.io_threads)
+        kw.update(ram_budget=args.ram_budget, expert_policy=args.expert_policy, io_threads=args.io_threads,
+                  io_backend=args.io)
     return kw
 
 
