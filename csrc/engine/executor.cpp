@@ -460,7 +460,8 @@ void Engine::validate() {
 
 // The expert tier of the sync and staged policies: one entry per expert of the plan's table,
 // each with its checksum; enough slots for the experts that can be pinned at once (staged: every
-// router between an Experts op and its own, quota_ each, and the op's own quota_).
+// router between an Experts op and its own, quota_ each, and the op's own quota_; sync: the
+// expert running and the next one).
 void Engine::make_tier() {
   if (opt_.experts == ExpertPolicy::Mmap) return;
   if (experts_of_.empty()) fail("expert tier: the model has no mixture-of-experts layers");
@@ -486,7 +487,7 @@ void Engine::make_tier() {
     in_flight = std::max(in_flight, routers);
   }
   const bool staged = opt_.experts == ExpertPolicy::Staged;
-  tier_ = std::make_unique<ExpertTier>(opt_.tier, std::move(entries), staged ? top_k * (in_flight + 1) : 1);
+  tier_ = std::make_unique<ExpertTier>(opt_.tier, std::move(entries), staged ? top_k * (in_flight + 1) : 2);
   quota_ = std::max(top_k, tier_->slots() / (in_flight + 1));
 }
 

@@ -361,20 +361,23 @@ class Engine(EngineBase):
         self.ram_budget = None if ram_budget is None else parse_size(ram_budget)
         self.expert_policy, cache = self._expert_tier(expert_policy)
         self.expert_cache_bytes = cache
+        path = str(getattr(self.file, "path", ""))  # the tier reads experts from it
         try:
             self._core = core.EngineCore(buf, buf, self.plan, self.n_ctx, self.threads, self.fast, schedule,
-                                         self.all_experts, self.expert_policy, str(self.file.path), cache,
-                                         io_threads, bool(predict), True, io_backend)
+                                         self.all_experts, self.expert_policy, path, cache, io_threads, bool(predict),
+                                         True, io_backend)
         except (RuntimeError, ValueError) as e:
             raise CflowFormatError(f"cannot run this model: {e}") from None
 
     def _expert_tier(self, policy: str | None) -> tuple[str, int]:
         """(policy, bytes of expert cache) for the ram_budget and the policy asked for."""
+        budget = self.ram_budget
+        if policy is None and budget is None:
+            return "mmap", 0
         experts = getattr(self.file, "experts", {}) or {}
-        size = int(self.file.size)
+        size = int(getattr(self.file, "size", 0) or len(self.file.buffer))
         expert_bytes = sum(_align(e.length) for e in experts.values())
         resident = size - expert_bytes
-        budget = self.ram_budget
         if policy is None:
             policy = "staged" if budget is not None and size > budget and experts else "mmap"
         if policy == "mmap":
