@@ -393,10 +393,13 @@ void gemv_tern_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& 
         for (int b = 0; b < nb; ++b) {
           const uint8_t* const p[2] = {r0.base + b * r0.stride, r1.base + b * r1.stride};
           // the payload order is linear within a row (and, rows of one block, within a tile):
-          // a hint kPrefetchAhead bytes ahead of each block, about one per cache line (planes.h)
+          // a hint for the same block two rows further, from each row of the pair, about one per
+          // cache line. (kPrefetchAhead bytes from each row landed, with whole-row tiles, in the
+          // other row of the pair, and left every second row to the hardware prefetcher.)
           if (prefetch_on()) {
-            __builtin_prefetch(p[0] + kPrefetchAhead, 0, 3);
-            if (i1 != i) __builtin_prefetch(p[1] + kPrefetchAhead, 0, 3);
+            const size_t ah = (size_t)2 * nb * T::kBB;
+            __builtin_prefetch(p[0] + ah, 0, 3);
+            __builtin_prefetch(p[1] + ah, 0, 3);
           }
           T::template dotn<2>(p, x[cb0 + b], a);
         }

@@ -282,6 +282,170 @@ struct KQ6_K512 : BlkQ6_K {
   }
 };
 
+// ---- TQ2_0, int8 activations, at 512 bits ----
+// A block's 64 code bytes are one zmm v: byte j (half h = j / 32, m = j % 32) holds in bit pair l
+// the code of weight 128h + 32l + m; X_l, the activation bytes 32l .. 32l+31 and 128+32l ..
+// 128+32l+31 of the q8_K block, meets bit pair l (formed once per column block, shared by the
+// rows). Codes are unsigned (0..3), activations signed: vpdpbusd sums code x act, and minus the
+// block's sum of x (from bsums) turns t into t - 1. Bit pairs 0 and 2 go in as codes (v & 3,
+// (v >> 4) & 3), 1 and 3 as 4 * code (v & 12, (v >> 4) & 12): one shift per block instead of
+// three. Their sum hi starts at -4 * sum(x) and is exact in int32, so hi >> 2 (exact: every
+// lane is a multiple of 4) starts the sum of pairs 0 and 2. Then one cvt and one fmadd with
+// the block's d * d_x into the row's 16 float lanes, summed once at the stripe's end.
+// The GEMV (4 rows at a time) and the batched GEMV (4 rows, every token of a group) run the
+// same tq2_acts / tq2_codes / tq2_isum / tq2_finish, so a token's result does not depend on
+// its batch.
+struct Tq2Acts {
+  __m512i x[4];
+  __m512i s4;  // -4 * bsums: the start of every row's sum of bit pairs 1 and 3
+};
+inline void tq2_acts(const block_q8_K& a, Tq2Acts& A) {
+  for (int l = 0; l < 4; ++l)
+    A.x[l] = _mm512_inserti64x4(_mm512_castsi256_si512(load32(a.qs + 32 * l)), load32(a.qs + 128 + 32 * l), 1);
+  A.s4 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_cvtepi16_epi32(load32(a.bsums)), 2));
+}
+inline void tq2_codes(const uint8_t* p, __m512i (&c)[4]) {
+  __m512i v = _mm512_loadu_si512(p);
+  __asm__("" : "+v"(v));  // one load, not one per use
+  const __m512i v4 = _mm512_srli_epi16(v, 4), m3 = _mm512_set1_epi8(3), m12 = _mm512_set1_epi8(12);
+  c[0] = _mm512_and_si512(v, m3);
+  c[1] = _mm512_and_si512(v, m12);
+  c[2] = _mm512_and_si512(v4, m3);
+  c[3] = _mm512_and_si512(v4, m12);
+}
+inline __m512i tq2_isum(const __m512i (&c)[4], const Tq2Acts& A) {
+  const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(A.s4, c[1], A.x[1]), c[3], A.x[3]);
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_srai_epi32(hi, 2), c[0], A.x[0]), c[2], A.x[2]);
+}
+// sc: the block's d times the activation block's d (one float multiply), broadcast from memory
+// (a load, where the compiler's register broadcasts of lanes 1..3 took two shuffles each)
+inline __m512 tq2_finish(const float& sc, __m512i s, __m512 acc) {
+  __m512 b;
+  __asm__("vbroadcastss %1, %0" : "=v"(b) : "m"(sc));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), b, acc);
+}
+inline uint16_t tq2_dbits(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p + 64, 2);
+  return h;
+}
+
+// Rows i .. i+3 of a tile (a missing row repeats the last one of [lo, hi); its twin is dropped).
+struct Tq2Rows {
+  TileRow r[4];
+  int n;
+  Tq2Rows(const uint8_t* tile, int nr, int nb, int g, int i, int hi)
+      : r{TileRow(tile, nr, nb, g, BlkTQ2_0::kBB, i), TileRow(tile, nr, nb, g, BlkTQ2_0::kBB, std::min(i + 1, hi - 1)),
+          TileRow(tile, nr, nb, g, BlkTQ2_0::kBB, std::min(i + 2, hi - 1)),
+          TileRow(tile, nr, nb, g, BlkTQ2_0::kBB, std::min(i + 3, hi - 1))},
+        n(std::min(4, hi - i)) {}
+  const uint8_t* at(int k, int b) const { return r[k].base + b * r[k].stride; }
+};
+
+// The activation row's Tq2Acts, formed once per call (per thread), read by every row.
+inline const Tq2Acts* tq2_acts_row(const block_q8_K* x, int nbr) {
+  thread_local std::vector<Tq2Acts> xa;
+  xa.resize((size_t)nbr);
+  for (int b = 0; b < nbr; ++b) tq2_acts(x[b], xa[b]);
+  return xa.data();
+}
+
+// The GEMV: payload order (stripe, tile, 4 rows), each row's 16 float lanes kept across the
+// column tiles of its stripe. Software prefetch: each of the 4 row streams asks for the same
+// block kTq2Ahead rows further on (with whole-row tiles the payload is linear, so every line
+// of the next rows gets a hint; the shared kernel's kPrefetchAhead bytes from each of two
+// adjacent rows landed in the other row and left every second row to the hardware), into L2
+// (prefetcht2): at 1 thread 52 against 39 Gweights/s for prefetcht0, 4, 8 and 16 rows ahead
+// measured alike.
+constexpr int kTq2Ahead = 8;
+void gemv_tq2_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
+  const block_q8_K* x = (const block_q8_K*)xv;
+  const Tq2Acts* xa = tq2_acts_row(x, L.cols / QK_K);
+  thread_local std::vector<__m512> acc;
+  const bool pf = prefetch_on();
+  for_stripes(L, w, row_begin, row_end, [&](const Stripe& S, int lo, int hi) {
+    acc.assign((size_t)S.nr, _mm512_setzero_ps());
+    for (int t = 0; t < S.ntiles(); ++t) {
+      const uint8_t* tile = S.tile(t);
+      const int nb = S.nb(t), cb0 = t * S.bpt;
+      const size_t ahead = (size_t)kTq2Ahead * nb * BlkTQ2_0::kBB;
+      for (int i = lo; i < hi; i += 4) {
+        const Tq2Rows R(tile, S.nr, nb, S.g, i, hi);
+        __m512 a0 = acc[i], a1 = acc[R.n > 1 ? i + 1 : i], a2 = acc[R.n > 2 ? i + 2 : i], a3 = acc[R.n > 3 ? i + 3 : i];
+        for (int b = 0; b < nb; ++b) {
+          const Tq2Acts& A = xa[cb0 + b];
+          const uint8_t* const p[4] = {R.at(0, b), R.at(1, b), R.at(2, b), R.at(3, b)};
+          if (pf)
+            for (int k = 0; k < 4; ++k) __builtin_prefetch(p[k] + ahead, 0, 1);
+          // the 4 rows' d * d_x, as 4 lanes (each the one float multiply tq2_finish's caller owes)
+          alignas(16) float sc[4];
+          _mm_store_ps(sc, _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)tq2_dbits(p[0]), (short)tq2_dbits(p[1]),
+                                                                    (short)tq2_dbits(p[2]), (short)tq2_dbits(p[3]), 0, 0, 0, 0)),
+                                      _mm_set1_ps(x[cb0 + b].d)));
+          auto row = [&](int k, __m512& a) {
+            __m512i c[4];
+            tq2_codes(p[k], c);
+            a = tq2_finish(sc[k], tq2_isum(c, A), a);
+          };
+          row(0, a0);
+          row(1, a1);
+          row(2, a2);
+          row(3, a3);
+        }
+        acc[i] = a0;
+        if (R.n > 1) acc[i + 1] = a1;
+        if (R.n > 2) acc[i + 2] = a2;
+        if (R.n > 3) acc[i + 3] = a3;
+      }
+    }
+    for (int i = lo; i < hi; ++i) y[S.row + i - row_begin] = _mm512_reduce_add_ps(acc[i]);
+  });
+}
+
+// The batched form (kernels.h GemvBatchFn): groups of up to kTernGroup tokens; per column block,
+// 4 rows decoded once and met by every token of the group with the GEMV's tq2_isum and
+// tq2_finish, in its block order: each token's result is the GEMV's bit for bit.
+void gemv_tq2_batch(float* y, int ldy, const void* xv, int m, const uint8_t* w, const TileLayout& L, int row_begin,
+                    int row_end) {
+  const size_t ab = act_bytes(BlockType::TQ2_0, AType::Q8, L.cols);
+  thread_local std::vector<__m512> acc;
+  for (int t0 = 0; t0 < m; t0 += kTernGroup) {
+    const int nt = std::min(kTernGroup, m - t0);
+    const block_q8_K* x[kTernGroup];
+    for (int k = 0; k < nt; ++k) x[k] = (const block_q8_K*)((const uint8_t*)xv + (size_t)(t0 + k) * ab);
+    for_stripes(L, w, row_begin, row_end, [&](const Stripe& S, int lo, int hi) {
+      acc.assign((size_t)nt * S.nr, _mm512_setzero_ps());
+      for (int t = 0; t < S.ntiles(); ++t) {
+        const uint8_t* tile = S.tile(t);
+        const int nb = S.nb(t), cb0 = t * S.bpt;
+        for (int i = lo; i < hi; i += 4) {
+          const Tq2Rows R(tile, S.nr, nb, S.g, i, hi);
+          for (int b = 0; b < nb; ++b) {
+            __m512i c[4][4];
+            for (int r = 0; r < R.n; ++r) {
+              if (prefetch_on()) __builtin_prefetch(R.at(r, b) + (size_t)kTq2Ahead * nb * BlkTQ2_0::kBB, 0, 1);
+              tq2_codes(R.at(r, b), c[r]);
+            }
+            for (int k = 0; k < nt; ++k) {
+              Tq2Acts A;
+              tq2_acts(x[k][cb0 + b], A);
+              const float dx = x[k][cb0 + b].d;
+              __m512* ak = acc.data() + (size_t)k * S.nr + i;
+              for (int r = 0; r < R.n; ++r) {
+                const float sc = h2f(R.at(r, b) + 64) * dx;
+                ak[r] = tq2_finish(sc, tq2_isum(c[r], A), ak[r]);
+              }
+            }
+          }
+        }
+      }
+      for (int k = 0; k < nt; ++k)
+        for (int i = lo; i < hi; ++i)
+          y[(size_t)(t0 + k) * ldy + S.row + i - row_begin] = _mm512_reduce_add_ps(acc[(size_t)k * S.nr + i]);
+    });
+  }
+}
+
 // ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0, int8 activations (cflow/planes.h) ----
 // One interleave group of 16 rows is one zmm of int32 lanes, lane i = row i. Per column block:
 // the 16 scales are one fp16 load; each 64-byte plane holds slice k (4 quant bytes) of every
@@ -563,11 +727,13 @@ void fill_wide(KernelTable& t) {
   set_gemv_q8<gemv_nib_q8<Q5_0>>(t, BlockType::Q5_0);
   set_gemv_q8<gemv_q8<KQ4_K512>>(t, BlockType::Q4_K);
   set_gemv_q8<gemv_q8<KQ6_K512>>(t, BlockType::Q6_K);
+  set_gemv_q8<gemv_tq2_q8>(t, BlockType::TQ2_0);
 }
 
 }  // namespace
 
 GemvBatchFn vnni_gemv_batch(BlockType bt, Pack pack, AType at) {
+  if (bt == BlockType::TQ2_0 && pack == Pack::Blocks && at == AType::Q8) return gemv_tq2_batch;
   if (GemvBatchFn f = tern_batch_fn(bt, pack, at)) return f;
   return planes_batch_fn(bt, pack, at, [](auto wt, auto two) -> GemvBatchFn {
     return gemv_batch_vnni<decltype(wt)::value, decltype(two)::value>;
