@@ -47,8 +47,8 @@ def add_arguments(p):
                    help="how staged reads reach the disk (default pread threads)")
     p.add_argument("--tokens", type=int, default=16, help="cold decode steps (default 16)")
     p.add_argument("--warm-tokens", type=int, default=32, help="warm decode steps after them (default 32)")
-    p.add_argument("--activations", default="int8", choices=("int8x2", "int8", "fp32"),
-                   help="cflow's activations (default int8, as llama.cpp's q8)")
+    p.add_argument("--activations", default="int8x2", choices=("int8x2", "int8", "fp32"),
+                   help="cflow's activations (default int8x2, the engine's own; int8 is llama.cpp's q8)")
     p.add_argument("--json", default=None, help="write the results to this file")
 
 
