@@ -1002,7 +1002,8 @@ void Engine::run_op(const Router& op, Workspace& ws, Team& t) {
     }
     if (op.renorm)
       for (int j = 0; j < K; ++j) gates[j] /= sum;
-  }  if (tier_ && opt_.experts == ExpertPolicy::Staged) stage_reads(op, ws, t);
+  }
+  if (tier_ && opt_.experts == ExpertPolicy::Staged) stage_reads(op, ws, t);
 }
 
 // Each row's top_k experts (from the Router's dst), grouped by expert: every chosen expert's
