@@ -352,12 +352,18 @@ inline const Tq2Acts* tq2_acts_row(const block_q8_K* x, int nbr) {
 
 // The GEMV: payload order (stripe, tile, 4 rows), each row's 16 float lanes kept across the
 // column tiles of its stripe. Software prefetch: each of the 4 row streams asks for the same
-// block kTq2Ahead rows further on (with whole-row tiles the payload is linear, so every line
-// of the next rows gets a hint; the shared kernel's kPrefetchAhead bytes from each of two
-// adjacent rows landed in the other row and left every second row to the hardware), into L2
-// (prefetcht2): at 1 thread 52 against 39 Gweights/s for prefetcht0, 4, 8 and 16 rows ahead
-// measured alike.
+// block kTq2Ahead rows further on (with whole-row tiles the payload is linear; the shared
+// kernel's kPrefetchAhead bytes from each of two adjacent rows landed in the other row and
+// left every second row to the hardware), into L2 (prefetcht2: at 1 thread 52 against 39
+// Gweights/s for prefetcht0; prefetchnta fell to 39 from 65), both lines a 66-byte block
+// touches: one hint at the block's start left one line in 33 of each row stream to a demand
+// miss from DRAM, which cost 20-25% (1 thread 67 -> 85 Gweights/s in paired runs). 4, 8 and 16
+// rows ahead, and one linear stream of hints over the 4 rows' span, measured alike.
 constexpr int kTq2Ahead = 8;
+inline void tq2_prefetch(const uint8_t* p) {
+  __builtin_prefetch(p, 0, 1);
+  __builtin_prefetch(p + BlkTQ2_0::kBB - 1, 0, 1);
+}
 void gemv_tq2_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   const block_q8_K* x = (const block_q8_K*)xv;
   const Tq2Acts* xa = tq2_acts_row(x, L.cols / QK_K);
@@ -376,7 +382,7 @@ void gemv_tq2_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L
           const Tq2Acts& A = xa[cb0 + b];
           const uint8_t* const p[4] = {R.at(0, b), R.at(1, b), R.at(2, b), R.at(3, b)};
           if (pf)
-            for (int k = 0; k < 4; ++k) __builtin_prefetch(p[k] + ahead, 0, 1);
+            for (int k = 0; k < 4; ++k) tq2_prefetch(p[k] + ahead);
           // the 4 rows' d * d_x, as 4 lanes (each the one float multiply tq2_finish's caller owes)
           alignas(16) float sc[4];
           _mm_store_ps(sc, _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)tq2_dbits(p[0]), (short)tq2_dbits(p[1]),
@@ -423,7 +429,7 @@ void gemv_tq2_batch(float* y, int ldy, const void* xv, int m, const uint8_t* w, 
           for (int b = 0; b < nb; ++b) {
             __m512i c[4][4];
             for (int r = 0; r < R.n; ++r) {
-              if (prefetch_on()) __builtin_prefetch(R.at(r, b) + (size_t)kTq2Ahead * nb * BlkTQ2_0::kBB, 0, 1);
+              if (prefetch_on()) tq2_prefetch(R.at(r, b) + (size_t)kTq2Ahead * nb * BlkTQ2_0::kBB);
               tq2_codes(R.at(r, b), c[r]);
             }
             for (int k = 0; k < nt; ++k) {
