@@ -41,8 +41,8 @@ enum class AType : int { F32 = 0, Q8 = 1, Q8x2 = 2 };
 
 // How an interleave group stores the blocks of one column block (docs/FORMAT.md, 5.1):
 //   Blocks: g whole blocks, one per row (GGUF's block encoding, any type);
-//   Planes: the same bytes regrouped for g <= 16 rows of Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K
-//           (cflow/planes.h).
+//   Planes: the same bytes regrouped for g <= 16 rows of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
+//           Q5_K / Q6_K (cflow/planes.h).
 enum class Pack : int { Blocks = 0, Planes = 1 };
 
 // The scalar block codecs the table points at (kernels/gemv_ref.cpp): one block -> its
@@ -93,10 +93,10 @@ inline constexpr BlockTraits kBlockTypes[kNumBlockTypes] = {
     {BlockType::Q4_0, "q4_0", 32, 18, ActBlock::Q8a, true, 2, 0, ref::deq_q4_0, ref::dot_q4_0},
     {BlockType::Q4_1, "q4_1", 32, 20, ActBlock::Q8a, true, 4, 0, ref::deq_q4_1, ref::dot_q4_1},
     {BlockType::Q5_0, "q5_0", 32, 22, ActBlock::Q8a, true, 2, 0, ref::deq_q5_0, ref::dot_q5_0},
-    {BlockType::Q5_1, "q5_1", 32, 24, ActBlock::Q8a, true, 0, 0, ref::deq_q5_1, ref::dot_q5_1},
+    {BlockType::Q5_1, "q5_1", 32, 24, ActBlock::Q8a, true, 4, 0, ref::deq_q5_1, ref::dot_q5_1},
     {BlockType::Q8_0, "q8_0", 32, 34, ActBlock::Q8a, true, 2, 0, ref::deq_q8_0, ref::dot_q8_0},
     {BlockType::Q4_K, "q4_k", 256, 144, ActBlock::Q8K, false, 4, 0, ref::deq_q4_k, ref::dot_q4_k},
-    {BlockType::Q5_K, "q5_k", 256, 176, ActBlock::Q8K, false, 0, 0, ref::deq_q5_k, ref::dot_q5_k},
+    {BlockType::Q5_K, "q5_k", 256, 176, ActBlock::Q8K, false, 4, 0, ref::deq_q5_k, ref::dot_q5_k},
     {BlockType::Q6_K, "q6_k", 256, 210, ActBlock::Q8K, false, 2, 208, ref::deq_q6_k, ref::dot_q6_k},
     {BlockType::BF16, "bf16", 1, 2, ActBlock::None, false, 0, 0, ref::deq_bf16, nullptr},
     {BlockType::TQ1_0, "tq1_0", 256, 54, ActBlock::Q8K, false, 0, 0, ref::deq_tq1_0, ref::dot_tq1_0},

@@ -106,7 +106,7 @@ void gemm_blocks_t(const TileLayout& L, const uint8_t* w, int r0, int r1, const 
   else gemm_blocks_l<TYPE, 1>(L, w, r0, r1, x, y, ldy);
 }
 
-// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0 (cflow/planes.h): the prefill form of the planes GEMV ----
+// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (cflow/planes.h): the prefill form of the planes GEMV ----
 // For each interleave group of rows (a ragged one widened to 16 rows, planes_widen) and each
 // run of kPlanesNT tokens, the ISA's planes_tokens<TYPE, NT, TWO> walks the group's chunks
 // chunk(cb), cb = 0 .. bpr, and stores rows [0, g) of y for tokens [k0, k0 + NT): per chunk the
@@ -139,7 +139,7 @@ void gemm_planes_l(const TileLayout& L, const uint8_t* w, int r0, int r1, const 
   });
 }
 
-// The planes GEMM of Q4_0 / Q4_1 / Q5_0 / Q8_0, one or two levels.
+// The planes GEMM of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, one or two levels.
 template <BlockType TYPE>
 void gemm_planes_t(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
   if (x.levels == 2) gemm_planes_l<TYPE, true>(L, w, r0, r1, x, y, ldy);
@@ -182,7 +182,7 @@ inline void fill_gemm_table(KernelTable& t) {
   set(BlockType::Q4_0, gemm_blocks_t<BlockType::Q4_0>, gemm_planes_t<BlockType::Q4_0>);
   set(BlockType::Q4_1, gemm_blocks_t<BlockType::Q4_1>, gemm_planes_t<BlockType::Q4_1>);
   set(BlockType::Q5_0, gemm_blocks_t<BlockType::Q5_0>, gemm_planes_t<BlockType::Q5_0>);
-  t.gemm_q8[block_index(BlockType::Q5_1)][(int)Pack::Blocks] = gemm_blocks_t<BlockType::Q5_1>;
+  set(BlockType::Q5_1, gemm_blocks_t<BlockType::Q5_1>, gemm_planes_t<BlockType::Q5_1>);
   set(BlockType::Q8_0, gemm_blocks_t<BlockType::Q8_0>, gemm_planes_t<BlockType::Q8_0>);
   t.gemm_f32 = gemm_f32_rows;
 }

@@ -476,13 +476,13 @@ void gemv_tq2_batch(float* y, int ldy, const void* xv, int m, const uint8_t* w, 
   }
 }
 
-// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0, int8 activations (cflow/planes.h) ----
+// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, int8 activations (cflow/planes.h) ----
 // One interleave group of 16 rows is one zmm of int32 lanes, lane i = row i. Per column block:
 // the 16 scales are one fp16 load; each 64-byte plane holds slice k (4 quant bytes) of every
 // row, and one vpdpbusd against the 4 activation bytes of slice k, broadcast, adds every row's
 // partial dot product. No shuffles. The weights are unsigned (planes_unpack.h), their offsets
 // enter the int32 accumulator exactly, as its start value -kZero * sum(x): Q4_0 -8 * sum(x),
-// Q5_0 -16 * sum(x), Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x); Q4_1 adds
+// Q5_0 -16 * sum(x), Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x); Q4_1 and Q5_1 add
 // m * d_x * sum(x) in float.
 // A group of fewer rows is widened to 16 (planes_widen).
 // TWO (AType::Q8x2): a second int8 activation (the residual level, a2) is dotted with the same
@@ -530,7 +530,7 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
   });
 }
 
-// ---- planes-packed Q4_K / Q6_K, q8_K activations (kplanes.h) ----
+// ---- planes-packed Q4_K / Q5_K / Q6_K, q8_K activations (kplanes.h) ----
 // Per super-block of a 16-row group: M from the mins (Q4_K), then per group of 16 slices each
 // sub-block's D_s, started at -kZero * (its sum of x), by one vpdpbusd per slice against the 4
 // activation bytes broadcast, times the sub-block's 16 row scales (vpmulld), into I; then
@@ -742,7 +742,7 @@ void gemv_batch_vnni(float* y, int ldy, const void* xv, int m, const uint8_t* w,
   for (int t0 = 0; t0 < m; t0 += kVnniGroup) {
     const uint8_t* x = (const uint8_t*)xv + t0 * ab;
     with_count<kVnniGroup>(std::min(kVnniGroup, m - t0), [&](auto NT) {
-      if constexpr (WT == BlockType::Q4_K || WT == BlockType::Q6_K)
+      if constexpr (kKQuant<WT>)
         kplanes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, w, L, row_begin, row_end);
       else
         planes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, w, L, row_begin, row_end);
