@@ -38,7 +38,7 @@ class Entry:  # the fields of a .cflow tensor index entry the engine reads
 
 
 def _random_k_blocks(a: np.ndarray, bt) -> np.ndarray:
-    """Random Q4_K / Q6_K rows shaped as a's encoding, with weights about a's size (the tests that
+    """Random Q4_K / Q5_K / Q6_K rows shaped as a's encoding, with weights about a's size (the tests that
     use them compare the engine with itself, so the weights need only be sane)."""
     rng = np.random.default_rng(a.size)
     rows, nb = a.shape[0], a.shape[1] // bt.block_elems
@@ -46,6 +46,8 @@ def _random_k_blocks(a: np.ndarray, bt) -> np.ndarray:
     s = float(np.abs(a).mean()) or 1.0
     if bt.name == "q4_k":  # |w| <= d * 63 * 15 + dmin * 63
         b[:, 0:4] = np.array([s / 400, s / 40], "<f2").view(np.uint8)
+    elif bt.name == "q5_k":  # |w| <= d * 63 * 31 + dmin * 63
+        b[:, 0:4] = np.array([s / 800, s / 40], "<f2").view(np.uint8)
     else:  # |w| <= d * 128 * 32
         b[:, 208:210] = np.array([s / 2000], "<f2").view(np.uint8)
     return b.reshape(rows, -1)
@@ -59,7 +61,7 @@ def _encode(a: np.ndarray, bt) -> tuple[np.ndarray, np.ndarray]:
         a = a.astype(np.float32)
         return a.view(np.uint8).reshape(a.shape[0], -1), a
     qt = GGMLQuantizationType[bt.name.upper()]
-    if bt.name in ("q4_k", "q6_k"):  # gguf-py has no K-quant quantizer: random blocks of a's size
+    if bt.name in ("q4_k", "q5_k", "q6_k"):  # gguf-py has no K-quant quantizer: random blocks of a's size
         enc = _random_k_blocks(a, bt)
         return enc, quants.dequantize(enc, qt).reshape(a.shape).astype(np.float32)
     enc = quants.quantize(a.astype(np.float32), qt)

@@ -46,12 +46,12 @@ def _expected_types(t: str, name: str, layer: int | None) -> str:
         return "F32"
     if name == "output.weight":
         return "Q6_K"
-    if t == "q4_0":
-        return "Q4_0"
-    if t == "q4_k_m" and (name.endswith("attn_v.weight") or name.endswith("ffn_down_exps.weight")) \
+    if t in ("q4_0", "q5_1"):
+        return t.upper()
+    if t in ("q4_k_m", "q5_k_m") and (name.endswith("attn_v.weight") or name.endswith("ffn_down_exps.weight")) \
             and moe_model.use_more_bits(layer, SMALL["n_layer"]):
         return "Q6_K"
-    return "Q4_K"
+    return "Q5_K" if t == "q5_k_m" else "Q4_K"
 
 
 @pytest.mark.parametrize("t", moe_model.TYPES)
@@ -79,8 +79,9 @@ def test_tensors_read_back_with_llama_cpp_names_shapes_and_types(small, t):
         assert [int(v) for v in x.shape] == shape, name
         assert x.tensor_type.name == _expected_types(t, name, layer), name
         assert x.n_bytes == moe_model.TensorSpec(name, tuple(reversed(shape)), x.tensor_type.name, "").nbytes()
-    if t == "q4_0":  # the file type follows the matrices
-        assert _value(r, gguf.Keys.General.FILE_TYPE) == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    ftype = {"q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S", "q4_k_m": "MOSTLY_Q4_K_M", "q5_1": "MOSTLY_Q5_1",
+             "q5_k_m": "MOSTLY_Q5_K_M"}[t]  # the file type follows the matrices
+    assert _value(r, gguf.Keys.General.FILE_TYPE) == int(gguf.LlamaFileType[ftype])
 
 
 def test_metadata_is_qwen3_30b_a3b_s_by_gguf_keys(small):
@@ -150,6 +151,41 @@ def test_rows_must_be_whole_blocks(tmp_path):
     with pytest.raises(CflowError, match="ffn_down_exps.*Q4_K"):
         moe_model.write(tmp_path / "x.gguf", g, "q4_k", progress=False)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("t", ["q5_1", "q5_k_m"])
+def test_cflow_converts_and_runs_it(small, t, tmp_path):
+    """The Q5_1 and Q5_K (with Q6_K) files end to end: `cflow convert` keeps their blocks (in the
+    planes pack), and the native engine on the .cflow gives the reference engine's logits on the
+    GGUF itself (gguf-py's dequantization); the default two-level int8 path stays close."""
+    from cflow.cli import main
+    from cflow.engine import Engine
+    from cflow.engine_ref import RefEngine
+    from cflow.format import CflowFile
+
+    out = tmp_path / "m.cflow"
+    assert main(["convert", str(small[t]), "-o", str(out), "--quiet"]) == 0
+    base = {"q5_1": "q5_1", "q5_k_m": "q5_k"}[t]
+    with CflowFile(out, verify=True) as f:
+        types = {x.type.name for x in f.tensors.values()}
+        assert base in types and all(x.pack == "planes" for x in f.tensors.values() if x.type.name == base)
+        if t == "q5_k_m":
+            assert "q6_k" in types
+        r = {x.name: np.asarray(x.data) for x in gguf.GGUFReader(small[t]).tensors}
+        assert np.array_equal(f.row_blocks("blk.1.exp.3.ffn_down"), r["blk.1.ffn_down_exps.weight"][3])
+    seq = [300, 301, 302, 303, 17, 99, 500, 42, 7, 256]
+
+    def rel(a, b):
+        return float(np.abs(a - b).max() / np.abs(b).max())
+
+    ref = RefEngine(str(small[t]))
+    want = ref.forward(ref.new_state(), seq, all_logits=True)
+    exact = Engine(str(out), threads=2, fast=False)
+    assert rel(exact.forward(exact.new_state(), seq, all_logits=True), want) <= 1e-4
+    fast = Engine(str(out), threads=2)
+    st = fast.new_state()
+    got = np.concatenate([fast.forward(st, seq[:6], all_logits=True)] + [fast.forward(st, [x])[None] for x in seq[6:]])
+    assert np.isfinite(got).all() and rel(got, want) < 1e-3, rel(got, want)  # two int8 levels: about 2e-5
 
 
 @pytest.mark.parametrize("t", moe_model.TYPES)

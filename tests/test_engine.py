@@ -38,7 +38,8 @@ def test_fp32_parity_with_hf(arch):
 
 
 @pytest.mark.parametrize("wtype,interleave,pack", [("q4_1", 1, "blocks"), ("q4_0", 4, "blocks"), ("q8_0", 2, "blocks"),
-                                                   ("q5_0", 8, "blocks"), ("q4_1", 4, "planes"), ("q4_0", 8, "planes")])
+                                                   ("q5_0", 8, "blocks"), ("q5_1", 4, "blocks"), ("q4_1", 4, "planes"),
+                                                   ("q4_0", 8, "planes"), ("q5_1", 8, "planes")])
 def test_quantized_paths(wtype, interleave, pack):
     # ragged tiles: 96 columns with tc 64, 40-row stripes of 4-row groups (d=96, ffn=160); planes:
     # the matrices and the q8_0 embedding in the planes pack (prefill GEMMs unpack it, decode
@@ -56,6 +57,25 @@ def test_quantized_paths(wtype, interleave, pack):
     got = np.concatenate([fast.forward(st, IDS[:25], all_logits=True)] + [fast.forward(st, [t])[None] for t in IDS[25:]])
     errs = [rel_err(got[i], ref[i]) for i in range(len(IDS))]
     assert max(errs) < 0.05, errs
+    assert np.mean(got.argmax(1) == ref.argmax(1)) >= 0.9
+
+
+@pytest.mark.parametrize("wtype,pack", [("q5_k", "planes"), ("q5_k", "blocks"), ("q4_k", "planes")])
+def test_k_quant_paths(wtype, pack):
+    # the K-quants' super-blocks of 256: every matrix 256 columns wide (the down projection's
+    # hidden layer too); prompt rows take the batched decode kernel (planes) or the fp32 GEMM
+    # (blocks), decode rows the GEMV
+    model = tiny_hf("llama", d=256, n_head=4, n_kv=2, hd=64, ffn=256)
+    f = to_cflow(model, wtype=wtype, embtype="q8_0", tile=(128, 256), interleave=16 if pack == "planes" else 1,
+                 stripe_rows=64, pack=pack)
+    assert f.tensors["blk.0.ffn_down"].type.name == wtype and f.tensors["blk.0.attn_qkv"].pack == pack
+    ref = hf_logits(model, IDS)
+    for fast, bound in ((False, 1e-4), (True, 0.05)):
+        eng = Engine(f, threads=2, fast=fast)
+        st = eng.new_state()
+        got = np.concatenate([eng.forward(st, IDS[:25], all_logits=True)] + [eng.forward(st, [t])[None] for t in IDS[25:]])
+        errs = [rel_err(got[i], ref[i]) for i in range(len(IDS))]
+        assert max(errs) < bound, (fast, errs)
     assert np.mean(got.argmax(1) == ref.argmax(1)) >= 0.9
 
 

@@ -24,14 +24,14 @@ TYPES = sorted(BLOCK_TYPES)
 
 def encoded_rows(name: str, rows: int, cols: int, rng) -> np.ndarray:
     """GGUF-encoded rows of block type `name`: quantized by gguf-py where it can, else random
-    blocks with finite f16 scales (q4_k, q6_k: gguf-py has no quantizer for them)."""
+    blocks with finite f16 scales (q4_k, q5_k, q6_k: gguf-py has no quantizer for them)."""
     bt = block_type(name)
     if quant.can_encode(bt) and name not in quant.TERNARY:
         return quant.encode(rng.standard_normal((rows, cols)).astype(np.float32), bt)
     # random codes (tq2_0: code 3 too, which no quantizer writes) and finite scales
     blocks = rng.integers(0, 256, size=(rows * cols // bt.block_elems, bt.block_bytes), dtype=np.uint8)
     scales = (rng.standard_normal((blocks.shape[0], 2)) * 0.01).astype("<f2").view(np.uint8)
-    if name == "q4_k":  # d, dmin: bytes 0..3
+    if name in ("q4_k", "q5_k"):  # d, dmin: bytes 0..3
         blocks[:, 0:4] = scales
     else:  # q6_k, tq1_0, tq2_0: d in the last two bytes
         blocks[:, -2:] = scales[:, :2]
@@ -292,27 +292,33 @@ def documented_dequantize(name: str, b: bytes) -> list[float]:
     """One block, decoded by the formulas of docs/FORMAT.md ("Block types"), element by element."""
     if name == "bf16":
         return [float(np.frombuffer(bytes(2) + bytes(b), "<f4")[0])]
-    if name in ("q4_0", "q4_1", "q5_0"):
+    if name in ("q4_0", "q4_1", "q5_0", "q5_1"):
         d = _f16(b, 0)
-        qs = b[{"q4_0": 2, "q4_1": 4, "q5_0": 6}[name]:]
+        qs = b[{"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}[name]:]
         q = [qs[j] & 0xF for j in range(16)] + [qs[j] >> 4 for j in range(16)]
         if name == "q4_1":
             return [d * q[j] + _f16(b, 2) for j in range(32)]
         if name == "q5_0":
             qh = int.from_bytes(bytes(b[2:6]), "little")
             return [d * ((q[j] | ((qh >> j) & 1) << 4) - 16) for j in range(32)]
+        if name == "q5_1":
+            qh = int.from_bytes(bytes(b[4:8]), "little")
+            return [d * (q[j] | ((qh >> j) & 1) << 4) + _f16(b, 2) for j in range(32)]
         return [d * (q[j] - 8) for j in range(32)]
     if name == "q8_0":
         return [_f16(b, 0) * (v - 256 if v > 127 else v) for v in b[2:34]]
-    if name == "q4_k":
-        d, dmin, s, qs = _f16(b, 0), _f16(b, 2), b[4:16], b[16:144]
+    if name in ("q4_k", "q5_k"):
+        d, dmin, s = _f16(b, 0), _f16(b, 2), b[4:16]
+        qh, qs = (b[16:48], b[48:176]) if name == "q5_k" else ([0] * 32, b[16:144])
         sc = [s[j] & 63 if j < 4 else (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4) for j in range(8)]
         mn = [s[j + 4] & 63 if j < 4 else (s[j + 4] >> 4) | ((s[j] >> 6) << 4) for j in range(8)]
         y = [0.0] * 256
         for i in range(4):
             for l in range(32):
-                y[64 * i + l] = d * sc[2 * i] * (qs[32 * i + l] & 0xF) - dmin * mn[2 * i]
-                y[64 * i + 32 + l] = d * sc[2 * i + 1] * (qs[32 * i + l] >> 4) - dmin * mn[2 * i + 1]
+                lo = (qs[32 * i + l] & 0xF) | ((qh[l] >> (2 * i)) & 1) << 4
+                hi = (qs[32 * i + l] >> 4) | ((qh[l] >> (2 * i + 1)) & 1) << 4
+                y[64 * i + l] = d * sc[2 * i] * lo - dmin * mn[2 * i]
+                y[64 * i + 32 + l] = d * sc[2 * i + 1] * hi - dmin * mn[2 * i + 1]
         return y
     if name == "q6_k":
         ql, qh, d = b[0:128], b[128:192], _f16(b, 208)
@@ -341,7 +347,8 @@ def documented_dequantize(name: str, b: bytes) -> list[float]:
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("name", ["bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "tq1_0", "tq2_0"])
+@pytest.mark.parametrize("name", ["bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "tq1_0",
+                                  "tq2_0"])
 def test_documented_block_layouts_match_gguf(name):
     bt = block_type(name)
     rows = encoded_rows(name, 1, 512, np.random.default_rng(4))

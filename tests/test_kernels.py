@@ -23,7 +23,8 @@ from cflow.errors import CflowError
 from cflow.format.tiles import PLANES_HEADER, block_type, fuse_rows, pack_tiles, unpack_tiles
 
 GGML = {"f32": GT.F32, "f16": GT.F16, "bf16": GT.BF16, "q4_0": GT.Q4_0, "q4_1": GT.Q4_1,
-        "q5_0": GT.Q5_0, "q8_0": GT.Q8_0, "q4_k": GT.Q4_K, "q6_k": GT.Q6_K, "tq1_0": GT.TQ1_0, "tq2_0": GT.TQ2_0}
+        "q5_0": GT.Q5_0, "q5_1": GT.Q5_1, "q8_0": GT.Q8_0, "q4_k": GT.Q4_K, "q5_k": GT.Q5_K, "q6_k": GT.Q6_K,
+        "tq1_0": GT.TQ1_0, "tq2_0": GT.TQ2_0}
 TYPES = list(GGML)
 QUANT = [t for t in TYPES if block_type(t).block_elems > 1]
 ISAS = [i for i in ("scalar", "avx2", "avx512") if K.core.isa_supported(i)]
@@ -34,13 +35,13 @@ def random_rows(name, rows, cols, rng):
     quantize them; ternary types: every code, TQ2_0's 3 included; so their bytes are random too,
     and decoded by gguf-py below)."""
     bt = block_type(name)
-    if name in ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q8_0"):
+    if name in ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         enc = quants.quantize(w, GGML[name])
         return np.ascontiguousarray(enc.view(np.uint8).reshape(rows, -1))
     b = rng.integers(0, 256, size=(rows * cols // bt.block_elems, bt.block_bytes), dtype=np.uint8)
     scales = lambda n, s: (rng.uniform(-s, s, n).astype(np.float16)).view(np.uint8).reshape(n, 2)
-    if name == "q4_k":
+    if name in ("q4_k", "q5_k"):
         b[:, 0:2], b[:, 2:4] = scales(len(b), 1e-2), scales(len(b), 1e-2)
     else:  # q6_k, tq1_0, tq2_0: d in the last two bytes
         b[:, -2:] = scales(len(b), 1e-2)
@@ -76,6 +77,29 @@ def test_scalar_reference_matches_gguf_dequantize(name):
     yref = W @ x.astype(np.float64)
     scale = np.abs(W) @ np.abs(x.astype(np.float64))
     assert np.all(np.abs(y - yref) <= 1e-5 * scale)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_scalar_kernel_dequantizes_bit_identically_to_gguf(name):
+    """The scalar fp32 GEMV times a one-hot x is column j of the matrix as the core decodes it:
+    equal, bit for bit, to gguf-py's dequantization at every position of a block (and of a second
+    block), in whole blocks and in the layout `cflow convert` writes (the planes pack at
+    interleave 16, for the types that have it), ragged groups included."""
+    from cflow.convert.write import tensor_layout
+
+    bt = block_type(name)
+    rows, cols = 37, 2 * max(bt.block_elems, 256)
+    rm = random_rows(name, rows, cols, np.random.default_rng(13))
+    want = quants.dequantize(rm, GGML[name]).reshape(rows, cols).astype(np.float32)
+    lay = tensor_layout(name, 2)
+    layouts = {(1, "blocks"), (lay["interleave"], lay["pack"])}
+    for g, pack in sorted(layouts):
+        tiles = pack_tiles(rm, bt, cols, (32, 256), g, pack)
+        for j in list(range(bt.block_elems)) + [bt.block_elems + 5, cols - 1]:
+            x = np.zeros(cols, np.float32)
+            x[j] = 1.0
+            y = K.gemv(name, tiles, x, rows, cols, (32, 256), g, act="f32", isa="scalar", pack=pack)
+            assert np.array_equal(y, want[:, j]), (g, pack, j)
 
 
 @pytest.mark.parametrize("g", [1, 8])

@@ -64,7 +64,7 @@ def test_requantize_to_q8_0(tmp_path, smol_cflow):
 def test_convert_writes_every_planes_type_in_planes():
     from cflow.convert.write import tensor_layout
 
-    for name in ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k"):
+    for name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"):
         assert tensor_layout(name, 2) == {"interleave": 16, "pack": "planes"}, name
         assert tensor_layout(name, 2, "blocks") == tensor_layout(name, 1) == {"interleave": 1, "pack": "blocks"}
     for name in ("f16", "bf16", "f32"):

@@ -41,6 +41,19 @@ def test_q5_0_planes_chunk_by_hand():
     assert np.array_equal(unpack_tiles(p, bt, 3, 32, (3, 32), 3, "planes"), rows)
 
 
+def test_q5_1_planes_chunk_by_hand():
+    """Q5_1 in the planes pack: Q5_0's chunk with a second header word, m: the g d words, the g m
+    words, then slice 0 of every row (its qh), then slices 1..4 (the nibbles)."""
+    bt = block_type("q5_1")
+    rows = np.stack([np.arange(24, dtype=np.uint8) + 100 * i for i in range(3)])  # 3 rows, 1 block each
+    p = pack_tiles(rows, bt, 32, (3, 32), 3, "planes")
+    want = [b for w in range(2) for i in range(3) for b in (100 * i + 2 * w, 100 * i + 2 * w + 1)]
+    for k in range(5):
+        want += [b for i in range(3) for b in range(100 * i + 4 + 4 * k, 100 * i + 8 + 4 * k)]
+    assert p.tolist() == want
+    assert np.array_equal(unpack_tiles(p, bt, 3, 32, (3, 32), 3, "planes"), rows)
+
+
 def test_tile_order_is_stripe_major_then_group_block_column_major():
     bt = block_type("f32")
     rows, cols = 3, 5
@@ -61,16 +74,17 @@ def test_bad_shapes_are_format_errors():
 
 
 def _planes_chunk_weights(name: str, c: np.ndarray, g: int) -> np.ndarray:
-    """The (g, 256) weights of one q4_k / q6_k planes chunk c (g blocks), read as docs/FORMAT.md
-    5.1 describes the chunk (not by undoing the permutation): plane p is slice p of every row,
-    dword i of it row i's (as uint32 (g,) after the header)."""
-    h = 4 if name == "q4_k" else 2
+    """The (g, 256) weights of one q4_k / q5_k / q6_k planes chunk c (g blocks), read as
+    docs/FORMAT.md 5.1 describes the chunk (not by undoing the permutation): plane p is slice p of
+    every row, dword i of it row i's (as uint32 (g,) after the header)."""
+    h = 2 if name == "q6_k" else 4
     f16 = c[:h * g].view("<f2").astype(np.float32)
     planes = c[h * g:].view("<u4").reshape(-1, g)  # (slices, g)
     byte = lambda p, j: ((planes[p] >> (8 * j)) & 255).astype(np.int64)  # byte j of plane p, per row
     w = np.empty((g, 256), np.float32)
-    if name == "q4_k":
+    if name in ("q4_k", "q5_k"):
         d, dmin = f16[:g], f16[g:]
+        qs0 = 11 if name == "q5_k" else 3  # q5_k: its 8 qh planes (3..10) come before qs
         a, b, s = planes[0].astype(np.int64), planes[1].astype(np.int64), planes[2].astype(np.int64)
         for j in range(8):  # sub-block j's scale and min from planes 0..2
             if j < 4:
@@ -79,8 +93,10 @@ def _planes_chunk_weights(name: str, c: np.ndarray, g: int) -> np.ndarray:
                 k = 8 * (j - 4)
                 sc = ((s >> k) & 15) | (((a >> (k + 6)) & 3) << 4)
                 m = ((s >> (k + 4)) & 15) | (((b >> (k + 6)) & 3) << 4)
-            for l in range(32):  # qs plane 3 + 8 * (j // 2) + l // 4, low nibble for even j
-                q = (byte(3 + 8 * (j // 2) + l // 4, l % 4) >> (4 * (j % 2))) & 15
+            for l in range(32):  # qs plane qs0 + 8 * (j // 2) + l // 4, low nibble for even j
+                q = (byte(qs0 + 8 * (j // 2) + l // 4, l % 4) >> (4 * (j % 2))) & 15
+                if name == "q5_k":  # bit j of byte l % 4 of qh plane 3 + l // 4
+                    q |= ((byte(3 + l // 4, l % 4) >> j) & 1) << 4
                 w[:, 32 * j + l] = (d * sc.astype(np.float32)) * q.astype(np.float32) - dmin * m.astype(np.float32)
         return w
     d = f16[:g]
@@ -94,7 +110,7 @@ def _planes_chunk_weights(name: str, c: np.ndarray, g: int) -> np.ndarray:
     return w
 
 
-@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("g", [16, 5])
 def test_k_quant_planes_chunk_dequantizes_as_gguf(name, g):
     """A K-quant planes chunk read by its documented layout gives gguf-py's weights, bit for bit."""
@@ -105,7 +121,7 @@ def test_k_quant_planes_chunk_dequantizes_as_gguf(name, g):
     rng = np.random.default_rng(g)
     rows = rng.integers(0, 256, size=(g, bt.block_bytes), dtype=np.uint8)  # one block per row
     scales = (rng.standard_normal((g, 2)) * 0.01).astype("<f2").view(np.uint8)
-    if name == "q4_k":
+    if name in ("q4_k", "q5_k"):
         rows[:, 0:4] = scales
     else:
         rows[:, 208:210] = scales[:, :2]

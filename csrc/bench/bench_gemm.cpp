@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
   }
   BlockType bt;
   if (!block_from_name(type.c_str(), &bt) || !(batched ? planes_header(bt) > 0 : has_int8_path(bt, true))) {
-    std::fprintf(stderr, batched ? "--type: a type with a planes pack\n" : "--type: one of q4_0, q4_1, q5_0, q8_0\n");
+    std::fprintf(stderr, batched ? "--type: a type with a planes pack\n" : "--type: one of q4_0, q4_1, q5_0, q5_1, q8_0\n");
     return 2;
   }
   const char* err = nullptr;
@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
   // fp16 0.01 in every word that can be a scale (whole blocks: the header; planes: the chunk's
   // 16 (or 32) header words lead each chunk), so no value is a NaN or a denormal
   const uint16_t h = 0x211f;
-  const size_t hdr = L.planes() ? (size_t)kPlanesMaxG * planes_header(bt) : (bt == BlockType::Q4_1 ? 4 : 2);
+  const size_t hdr = L.planes() ? (size_t)kPlanesMaxG * planes_header(bt) : (size_t)(planes_header(bt) ? planes_header(bt) : 2);
   const size_t unit = L.planes() ? (size_t)kPlanesMaxG * L.bb : (size_t)L.bb;
   for (size_t o = 0; o + unit <= w.size(); o += unit)
     for (size_t j = 0; j < hdr; j += 2) std::memcpy(&w[o + j], &h, 2);

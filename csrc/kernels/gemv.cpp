@@ -53,7 +53,7 @@ bool make_layout(TileLayout& L, const char** err) {
   else if (L.tr <= 0 || L.tc <= 0 || L.tc % t->elems) *err = "tile columns must be a positive multiple of the block size";
   else if (L.g <= 0 || L.tr % L.g) *err = "interleave must divide the tile rows";
   else if (L.pack != (int)Pack::Blocks && L.pack != (int)Pack::Planes) *err = "unknown pack";
-  else if (L.planes() && !t->planes_header) *err = "the planes pack exists only for q4_0, q4_1, q5_0, q8_0, q4_k and q6_k";
+  else if (L.planes() && !t->planes_header) *err = "the planes pack exists only for q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k and q6_k";
   else if (L.planes() && L.g > kPlanesMaxG) *err = "the planes pack needs an interleave of at most 16";
   if (*err) return false;
   L.qk = t->elems;

@@ -24,11 +24,27 @@ inline int q5_0_value(const block_q5_0* b, int j) {  // 0..31, j in 0..31
   return lo | (int)(((qh >> j) & 1) << 4);
 }
 
+// Q5_1: the same fifth bit above the same nibbles.
+inline int q5_1_value(const block_q5_1* b, int j) {  // 0..31, j in 0..31
+  uint32_t qh;
+  std::memcpy(&qh, b->qh, 4);
+  const int lo = j < 16 ? (b->qs[j] & 0xF) : (b->qs[j - 16] >> 4);
+  return lo | (int)(((qh >> j) & 1) << 4);
+}
+
 // Q4_K: q[j] (0..15) and the sub-block index of weight j (0..255).
 inline int q4_k_value(const block_q4_K* b, int j) {
   const int chunk = j / 64, l = j % 64;
   const uint8_t byte = b->qs[chunk * 32 + (l % 32)];
   return l < 32 ? (byte & 0xF) : (byte >> 4);
+}
+
+// Q5_K: q[j] (0..31) of weight j (0..255): Q4_K's nibble, and bit j / 32 of qh[j % 32] as bit 4.
+inline int q5_k_value(const block_q5_K* b, int j) {
+  const int chunk = j / 64, l = j % 64;
+  const uint8_t byte = b->qs[chunk * 32 + (l % 32)];
+  const int lo = l < 32 ? (byte & 0xF) : (byte >> 4);
+  return lo | (((b->qh[l % 32] >> (j / 32)) & 1) << 4);
 }
 
 // Q6_K: q[j] - 32 (-32..31) of weight j (0..255); its scale is scales[j / 16].
@@ -94,6 +110,12 @@ void deq_q5_0(const uint8_t* p, float* out) {
   for (int j = 0; j < 32; ++j) out[j] = d * (float)(q5_0_value(b, j) - 16);
 }
 
+void deq_q5_1(const uint8_t* p, float* out) {
+  const block_q5_1* b = (const block_q5_1*)p;
+  const float d = fp16_to_f32(b->d), m = fp16_to_f32(b->m);
+  for (int j = 0; j < 32; ++j) out[j] = d * (float)q5_1_value(b, j) + m;
+}
+
 void deq_q8_0(const uint8_t* p, float* out) {
   const block_q8_0* b = (const block_q8_0*)p;
   const float d = fp16_to_f32(b->d);
@@ -108,6 +130,17 @@ void deq_q4_k(const uint8_t* p, float* out) {
     get_scale_min_k4(s, b->scales, &sc, &m);
     const float d1 = d * sc, m1 = dmin * m;
     for (int l = 0; l < 32; ++l) out[s * 32 + l] = d1 * (float)q4_k_value(b, s * 32 + l) - m1;
+  }
+}
+
+void deq_q5_k(const uint8_t* p, float* out) {
+  const block_q5_K* b = (const block_q5_K*)p;
+  const float d = fp16_to_f32(b->d), dmin = fp16_to_f32(b->dmin);
+  for (int s = 0; s < 8; ++s) {
+    uint8_t sc, m;
+    get_scale_min_k4(s, b->scales, &sc, &m);
+    const float d1 = d * sc, m1 = dmin * m;
+    for (int l = 0; l < 32; ++l) out[s * 32 + l] = d1 * (float)q5_k_value(b, s * 32 + l) - m1;
   }
 }
 
@@ -156,6 +189,14 @@ float dot_q5_0(const uint8_t* p, const void* av) {
   return fp16_to_f32(b->d) * a.d * (float)s;
 }
 
+float dot_q5_1(const uint8_t* p, const void* av) {
+  const block_q8a& a = *(const block_q8a*)av;
+  const block_q5_1* b = (const block_q5_1*)p;
+  int s = 0;
+  for (int j = 0; j < 32; ++j) s += q5_1_value(b, j) * a.qs[j];
+  return fp16_to_f32(b->d) * a.d * (float)s + fp16_to_f32(b->m) * a.s;
+}
+
 float dot_q8_0(const uint8_t* p, const void* av) {
   const block_q8a& a = *(const block_q8a*)av;
   const block_q8_0* b = (const block_q8_0*)p;
@@ -173,6 +214,21 @@ float dot_q4_k(const uint8_t* p, const void* av) {
     get_scale_min_k4(s, b->scales, &sc, &m);
     int si = 0;
     for (int l = 0; l < 32; ++l) si += q4_k_value(b, s * 32 + l) * a.qs[s * 32 + l];
+    sum_q += sc * si;
+    sum_m += m * (a.bsums[2 * s] + a.bsums[2 * s + 1]);
+  }
+  return a.d * (fp16_to_f32(b->d) * (float)sum_q - fp16_to_f32(b->dmin) * (float)sum_m);
+}
+
+float dot_q5_k(const uint8_t* p, const void* av) {
+  const block_q8_K& a = *(const block_q8_K*)av;
+  const block_q5_K* b = (const block_q5_K*)p;
+  int sum_q = 0, sum_m = 0;
+  for (int s = 0; s < 8; ++s) {
+    uint8_t sc, m;
+    get_scale_min_k4(s, b->scales, &sc, &m);
+    int si = 0;
+    for (int l = 0; l < 32; ++l) si += q5_k_value(b, s * 32 + l) * a.qs[s * 32 + l];
     sum_q += sc * si;
     sum_m += m * (a.bsums[2 * s] + a.bsums[2 * s + 1]);
   }
@@ -270,8 +326,10 @@ void fill_ref(KernelTable& t) {
   set_ref<BlockType::Q4_0>(t);
   set_ref<BlockType::Q4_1>(t);
   set_ref<BlockType::Q5_0>(t);
+  set_ref<BlockType::Q5_1>(t);
   set_ref<BlockType::Q8_0>(t);
   set_ref<BlockType::Q4_K>(t);
+  set_ref<BlockType::Q5_K>(t);
   set_ref<BlockType::Q6_K>(t);
   set_ref<BlockType::TQ1_0>(t);
   set_ref<BlockType::TQ2_0>(t);

@@ -26,7 +26,8 @@ static std::vector<uint8_t> random_matrix(const TileLayout& L, std::mt19937& rng
   const uint16_t scales[] = {0x211f, 0x2666, 0x28cd, 0x2a66};  // ~0.01 .. 0.05
   for (size_t o = 0; o < w.size(); o += L.bb) {
     std::memcpy(&w[o], &scales[rng() % 4], 2);
-    if (L.bt() == BlockType::Q4_1 || L.bt() == BlockType::Q4_K) std::memcpy(&w[o + 2], &scales[rng() % 4], 2);
+    if (L.bt() == BlockType::Q4_1 || L.bt() == BlockType::Q5_1 || L.bt() == BlockType::Q4_K || L.bt() == BlockType::Q5_K)
+      std::memcpy(&w[o + 2], &scales[rng() % 4], 2);
   }
   return w;
 }
@@ -88,11 +89,13 @@ TEST(gemm_matches_reference) {
   const Case cases[] = {
       {B::Q4_1, 200, 96, 40, 64, 4}, {B::Q4_0, 77, 160, 32, 96, 8}, {B::Q8_0, 130, 64, 128, 256, 1},
       {B::Q5_0, 64, 288, 64, 128, 2}, {B::F32, 33, 40, 16, 24, 4}, {B::Q4_1, 576, 576, 128, 256, 4},
-      {B::Q4_K, 40, 512, 16, 256, 4},
+      {B::Q4_K, 40, 512, 16, 256, 4}, {B::Q5_1, 77, 160, 32, 96, 8}, {B::Q5_K, 40, 512, 16, 256, 4},
       // planes: full 16-row groups, ragged groups at stripe ends, interleave below 16
       {B::Q4_0, 77, 160, 32, 96, 16, true}, {B::Q4_1, 200, 96, 48, 64, 16, true},
       {B::Q8_0, 130, 64, 128, 256, 16, true}, {B::Q4_1, 100, 288, 64, 128, 8, true},
       {B::Q5_0, 77, 160, 32, 96, 16, true}, {B::Q5_0, 100, 288, 64, 128, 8, true},
+      {B::Q5_1, 77, 160, 32, 96, 16, true}, {B::Q5_1, 100, 288, 64, 128, 8, true},
+      {B::Q5_K, 40, 512, 16, 256, 16, true},
   };
   for (const Case& c : cases) {
     TileLayout L;

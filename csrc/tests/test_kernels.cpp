@@ -54,8 +54,9 @@ std::vector<uint8_t> random_rows(BlockType wt, int rows, int cols) {
       case BlockType::F16: put16(p, f32_to_fp16(u(rng()))); break;
       case BlockType::BF16: put16(p, f32_to_bf16(u(rng()))); break;
       case BlockType::Q4_0: case BlockType::Q5_0: case BlockType::Q8_0: put16(p, f32_to_fp16(0.01f * u(rng()))); break;
-      case BlockType::Q4_1: put16(p, f32_to_fp16(0.01f * u(rng()))); put16(p + 2, f32_to_fp16(0.05f * u(rng()))); break;
-      case BlockType::Q4_K: put16(p, f32_to_fp16(0.001f * u(rng()))); put16(p + 2, f32_to_fp16(0.001f * u(rng()))); break;
+      case BlockType::Q4_1: case BlockType::Q5_1:
+        put16(p, f32_to_fp16(0.01f * u(rng()))); put16(p + 2, f32_to_fp16(0.05f * u(rng()))); break;
+      case BlockType::Q4_K: case BlockType::Q5_K: put16(p, f32_to_fp16(0.001f * u(rng()))); put16(p + 2, f32_to_fp16(0.001f * u(rng()))); break;
       case BlockType::Q6_K: case BlockType::TQ1_0: case BlockType::TQ2_0:  // d: the last two bytes
         put16(p + bb - 2, f32_to_fp16(0.001f * u(rng())));
         break;
@@ -111,8 +112,8 @@ void naive(BlockType wt, const std::vector<uint8_t>& rm, int rows, int cols, con
 }
 
 const BlockType kAll[] = {BlockType::F32, BlockType::F16, BlockType::BF16, BlockType::Q4_0, BlockType::Q4_1,
-                      BlockType::Q5_0, BlockType::Q8_0, BlockType::Q4_K, BlockType::Q6_K, BlockType::TQ1_0,
-                      BlockType::TQ2_0};
+                      BlockType::Q5_0, BlockType::Q5_1, BlockType::Q8_0, BlockType::Q4_K, BlockType::Q5_K,
+                      BlockType::Q6_K, BlockType::TQ1_0, BlockType::TQ2_0};
 
 }  // namespace
 
@@ -199,6 +200,52 @@ TEST(simd_paths_match_scalar_on_ragged_shapes) {
         for (int g : {1, 4, 12, 16}) {  // the planes pack: full and ragged groups of up to 16 rows
           const int rows = ri(rng());
           CHECK(compare_isa(wt, at, isa, rows, qk * (1 + ri(rng()) % 20), Tiling{96, 256, g, Pack::Planes}));
+        }
+      }
+    }
+  }
+}
+
+// The largest weights against the largest activations: the int16 partial sums of the int8 GEMVs
+// (AVX2's maddubs runs, the K-quants' scaled pair sums) must not saturate or wrap. Every quant byte
+// at its extreme (nibbles, fifth bits and scales all ones; Q8_0 -128), x all equal (every
+// activation byte 127); each ISA's int8 GEMV, both packs, against the scalar one.
+TEST(int8_gemv_holds_extreme_weights) {
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa)) continue;
+    for (BlockType wt : kAll) {
+      if (!has_int8_path(wt, false)) continue;
+      const int qk = block_elems(wt), bb = block_bytes(wt), rows = 40, cols = 4 * std::max(qk, 64);
+      // the quant bytes: all but the leading header (d, and m / dmin), or (Q6_K, the ternary
+      // types) all but d at the end
+      int lead = 0;
+      switch (wt) {
+        case BlockType::Q4_0: case BlockType::Q5_0: case BlockType::Q8_0: lead = 2; break;
+        case BlockType::Q4_1: case BlockType::Q5_1: case BlockType::Q4_K: case BlockType::Q5_K: lead = 4; break;
+        default: break;
+      }
+      const int q0 = lead, q1 = lead ? bb : bb - 2;
+      auto rm = random_rows(wt, rows, cols);
+      for (size_t o = 0; o < rm.size(); o += bb) std::memset(&rm[o + q0], wt == BlockType::Q8_0 ? 0x80 : 0xFF, q1 - q0);
+      const std::vector<float> x(cols, 1.0f);
+      std::vector<double> yn, sc;
+      naive(wt, rm, rows, cols, x, yn, sc);
+      for (Pack pk : {Pack::Blocks, Pack::Planes}) {
+        if (pk == Pack::Planes && !planes_header(wt)) continue;
+        const Tiling ts{32, 256, 16, pk};
+        const auto tiled = pack(wt, rm, rows, cols, ts);
+        const TileLayout L = layout(wt, rows, cols, ts);
+        for (AType at2 : {AType::Q8, AType::Q8x2}) {
+          std::vector<uint8_t> xa(act_bytes(wt, at2, cols));
+          prepare_act(wt, at2, xa.data(), x.data(), cols);
+          std::vector<float> y(rows), yr(rows);
+          gemv_fn(wt, pk, at2, Isa::Scalar)(yr.data(), xa.data(), tiled.data(), L, 0, rows);
+          gemv_fn(wt, pk, at2, isa)(y.data(), xa.data(), tiled.data(), L, 0, rows);
+          bool ok = true;
+          for (int r = 0; r < rows; ++r) ok &= std::fabs(y[r] - yr[r]) <= 1e-5 * sc[r] + 1e-30;
+          if (!ok) std::fprintf(stderr, "extreme weights: %s %s %s %s\n", block_name(wt), pack_name(pk),
+                                at2 == AType::Q8 ? "q8" : "q8x2", isa_name(isa));
+          CHECK(ok);
         }
       }
     }

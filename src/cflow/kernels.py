@@ -5,7 +5,8 @@ act="q8" (default for quantized types) quantizes x once per call to int8 blocks 
 integer dot products; act="f32" is the parity path. isa=None picks the best ISA of this CPU
 (capped by the CFLOW_ISA environment variable); "scalar" | "avx2" | "avx512" force a path
 (every type has a kernel on each ISA; where the CPU lacks one, the next lower runs: see gemv_isa).
-pack="planes" reads Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K payloads written with the planes pack (tiles.pack_tiles).
+pack="planes" reads Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K payloads written with the planes pack
+(tiles.pack_tiles).
 """
 
 from __future__ import annotations

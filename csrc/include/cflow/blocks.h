@@ -7,8 +7,8 @@
 
 namespace cflow {
 
-constexpr int QK = 32;     // weights per block of the 32-block types (Q4_0, Q4_1, Q5_0, Q8_0)
-constexpr int QK_K = 256;  // weights per super-block of the K-quants (Q4_K, Q6_K)
+constexpr int QK = 32;     // weights per block of the 32-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+constexpr int QK_K = 256;  // weights per super-block of the K-quants (Q4_K, Q5_K, Q6_K)
 constexpr int K_SCALE_SIZE = 12;
 
 using fp16_t = uint16_t;  // IEEE half, stored as bits
@@ -39,6 +39,15 @@ struct block_q5_0 {
 };
 static_assert(sizeof(block_q5_0) == 22, "block_q5_0 must be 22 bytes");
 
+// x[i] = d * q[i] + m; q[i] as block_q5_0's (0..31): Q5_0 plus a min, as Q4_1 is Q4_0 plus one.
+struct block_q5_1 {
+  fp16_t d;
+  fp16_t m;
+  uint8_t qh[4];
+  uint8_t qs[QK / 2];
+};
+static_assert(sizeof(block_q5_1) == 24, "block_q5_1 must be 24 bytes");
+
 // x[i] = d * qs[i].
 struct block_q8_0 {
   fp16_t d;
@@ -56,6 +65,18 @@ struct block_q4_K {
   uint8_t qs[QK_K / 2];
 };
 static_assert(sizeof(block_q4_K) == 144, "block_q4_K must be 144 bytes");
+
+// Q4_K plus a plane of fifth bits: scales, mins and nibbles as block_q4_K; weight 64i + l
+// (sub-block 2i) has bit 2i of qh[l] as its bit 4, weight 64i + 32 + l (sub-block 2i + 1) bit
+// 2i + 1 (i < 4, l < 32): x = d*sc[j]*q - dmin*m[j] with q in 0..31.
+struct block_q5_K {
+  fp16_t d;
+  fp16_t dmin;
+  uint8_t scales[K_SCALE_SIZE];
+  uint8_t qh[QK_K / 8];
+  uint8_t qs[QK_K / 2];
+};
+static_assert(sizeof(block_q5_K) == 176, "block_q5_K must be 176 bytes");
 
 // 256 weights, x = d * scales[i/16] * (q - 32) with 6-bit q: low 4 bits in ql, high 2 in qh
 // (GGML's order: two halves of 128; see dequant in the reference kernels).
@@ -91,7 +112,7 @@ static_assert(sizeof(block_tq1_0) == 54, "block_tq1_0 must be 54 bytes");
 
 // One block of 32 activations, x[i] ~= d * qs[i], d = max|x| / 127 (float, not fp16, so the
 // only activation error is the rounding of x/d); s = d * (sum of the 32 q) folds the weight
-// offsets of Q4_0 / Q4_1 / Q5_0.
+// offsets of Q4_0 / Q4_1 / Q5_0 / Q5_1.
 struct block_q8a {
   int8_t qs[QK];
   float d;

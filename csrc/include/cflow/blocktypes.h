@@ -25,8 +25,8 @@
 namespace cflow {
 
 enum class BlockType : int {
-  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30,
-  TQ1_0 = 34, TQ2_0 = 35
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  BF16 = 30, TQ1_0 = 34, TQ2_0 = 35
 };
 
 // The int8 activation block of a type's int8 path.
@@ -41,8 +41,8 @@ enum class AType : int { F32 = 0, Q8 = 1, Q8x2 = 2 };
 
 // How an interleave group stores the blocks of one column block (docs/FORMAT.md, 5.1):
 //   Blocks: g whole blocks, one per row (GGUF's block encoding, any type);
-//   Planes: the same bytes regrouped for g <= 16 rows of Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K
-//           (cflow/planes.h).
+//   Planes: the same bytes regrouped for g <= 16 rows of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
+//           Q5_K / Q6_K (cflow/planes.h).
 enum class Pack : int { Blocks = 0, Planes = 1 };
 
 // The scalar block codecs the table points at (kernels/gemv_ref.cpp): one block -> its
@@ -55,16 +55,20 @@ void deq_bf16(const uint8_t* b, float* out);
 void deq_q4_0(const uint8_t* b, float* out);
 void deq_q4_1(const uint8_t* b, float* out);
 void deq_q5_0(const uint8_t* b, float* out);
+void deq_q5_1(const uint8_t* b, float* out);
 void deq_q8_0(const uint8_t* b, float* out);
 void deq_q4_k(const uint8_t* b, float* out);
+void deq_q5_k(const uint8_t* b, float* out);
 void deq_q6_k(const uint8_t* b, float* out);
 void deq_tq1_0(const uint8_t* b, float* out);
 void deq_tq2_0(const uint8_t* b, float* out);
 float dot_q4_0(const uint8_t* b, const void* a);
 float dot_q4_1(const uint8_t* b, const void* a);
 float dot_q5_0(const uint8_t* b, const void* a);
+float dot_q5_1(const uint8_t* b, const void* a);
 float dot_q8_0(const uint8_t* b, const void* a);
 float dot_q4_k(const uint8_t* b, const void* a);
+float dot_q5_k(const uint8_t* b, const void* a);
 float dot_q6_k(const uint8_t* b, const void* a);
 float dot_tq1_0(const uint8_t* b, const void* a);
 float dot_tq2_0(const uint8_t* b, const void* a);
@@ -82,15 +86,17 @@ struct BlockTraits {
   float (*dot)(const uint8_t* block, const void* act);  // nullptr where act is None
 };
 
-constexpr int kNumBlockTypes = 11;
+constexpr int kNumBlockTypes = 13;
 inline constexpr BlockTraits kBlockTypes[kNumBlockTypes] = {
     {BlockType::F32, "f32", 1, 4, ActBlock::None, false, 0, 0, ref::deq_f32, nullptr},
     {BlockType::F16, "f16", 1, 2, ActBlock::None, false, 0, 0, ref::deq_f16, nullptr},
     {BlockType::Q4_0, "q4_0", 32, 18, ActBlock::Q8a, true, 2, 0, ref::deq_q4_0, ref::dot_q4_0},
     {BlockType::Q4_1, "q4_1", 32, 20, ActBlock::Q8a, true, 4, 0, ref::deq_q4_1, ref::dot_q4_1},
     {BlockType::Q5_0, "q5_0", 32, 22, ActBlock::Q8a, true, 2, 0, ref::deq_q5_0, ref::dot_q5_0},
+    {BlockType::Q5_1, "q5_1", 32, 24, ActBlock::Q8a, true, 4, 0, ref::deq_q5_1, ref::dot_q5_1},
     {BlockType::Q8_0, "q8_0", 32, 34, ActBlock::Q8a, true, 2, 0, ref::deq_q8_0, ref::dot_q8_0},
     {BlockType::Q4_K, "q4_k", 256, 144, ActBlock::Q8K, false, 4, 0, ref::deq_q4_k, ref::dot_q4_k},
+    {BlockType::Q5_K, "q5_k", 256, 176, ActBlock::Q8K, false, 4, 0, ref::deq_q5_k, ref::dot_q5_k},
     {BlockType::Q6_K, "q6_k", 256, 210, ActBlock::Q8K, false, 2, 208, ref::deq_q6_k, ref::dot_q6_k},
     {BlockType::BF16, "bf16", 1, 2, ActBlock::None, false, 0, 0, ref::deq_bf16, nullptr},
     {BlockType::TQ1_0, "tq1_0", 256, 54, ActBlock::Q8K, false, 0, 0, ref::deq_tq1_0, ref::dot_tq1_0},

@@ -84,7 +84,7 @@ using GemvBatchFn = void (*)(float* y, int ldy, const void* x, int m, const uint
 constexpr int kBatchGroupMin = 8;
 // The batched kernel matching gemv_fn(bt, pack, at, isa), or nullptr where there is none (the
 // caller then runs the GEMV token by token). Today: TQ1_0/TQ2_0 whole blocks with one int8
-// level (each block decoded once, met by every token), and planes-packed Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K
+// level (each block decoded once, met by every token), and planes-packed Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K
 // with int8 activations on the AVX2 and AVX-512 paths: on AMX (amx_usable()) one tile dot product
 // forms 16 (token, level) rows' integers at once; elsewhere each chunk is unpacked once per pass and
 // met by every token's dot products in turn (vpdpbusd; AVX2 maddubs + madd).

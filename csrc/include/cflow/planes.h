@@ -1,20 +1,22 @@
-// The planes pack of an interleave group (docs/FORMAT.md, 5.1), for Q4_0, Q4_1, Q5_0, Q8_0, Q4_K
-// and Q6_K.
+// The planes pack of an interleave group (docs/FORMAT.md, 5.1), for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// Q4_K, Q5_K and Q6_K.
 //
 // A chunk is the g blocks of one column block of an interleave group (g rows, g <= 16): the
 // same g * bb bytes as g whole blocks, regrouped. A block is H header bytes (fp16 words: d, and
-// m for Q4_1, dmin for Q4_K), at byte A of the block (planes_header_at: 0, Q6_K 208, its end),
-// and Q = bb - H quant bytes, the block's other bytes in order (Q5_0: qh then qs; Q4_K: the 12
-// scale bytes then qs; Q6_K: ql, qh, scales). In the chunk:
+// m for Q4_1 / Q5_1, dmin for Q4_K / Q5_K), at byte A of the block (planes_header_at: 0, Q6_K
+// 208, its end), and Q = bb - H quant bytes, the block's other bytes in order (Q5_0, Q5_1: qh
+// then qs; Q4_K: the 12 scale bytes then qs; Q5_K: scales, qh, qs; Q6_K: ql, qh, scales). In the
+// chunk:
 //   header word h of row i      at  2 * (h * g + i)                (all d, then all m / dmin)
 //   quant bytes 4k .. 4k+3 of i at  H * g + 4 * (k * g + i)        (slice k of every row)
 // So with g = 16, slice k of the 16 rows is one 64-byte plane: for Q4_0/Q4_1 its low nibbles
 // are weights 4k..4k+3 and its high nibbles 16+4k..16+4k+3 of each row, for Q8_0 weights
-// 4k..4k+3. Q5_0's plane 0 is the rows' qh (row i's 32 fifth bits in dword i, bit j for weight
-// j), and its planes 1..4 are nibbles as Q4_0's planes 0..3. Q4_K's planes 0..2 are the packed
-// 6-bit scales and mins (row i's scale bytes 4p..4p+3 in dword i of plane p), planes 3..34 its
-// qs; Q6_K's planes 0..31 are ql, 32..47 qh, 48..51 the int8 scales (docs/FORMAT.md 5.1 has
-// the weights of each). The transform is a permutation of the chunk's bytes: lossless.
+// 4k..4k+3. Q5_0's (and Q5_1's) plane 0 is the rows' qh (row i's 32 fifth bits in dword i, bit j
+// for weight j), and its planes 1..4 are nibbles as Q4_0's planes 0..3. Q4_K's planes 0..2 are
+// the packed 6-bit scales and mins (row i's scale bytes 4p..4p+3 in dword i of plane p), planes
+// 3..34 its qs; Q5_K's planes 0..2 are the same scales, 3..10 its qh, 11..42 its qs; Q6_K's
+// planes 0..31 are ql, 32..47 qh, 48..51 the int8 scales (docs/FORMAT.md 5.1 has the weights of
+// each). The transform is a permutation of the chunk's bytes: lossless.
 #pragma once
 #include <atomic>
 #include <algorithm>

@@ -6,10 +6,10 @@
 // kNT, kPlanesNT: tokens per call of the whole-block and the planes kernel (register budget).
 // The including file has already included <immintrin.h>, <cstring>, <vector>, tile_walk.h.
 //
-// q8 path over whole blocks (Q4_0/Q4_1/Q5_0/Q8_0): a weight block is expanded to 32 bytes once
-// and dotted (V::dot) with kNT tokens' int8 activation blocks, for NR rows at a time; per
+// q8 path over whole blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0): a weight block is expanded to 32 bytes
+// once and dotted (V::dot) with kNT tokens' int8 activation blocks, for NR rows at a time; per
 // (row, token) the int32 dot is scaled by d_w * d_x in fp32, and the weight offset (Q4_0 -8 d,
-// Q5_0 -16 d, Q4_1 m) meets s_x = d_x * sum(q_x) in a scalar accumulator. LEVELS: the
+// Q5_0 -16 d, Q4_1 and Q5_1 m) meets s_x = d_x * sum(q_x) in a scalar accumulator. LEVELS: the
 // activation levels (QActs::levels) dotted with each expanded block, summed.
 
 inline float h2f(const uint8_t* p) {
@@ -27,11 +27,12 @@ inline __m256i expand(const uint8_t* b, float* d, float* off) {
     *off = TYPE == BlockType::Q4_0 ? -8.f * *d : h2f(b + 2);
     const __m128i q = _mm_loadu_si128((const __m128i*)(b + (TYPE == BlockType::Q4_0 ? 2 : 4)));
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-  } else if constexpr (TYPE == BlockType::Q5_0) {
-    *off = -16.f * *d;
+  } else if constexpr (TYPE == BlockType::Q5_0 || TYPE == BlockType::Q5_1) {
+    constexpr int qh_at = TYPE == BlockType::Q5_0 ? 2 : 4;  // Q5_1: after m
+    *off = TYPE == BlockType::Q5_0 ? -16.f * *d : h2f(b + 2);
     uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    const __m128i q = _mm_loadu_si128((const __m128i*)(b + 6));
+    std::memcpy(&qh, b + qh_at, 4);
+    const __m128i q = _mm_loadu_si128((const __m128i*)(b + qh_at + 4));
     const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
     return _mm256_or_si256(lo, _mm256_and_si256(V::bits32(qh), _mm256_set1_epi8(16)));
   } else {  // Q8_0
@@ -98,14 +99,14 @@ void gemm_blocks_l(const TileLayout& L, const uint8_t* w, int r0, int r1, const 
   });
 }
 
-// The int8 GEMM of whole blocks (Q4_0/Q4_1/Q5_0/Q8_0), one or two levels.
+// The int8 GEMM of whole blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0), one or two levels.
 template <BlockType TYPE>
 void gemm_blocks_t(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
   if (x.levels == 2) gemm_blocks_l<TYPE, 2>(L, w, r0, r1, x, y, ldy);
   else gemm_blocks_l<TYPE, 1>(L, w, r0, r1, x, y, ldy);
 }
 
-// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0 (cflow/planes.h): the prefill form of the planes GEMV ----
+// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (cflow/planes.h): the prefill form of the planes GEMV ----
 // For each interleave group of rows (a ragged one widened to 16 rows, planes_widen) and each
 // run of kPlanesNT tokens, the ISA's planes_tokens<TYPE, NT, TWO> walks the group's chunks
 // chunk(cb), cb = 0 .. bpr, and stores rows [0, g) of y for tokens [k0, k0 + NT): per chunk the
@@ -138,7 +139,7 @@ void gemm_planes_l(const TileLayout& L, const uint8_t* w, int r0, int r1, const 
   });
 }
 
-// The planes GEMM of Q4_0 / Q4_1 / Q5_0 / Q8_0, one or two levels.
+// The planes GEMM of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, one or two levels.
 template <BlockType TYPE>
 void gemm_planes_t(const TileLayout& L, const uint8_t* w, int r0, int r1, const QActs& x, float* y, int ldy) {
   if (x.levels == 2) gemm_planes_l<TYPE, true>(L, w, r0, r1, x, y, ldy);
@@ -181,6 +182,7 @@ inline void fill_gemm_table(KernelTable& t) {
   set(BlockType::Q4_0, gemm_blocks_t<BlockType::Q4_0>, gemm_planes_t<BlockType::Q4_0>);
   set(BlockType::Q4_1, gemm_blocks_t<BlockType::Q4_1>, gemm_planes_t<BlockType::Q4_1>);
   set(BlockType::Q5_0, gemm_blocks_t<BlockType::Q5_0>, gemm_planes_t<BlockType::Q5_0>);
+  set(BlockType::Q5_1, gemm_blocks_t<BlockType::Q5_1>, gemm_planes_t<BlockType::Q5_1>);
   set(BlockType::Q8_0, gemm_blocks_t<BlockType::Q8_0>, gemm_planes_t<BlockType::Q8_0>);
   t.gemm_f32 = gemm_f32_rows;
 }

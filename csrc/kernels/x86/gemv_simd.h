@@ -43,7 +43,7 @@ inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*
 // are *ls for block_q8a, added into the 8 float lanes acc and the float accs).
 // The 32-block kinds give q(p) / d(p) / o(p) (bytes, scale, fp32 offset) and kZero: the int8
 // path takes q as unsigned bytes and subtracts kZero * (lane sums of x); kZero 0 (Q4_1) adds
-// m * sum(x) instead, kZero -1 (Q8_0) marks signed weights.
+// m * sum(x) instead (Q4_1, Q5_1), kZero -1 (Q8_0) marks signed weights.
 
 // kType's row of the block table gives kQK and kBB.
 template <BlockType BT>
@@ -73,6 +73,16 @@ struct BlkQ5_0 : BlkOf<BlockType::Q5_0> {
   }
   static float d(const uint8_t* p) { return h2f(p); }
   static float o(const uint8_t* p) { return -16.0f * h2f(p); }
+};
+struct BlkQ5_1 : BlkOf<BlockType::Q5_1> {
+  static constexpr int kZero = 0;
+  static __m256i q(const uint8_t* p) {  // as Q5_0's, qh and qs 2 bytes later (after m)
+    uint32_t qh;
+    std::memcpy(&qh, p + 4, 4);
+    return _mm256_or_si256(nib32(p + 8), _mm256_and_si256(V::bits32(qh), _mm256_set1_epi8(16)));
+  }
+  static float d(const uint8_t* p) { return h2f(p); }
+  static float o(const uint8_t* p) { return h2f(p + 2); }
 };
 struct BlkQ8_0 : BlkOf<BlockType::Q8_0> {
   static constexpr int kZero = -1;  // signed weights
@@ -129,6 +139,52 @@ struct BlkQ4_K : BlkOf<BlockType::Q4_K> {
                                       _mm_loadu_si128((const __m128i*)(a.bsums + 8)));
     const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
     accs -= h2f(p + 2) * a.d * (float)hsum_i32(_mm_madd_epi16(bs, mins));
+  }
+  static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float& accs) {
+    uint8_t sm[16];
+    scales_k4(p + 4, sm);
+    finish(p, a, sm, isum(p, a, sm), acc, accs);
+  }
+};
+
+// Q5_K: Q4_K's scales, mins and float finish; its chunk c's 32 qs bytes with bits 2c and 2c + 1
+// of the 32 qh bytes (the same 32 bytes for every chunk) as bit 4 of the low and high nibbles.
+struct BlkQ5_K : BlkOf<BlockType::Q5_K> {
+  using Act = block_q8_K;
+  // chunk c's weights as unsigned bytes (0..31): low nibbles (sub-block 2c), high (2c + 1)
+  static void quants(const uint8_t* p, int c, __m256i& lo, __m256i& hi) {
+    const __m256i q = load32(p + 48 + 32 * c), qh = load32(p + 16), b4 = _mm256_set1_epi8(16);
+    const __m256i h = _mm256_srli_epi16(qh, 2 * c);  // bit 2c of each byte at bit 0 (16-bit shift)
+    lo = _mm256_or_si256(lo4(q), _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
+    hi = _mm256_or_si256(hi4(q), _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
+  }
+  template <class F>
+  static void chunks(const uint8_t* p, F&& f) {
+    uint8_t sm[16];
+    scales_k4(p + 4, sm);
+    const float d = h2f(p), dmin = h2f(p + 2);
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo, hi;
+      quants(p, c, lo, hi);
+      const float d0 = d * sm[2 * c], o0 = -(dmin * sm[8 + 2 * c]);
+      const float d1 = d * sm[2 * c + 1], o1 = -(dmin * sm[9 + 2 * c]);
+      f(2 * c, lo, d0, o0, d0, o0);
+      f(2 * c + 1, hi, d1, o1, d1, o1);
+    }
+  }
+  // Q4_K's isum with 5-bit weights: maddubs pair sums up to 2 * 31 * 128, no saturation.
+  static __m256i isum(const uint8_t* p, const block_q8_K& a, const uint8_t* sm) {
+    __m256i s = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo, hi;
+      quants(p, c, lo, hi);
+      s = V::dot_sc(s, lo, load32(a.qs + 64 * c), _mm256_set1_epi16(sm[2 * c]));
+      s = V::dot_sc(s, hi, load32(a.qs + 64 * c + 32), _mm256_set1_epi16(sm[2 * c + 1]));
+    }
+    return s;
+  }
+  static void finish(const uint8_t* p, const block_q8_K& a, const uint8_t* sm, __m256i s, __m256& acc, float& accs) {
+    BlkQ4_K::finish(p, a, sm, s, acc, accs);  // d, dmin and scales where Q4_K has them
   }
   static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float& accs) {
     uint8_t sm[16];
@@ -314,8 +370,10 @@ struct Blk32 : B {
 using KQ4_0 = Blk32<BlkQ4_0>;
 using KQ4_1 = Blk32<BlkQ4_1>;
 using KQ5_0 = Blk32<BlkQ5_0>;
+using KQ5_1 = Blk32<BlkQ5_1>;
 using KQ8_0 = Blk32<BlkQ8_0>;
 using KQ4_K = BlkQ4_K;
+using KQ5_K = BlkQ5_K;
 using KQ6_K = BlkQ6_K;
 
 // ---- int8-activation GEMV: four rows at a time (independent chains), x blocks shared ----
@@ -601,8 +659,10 @@ inline void fill_table(KernelTable& t) {
   set_kind<KQ4_0>(t);
   set_kind<KQ4_1>(t);
   set_kind<KQ5_0>(t);
+  set_kind<KQ5_1>(t);
   set_kind<KQ8_0>(t);
   set_kind<KQ4_K>(t);
+  set_kind<KQ5_K>(t);
   set_kind<KQ6_K>(t);
   set_gemv_f32<gemv_tern_f32<BlkTQ1_0>>(t, BlockType::TQ1_0);
   set_gemv_q8<gemv_tern_q8<KTQ1_0>>(t, BlockType::TQ1_0);

@@ -8,13 +8,15 @@ struct PlanesKind {
   static constexpr int kHdr = planes_header(WT);  // header bytes: d (and m)
   static constexpr int kBB = block_bytes(WT);
   static constexpr bool kNib = WT != BlockType::Q8_0;  // packed nibbles (two weights per byte)
-  static constexpr bool kFifth = WT == BlockType::Q5_0;  // a plane of fifth bits (qh) before the nibbles
-  // Byte offsets in a 16-row chunk: the qh plane (Q5_0), the first plane of quants.
+  // a plane of fifth bits (qh) before the nibbles
+  static constexpr bool kFifth = WT == BlockType::Q5_0 || WT == BlockType::Q5_1;
+  static constexpr bool kHasM = WT == BlockType::Q4_1 || WT == BlockType::Q5_1;  // header word 1: the min m
+  // Byte offsets in a 16-row chunk: the qh plane (Q5_0, Q5_1), the first plane of quants.
   static constexpr int kQh = kPlanesMaxG * kHdr;
   static constexpr int kQs = kQh + (kFifth ? 64 : 0);
   // The kernels take weights as unsigned bytes u (x86/<isa>/planes_unpack.h); the block's
-  // integer weight is u - kZero: Q4_0 q - 8, Q5_0 q - 16, Q8_0 (q ^ 0x80) - 128; Q4_1's offset
-  // is its m. kMaxU: the largest u.
+  // integer weight is u - kZero: Q4_0 q - 8, Q5_0 q - 16, Q8_0 (q ^ 0x80) - 128; the offset of
+  // Q4_1 and Q5_1 is their m. kMaxU: the largest u.
   static constexpr int kZero = WT == BlockType::Q4_0 ? 8 : WT == BlockType::Q5_0 ? 16 : WT == BlockType::Q8_0 ? 128 : 0;
   static constexpr int kMaxU = kFifth ? 31 : kNib ? 15 : 255;
 };
@@ -44,27 +46,36 @@ inline void walk_planes(float* y, const uint8_t* w, const TileLayout& L, int row
 // 4 weights (one 64-byte plane of 16 rows each, once unpacked), a group being kSubs sub-blocks
 // of kSlices slices: u[k] of group q is slice k % kSlices of sub-block sub(q, k / kSlices).
 //   Q4_K  group q = qs planes 8q .. 8q+7: their low nibbles sub-block 2q, high nibbles 2q + 1;
+//   Q5_K  the same from qs planes 8 (q + 1) .. +7 (the 8 qh planes come first), each slice j
+//         with bits 2q (low nibbles) and 2q + 1 (high) of qh plane j as its bit 4;
 //   Q6_K  group q = half q / 2, qh planes 4 (q % 2) .. +3 of it with their ql planes: slice
 //         m of quarter t (u[4t + m]) is in sub-block 8 (q / 2) + 2t + q % 2.
-// Weights are unsigned (Q4_K 0..15, Q6_K 0..63: the integer weight plus kZero). Activations are
+// Q4_K and Q5_K (kQ4: the Q4_K layout) share the scale planes 0..2, their 6-bit scales and mins.
+// Weights are unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63: the integer weight plus kZero). Activations are
 // block_q8_K (one scale per 256: the whole super-block's integer sum is exact, and one float
 // finish per super-block takes d and dmin, docs/KERNELS.md); sub-block s meets its bytes
 // qs[kSubW * s ..], its sum of qs (for the offsets and mins) from bsums.
 template <BlockType WT>
 struct KPlanesKind {
-  static constexpr bool kQ4 = WT == BlockType::Q4_K;
+  static constexpr bool kQ4 = WT == BlockType::Q4_K || WT == BlockType::Q5_K;  // Q4_K's scales, mins, sub-blocks
+  static constexpr bool kFifth = WT == BlockType::Q5_K;  // 8 qh planes (3..10) before the qs planes
+  static constexpr int kQsPlane = kFifth ? 11 : 3;       // the first qs plane (kQ4)
   static constexpr int kHdr = planes_header(WT), kBB = block_bytes(WT);
   static constexpr int kSubs = kQ4 ? 2 : 4;       // sub-blocks per group
   static constexpr int kSlices = kQ4 ? 8 : 4;     // slices per sub-block
   static constexpr int kSubW = 4 * kSlices;       // weights per sub-block
   static constexpr int kNumSub = 256 / kSubW;     // sub-blocks per super-block
   static constexpr int kZero = kQ4 ? 0 : 32;
-  static constexpr int kMaxU = kQ4 ? 15 : 63;
+  static constexpr int kMaxU = kFifth ? 31 : kQ4 ? 15 : 63;
   static constexpr int kPlanes = kPlanesMaxG * kHdr;  // byte offset of plane 0 in a 16-row chunk
   static constexpr int sub(int q, int r) { return kQ4 ? 2 * q + r : 8 * (q / 2) + 2 * r + q % 2; }
   // Sub-block s's sum of activations (16-sums in bsums).
   static int asum(const block_q8_K& a, int s) { return kQ4 ? a.bsums[2 * s] + a.bsums[2 * s + 1] : a.bsums[s]; }
 };
+
+// Whether WT's planes are a K-quant's (KPlanesKind) rather than a 32-block type's (PlanesKind).
+template <BlockType WT>
+constexpr bool kKQuant = WT == BlockType::Q4_K || WT == BlockType::Q5_K || WT == BlockType::Q6_K;
 
 // f(std::integral_constant<int, n>) for 1 <= n <= N: a token count as a template argument.
 template <int N, class F>
@@ -88,8 +99,10 @@ inline GemvBatchFn planes_batch_fn(BlockType bt, Pack pack, AType at, Pick&& pic
     case BlockType::Q4_0: return both(std::integral_constant<BlockType, BlockType::Q4_0>{});
     case BlockType::Q4_1: return both(std::integral_constant<BlockType, BlockType::Q4_1>{});
     case BlockType::Q5_0: return both(std::integral_constant<BlockType, BlockType::Q5_0>{});
+    case BlockType::Q5_1: return both(std::integral_constant<BlockType, BlockType::Q5_1>{});
     case BlockType::Q8_0: return both(std::integral_constant<BlockType, BlockType::Q8_0>{});
     case BlockType::Q4_K: return both(std::integral_constant<BlockType, BlockType::Q4_K>{});
+    case BlockType::Q5_K: return both(std::integral_constant<BlockType, BlockType::Q5_K>{});
     case BlockType::Q6_K: return both(std::integral_constant<BlockType, BlockType::Q6_K>{});
     default: return nullptr;
   }
@@ -108,7 +121,9 @@ inline void fill_planes_table(KernelTable& t) {
   set(BlockType::Q4_0, gemv_planes_q8<BlockType::Q4_0, false>, gemv_planes_q8<BlockType::Q4_0, true>);
   set(BlockType::Q4_1, gemv_planes_q8<BlockType::Q4_1, false>, gemv_planes_q8<BlockType::Q4_1, true>);
   set(BlockType::Q5_0, gemv_planes_q8<BlockType::Q5_0, false>, gemv_planes_q8<BlockType::Q5_0, true>);
+  set(BlockType::Q5_1, gemv_planes_q8<BlockType::Q5_1, false>, gemv_planes_q8<BlockType::Q5_1, true>);
   set(BlockType::Q8_0, gemv_planes_q8<BlockType::Q8_0, false>, gemv_planes_q8<BlockType::Q8_0, true>);
   set(BlockType::Q4_K, gemv_kplanes_q8<BlockType::Q4_K, false>, gemv_kplanes_q8<BlockType::Q4_K, true>);
+  set(BlockType::Q5_K, gemv_kplanes_q8<BlockType::Q5_K, false>, gemv_kplanes_q8<BlockType::Q5_K, true>);
   set(BlockType::Q6_K, gemv_kplanes_q8<BlockType::Q6_K, false>, gemv_kplanes_q8<BlockType::Q6_K, true>);
 }

@@ -30,8 +30,8 @@ from cflow.errors import CflowError
 
 MIB = 1 << 20
 # bytes per parameter; "q4" is the paper's count, q4_0 as stored (18 B per 32 weights)
-BYTES_PER_PARAM = {"q4": 0.5, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_0": 22 / 32, "q8_0": 34 / 32, "q4_k": 144 / 256,
-                   "q6_k": 210 / 256, "f16": 2.0, "bf16": 2.0, "f32": 4.0}
+BYTES_PER_PARAM = {"q4": 0.5, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "q8_0": 34 / 32,
+                   "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256, "f16": 2.0, "bf16": 2.0, "f32": 4.0}
 
 
 @dataclass

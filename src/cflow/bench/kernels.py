@@ -2,8 +2,9 @@
 
 For each block type: a matrix of --matrix-mb MB of weights (cols = --cols), timed with 1 and 2
 threads in the layouts compared over the same bytes:
-  "tiled"        what `cflow convert` writes: tile (128, 256); Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K in the planes
-                 pack at interleave 16 (their fast kernels), other types whole blocks at interleave 1;
+  "tiled"        what `cflow convert` writes: tile (128, 256); Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K in
+                 the planes pack at interleave 16 (their fast kernels), other types whole blocks at
+                 interleave 1;
   "tiled_blocks" (the planes types only) tile (128, 256), whole GGUF blocks, interleave 1;
   "row_major"    tile (128, cols), whole blocks, interleave 1: whole rows, the block kernel.
 Repeats of the layouts alternate with one pass of the probe (same thread count), so all see the
@@ -28,7 +29,7 @@ import json
 import statistics
 import sys
 
-TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q4_k", "q6_k", "tq2_0", "tq1_0", "f16", "bf16", "f32"]
+TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "tq2_0", "tq1_0", "f16", "bf16", "f32"]
 
 
 def add_arguments(p):
@@ -84,9 +85,9 @@ def _matrix(bt, cols: int, mb: float, rng):
     w = rng.integers(0, 256, size=rows * row_bytes, dtype=np.uint8)
     blocks = w.reshape(-1, bt.block_bytes)
     half = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-    if bt.name in ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k"):
+    if bt.name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k"):
         blocks[:, 0:2] = half  # d
-    if bt.name in ("q4_1", "q4_k"):
+    if bt.name in ("q4_1", "q5_1", "q4_k", "q5_k"):
         blocks[:, 2:4] = half  # m / dmin
     if bt.name in PLANES_HEADER:  # planes chunks: the 16 d (and 16 m) words lead each chunk
         chunks = w.reshape(-1, PLANES_MAX_G * bt.block_bytes)

@@ -9,7 +9,9 @@ Weight types (--type):
   q4_k    every matrix Q4_K,
   q4_k_m  llama-quantize's Q4_K_M mix: Q4_K, with Q6_K for attn_v and ffn_down_exps in the layers
           its use_more_bits rule picks (the first and last eighth, and every third in between);
-and for all three: the output head Q6_K (as llama-quantize gives it), token_embd in the matrices'
+  q5_1    every matrix Q5_1,
+  q5_k_m  the Q5_K_M mix: Q5_K, with Q6_K where q4_k_m has it;
+and for all of them: the output head Q6_K (as llama-quantize gives it), token_embd in the matrices'
 base type, norms and the router (ffn_gate_inp) f32, as llama.cpp keeps them.
 
 The quantized blocks are made directly as bytes (f16 scales of a magnitude that gives dequantized
@@ -45,7 +47,9 @@ import numpy as np
 
 from cflow.errors import CflowError
 
-TYPES = ("q4_0", "q4_k", "q4_k_m")
+TYPES = ("q4_0", "q4_k", "q4_k_m", "q5_1", "q5_k_m")
+BASE = {"q4_0": "Q4_0", "q4_k": "Q4_K", "q4_k_m": "Q4_K", "q5_1": "Q5_1", "q5_k_m": "Q5_K"}  # the matrices' type
+MIXES = ("q4_k_m", "q5_k_m")  # Q6_K for attn_v and ffn_down_exps in the use_more_bits layers
 WEIGHT_RMS = 0.02  # RMS of the dequantized matrices (the router's too) ...
 EMBED_RMS = 1.0  # ... but token_embd's, and attn_output's and ffn_down_exps' WEIGHT_RMS / sqrt(2 n_layer)
 CHUNK_BYTES = 16 << 20  # bytes of blocks generated at a time
@@ -104,6 +108,29 @@ def _fill_q4_0(rng, out: np.ndarray, rms: float) -> None:
     out[:, 0:2] = _scales(rng, n, rms / (np.sqrt(21.5) * _jitter_rms()), signed=True)
 
 
+def _times(d: np.ndarray, k: float) -> np.ndarray:
+    """(n, 2) f16 bytes d -> the f16 bytes of k * d."""
+    return (d.copy().view(np.float16).astype(np.float32) * k).astype(np.float16).view(np.uint8).reshape(d.shape)
+
+
+def _fill_q5_1(rng, out: np.ndarray, rms: float) -> None:
+    # block_q5_1: f16 d, f16 m, 4 bytes of fifth bits, 16 bytes of nibbles; w = d q + m, q uniform in
+    # 0..31. With m = -15.5 d: w = d (q - 15.5), mean 0, RMS of q - 15.5 sqrt(85.25).
+    n = out.shape[0]
+    out[:] = np.frombuffer(rng.bytes(out.size), np.uint8).reshape(out.shape)
+    d = _scales(rng, n, rms / (np.sqrt(85.25) * _jitter_rms()))
+    out[:, 0:2], out[:, 2:4] = d, _times(d, -15.5)
+
+
+def _k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """8 6-bit scales and mins per block (n, 8) each -> the 12 bytes of ggml's get_scale_min_k4 layout."""
+    s = np.empty((sc.shape[0], 12), np.uint8)
+    s[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    s[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    return s
+
+
 def _fill_q4_k(rng, out: np.ndarray, rms: float) -> None:
     # block_q4_K: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks of 32, 128
     # bytes of nibbles; w = d sc q - dmin m. With m = sc and dmin = 7.5 d: w = d sc (q - 7.5), mean 0;
@@ -111,15 +138,18 @@ def _fill_q4_k(rng, out: np.ndarray, rms: float) -> None:
     n = out.shape[0]
     out[:] = np.frombuffer(rng.bytes(out.size), np.uint8).reshape(out.shape)
     d = _scales(rng, n, rms / (np.sqrt(21.25) * np.sqrt(2310.0) * _jitter_rms()))
-    dmin = (d.copy().view(np.float16).astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(n, 2)
     sc = rng.integers(32, 64, size=(n, 8), dtype=np.uint8)
-    m = sc
-    # ggml's get_scale_min_k4 layout
-    s = np.empty((n, 12), np.uint8)
-    s[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
-    s[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
-    s[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
-    out[:, 0:2], out[:, 2:4], out[:, 4:16] = d, dmin, s
+    out[:, 0:2], out[:, 2:4], out[:, 4:16] = d, _times(d, 7.5), _k4_scales(sc, sc)
+
+
+def _fill_q5_k(rng, out: np.ndarray, rms: float) -> None:
+    # block_q5_K: Q4_K's header and scales, then 32 bytes of fifth bits and 128 of nibbles; q uniform
+    # in 0..31, so with m = sc and dmin = 15.5 d: w = d sc (q - 15.5), mean 0, RMS of q - 15.5 sqrt(85.25).
+    n = out.shape[0]
+    out[:] = np.frombuffer(rng.bytes(out.size), np.uint8).reshape(out.shape)
+    d = _scales(rng, n, rms / (np.sqrt(85.25) * np.sqrt(2310.0) * _jitter_rms()))
+    sc = rng.integers(32, 64, size=(n, 8), dtype=np.uint8)
+    out[:, 0:2], out[:, 2:4], out[:, 4:16] = d, _times(d, 15.5), _k4_scales(sc, sc)
 
 
 def _fill_q6_k(rng, out: np.ndarray, rms: float) -> None:
@@ -135,7 +165,7 @@ def _fill_q6_k(rng, out: np.ndarray, rms: float) -> None:
     out[:, 208:210] = _scales(rng, n, rms / (np.sqrt(341.5) * np.sqrt(61.5) * _jitter_rms()))
 
 
-FILLERS = {"Q4_0": _fill_q4_0, "Q4_K": _fill_q4_k, "Q6_K": _fill_q6_k}
+FILLERS = {"Q4_0": _fill_q4_0, "Q5_1": _fill_q5_1, "Q4_K": _fill_q4_k, "Q5_K": _fill_q5_k, "Q6_K": _fill_q6_k}
 
 
 # --- the tensors --------------------------------------------------------------------------------
@@ -170,7 +200,7 @@ def tensor_specs(g: Geometry, wtype: str) -> list[TensorSpec]:
     T = gguf.MODEL_TENSOR
     names = gguf.TENSOR_NAMES
     arch_tensors = set(gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3MOE])
-    base = {"q4_0": "Q4_0", "q4_k": "Q4_K", "q4_k_m": "Q4_K"}[wtype]
+    base = BASE[wtype]
     d, q, kv = g.d_model, g.n_head * g.head_dim, g.n_head_kv * g.head_dim
 
     residual = WEIGHT_RMS / np.sqrt(2 * g.n_layer)  # see the module's docstring
@@ -181,7 +211,7 @@ def tensor_specs(g: Geometry, wtype: str) -> list[TensorSpec]:
 
     out = [spec(T.TOKEN_EMBD, (g.vocab, d), base, "matrix", rms=EMBED_RMS)]
     for i in range(g.n_layer):
-        more = wtype == "q4_k_m" and use_more_bits(i, g.n_layer)
+        more = wtype in MIXES and use_more_bits(i, g.n_layer)
         wide = "Q6_K" if more else base
         out += [
             spec(T.ATTN_NORM, (d,), "F32", "norm", i),
@@ -273,7 +303,8 @@ def tokenizer(vocab: int) -> tuple[list[str], list[int], list[str], dict[str, in
 def add_metadata(w, g: Geometry, wtype: str) -> None:
     gguf = _gguf()
     ftype = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S,
-             "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}[wtype]
+             "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+             "q5_k_m": gguf.LlamaFileType.MOSTLY_Q5_K_M}[wtype]
     w.add_name(f"qwen3moe bench, Qwen3-30B-A3B geometry, {g.n_layer} layers, random {wtype} weights")
     w.add_context_length(g.n_ctx)
     w.add_embedding_length(g.d_model)
@@ -393,8 +424,8 @@ def add_arguments(p):
     p.add_argument("--layers", type=int, default=d.n_layer, help=f"transformer blocks (default {d.n_layer}; the real "
                    "model has 48)")
     p.add_argument("--type", choices=TYPES, default="q4_0",
-                   help="matrix types: q4_0, q4_k, or the q4_k_m mix (Q6_K for some attn_v/ffn_down_exps); "
-                        "the head is Q6_K, norms and router f32 (default q4_0)")
+                   help="matrix types: q4_0, q4_k, q5_1, or the q4_k_m / q5_k_m mixes (Q6_K for some "
+                        "attn_v/ffn_down_exps); the head is Q6_K, norms and router f32 (default q4_0)")
     p.add_argument("--seed", type=int, default=0, help="random seed: the same arguments give the same file (default 0)")
     geo = p.add_argument_group("geometry (default: Qwen3-30B-A3B's; smaller for tests)")
     geo.add_argument("--d-model", type=int, default=d.d_model, help=f"embedding length (default {d.d_model})")

@@ -19,8 +19,8 @@ def add_arguments(p):
     p.add_argument("--no-measure", action="store_true",
                    help="tq1_0 / tq2_0: skip the measurement against the source (a teacher-forced text in both models)")
     p.add_argument("--pack", default="planes", choices=("planes", "blocks"),
-                   help="q4_0/q4_1/q5_0/q8_0 matrices: planes (16-row planes, the fast GEMV layout) or whole GGUF "
-                        "blocks (interleave 1); other types always keep whole blocks")
+                   help="q4_0/q4_1/q5_0/q5_1/q8_0/q4_k/q5_k/q6_k matrices: planes (16-row planes, the fast GEMV "
+                        "layout) or whole GGUF blocks (interleave 1); other types always keep whole blocks")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 

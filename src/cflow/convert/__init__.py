@@ -295,8 +295,8 @@ def check_output(src: str | os.PathLike, out: str | os.PathLike) -> None:
 def convert(src: str | os.PathLike, out: str | os.PathLike, *, quant: str = "keep", progress: bool = True,
             pack: str = "planes") -> Path:
     """Convert a GGUF file or an HF directory into a .cflow file (atomic: no partial file; the
-    source is never the file replaced). pack: "planes" (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K matrices in the planes
-    pack) or "blocks" (convert/write.py). An output ending in .vflow is written stage-major
+    source is never the file replaced). pack: "planes" (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices in
+    the planes pack) or "blocks" (convert/write.py). An output ending in .vflow is written stage-major
     (format/vflow.py); a .cflow source is then laid out again with its tensors' bytes unchanged."""
     from cflow.convert.write import write_cflow
 

@@ -8,7 +8,7 @@ stripe yields matching gate and up outputs). Quantized data is passed as GGUF-en
 so `keep` copies blocks unchanged.
 
 Layout: the matrices of the types with a planes pack (tiles.PLANES_HEADER: Q4_0, Q4_1, Q5_0,
-Q8_0, Q4_K, Q6_K) get interleave 16 and the planes pack (pack="planes", the default), which the fast int8
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) get interleave 16 and the planes pack (pack="planes", the default), which the fast int8
 GEMV streams without shuffles (docs/KERNELS.md); pack="blocks" keeps whole blocks at interleave
 1 for every tensor. Other types always take the latter.
 """

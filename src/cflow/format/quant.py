@@ -3,9 +3,10 @@
 encode: float32 (R, C) -> uint8 (R, C/QK * block_bytes), each row GGUF-encoded.
 decode: uint8 (R, C/QK * block_bytes) -> float32 (R, C).
 
-gguf-py (0.19) quantizes f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, tq1_0 and tq2_0; it dequantizes
-all of them plus q4_k and q6_k. For q4_k and q6_k, writers pass already-encoded row blocks (uint8),
-which is what GGUF conversion does; `can_encode` says which types take float input.
+gguf-py (0.19) quantizes f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, tq1_0 and tq2_0; it
+dequantizes all of them plus q4_k, q5_k and q6_k. For the K-quants, writers pass already-encoded
+row blocks (uint8), which is what GGUF conversion does; `can_encode` says which types take float
+input.
 
 Ternary types: GGUF's quantizer (gguf-py's, llama.cpp's quantize_row_tq*_ref) takes d = max |w| per
 block of 256, which keeps ternary values (a model trained ternary) exactly and zeroes most of any
@@ -20,9 +21,9 @@ import numpy as np
 from cflow.errors import CflowFormatError, UnsupportedError
 from cflow.format.tiles import BlockType
 
-# Types gguf-py can quantize from floats (checked against gguf-py 0.19; q4_k/q6_k raise
+# Types gguf-py can quantize from floats (checked against gguf-py 0.19; q4_k/q5_k/q6_k raise
 # NotImplementedError there).
-_ENCODABLE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "tq1_0", "tq2_0")
+_ENCODABLE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "tq1_0", "tq2_0")
 TERNARY = ("tq1_0", "tq2_0")
 
 

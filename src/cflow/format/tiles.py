@@ -16,11 +16,12 @@ Ragged edges: the last stripe and the last column tile are simply smaller. TC is
 of QK; for quantized types C must be a multiple of QK (as in GGUF).
 
 Pack (docs/FORMAT.md, 5.1): "blocks" stores each group's chunk (the g blocks of one column block)
-as g whole blocks, as above. "planes" (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K with G <= 16) regroups
-the same bytes of each chunk: header word h of row i at 2*(h*g + i), quant bytes 4k..4k+3 of row
-i at H*g + 4*(k*g + i) (H = header bytes; the quant bytes are the block's other bytes in order:
-Q5_0's qh is its slice 0, Q4_K's scales its slices 0..2, and Q6_K's header d is its last two
-bytes). Same size, same chunk positions; lossless.
+as g whole blocks, as above. "planes" (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K with G <= 16)
+regroups the same bytes of each chunk: header word h of row i at 2*(h*g + i), quant bytes 4k..4k+3
+of row i at H*g + 4*(k*g + i) (H = header bytes; the quant bytes are the block's other bytes in
+order: the qh of Q5_0 and Q5_1 is their slice 0, Q4_K's scales its slices 0..2, Q5_K's scales
+and qh its slices 0..2 and 3..10, and Q6_K's header d is its last two bytes). Same size, same
+chunk positions; lossless.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ BLOCK_TYPES: dict[str, BlockType] = {
         BlockType("q4_0", 2, 32, 18),
         BlockType("q4_1", 3, 32, 20),
         BlockType("q5_0", 6, 32, 22),
+        BlockType("q5_1", 7, 32, 24),
         BlockType("q8_0", 8, 32, 34),
         BlockType("q4_k", 12, 256, 144),
+        BlockType("q5_k", 13, 256, 176),
         BlockType("q6_k", 14, 256, 210),
         BlockType("bf16", 30, 1, 2),
         BlockType("tq1_0", 34, 256, 54),
@@ -110,7 +113,7 @@ def _tile_permutation(bt: BlockType, rows: int, cols: int, tile: tuple[int, int]
 PACKS = ("blocks", "planes")
 PACK_CODES = {"blocks": 0, "planes": 1}  # the engine's and kernels' Pack values
 # header bytes (fp16 d, and m / dmin) of the types with planes, and where they sit in a block
-PLANES_HEADER = {"q4_0": 2, "q4_1": 4, "q5_0": 2, "q8_0": 2, "q4_k": 4, "q6_k": 2}
+PLANES_HEADER = {"q4_0": 2, "q4_1": 4, "q5_0": 2, "q5_1": 4, "q8_0": 2, "q4_k": 4, "q5_k": 4, "q6_k": 2}
 PLANES_HEADER_AT = {"q6_k": 208}  # the others: 0
 PLANES_MAX_G = 16
 

@@ -159,8 +159,8 @@ class CflowWriter:
         quant.can_encode); or uint8 (R, C/QK*block_bytes) of GGUF-encoded rows (then `shape`
         gives the logical shape where it cannot be inferred, e.g. a 1-D tensor).
         parts/fuse/stripe_rows describe a fused tensor whose rows are already in fused order
-        (add_fused builds one from its parts). pack: "blocks", or "planes" for q4_0/q4_1/q5_0/q8_0/q4_k/q6_k with
-        interleave <= 16 (docs/FORMAT.md 5.1).
+        (add_fused builds one from its parts). pack: "blocks", or "planes" for q4_0/q4_1/q5_0/q5_1/q8_0/
+        q4_k/q5_k/q6_k with interleave <= 16 (docs/FORMAT.md 5.1).
         """
         self._check_open()
         if not isinstance(name, str) or not name or len(name) > 512:

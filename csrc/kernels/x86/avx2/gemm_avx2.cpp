@@ -31,10 +31,10 @@ struct V : Vec, IVec {
 // of every 64-byte plane). Per half the 8 slices are unpacked once into u[0..8) (planes_unpack.h;
 // slice j: weights 4j..4j+3 of each row), then each token meets them with its 8 activation
 // slices broadcast. Q4: 8 maddubs whose pair sums (at most 2 * 15 * 127) add up in int16 to at most
-// 30480, no saturation, then one madd to int32; Q5_0 (pair sums up to 2 * 31 * 127): two runs of
+// 30480, no saturation, then one madd to int32; Q5_0 and Q5_1 (pair sums up to 2 * 31 * 127): two runs of
 // 4 (31496), two madds (kRun). Q8_0: |w| times sign(x, w) per slice (pair
 // sums up to 32512), each widened by madd. Per (block, token): f = d_x * dot (- kZero * s_x:
-// Q4_0 -8 s_x, Q5_0 -16 s_x), summed over the levels; acc += d_w * f (+ m_w * s_x for Q4_1); s_x = d_x * sum(q_x).
+// Q4_0 -8 s_x, Q5_0 -16 s_x), summed over the levels; acc += d_w * f (+ m_w * s_x for Q4_1, Q5_1); s_x = d_x * sum(q_x).
 template <BlockType TYPE, int NT, bool TWO, class Chunk>
 void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int ldy, int g) {
   __m256 acc[NT][2];
@@ -76,7 +76,7 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
       planes_unpack<TYPE>(c, h, u);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
       __m256 m = _mm256_setzero_ps();
-      if constexpr (TYPE == BlockType::Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h)));
+      if constexpr (PlanesKind<TYPE>::kHasM) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h)));
       for (int t = 0; t < NT; ++t) {
         const block_q8a* a = xr[t] + cb;
         const block_q8a* a2 = level2(a, l2);
@@ -85,7 +85,7 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
         if constexpr (PlanesKind<TYPE>::kNib && PlanesKind<TYPE>::kZero)
           f = _mm256_add_ps(f, _mm256_set1_ps(-(float)PlanesKind<TYPE>::kZero * (TWO ? a->s + a2->s : a->s)));
         acc[t][h] = _mm256_fmadd_ps(d, f, acc[t][h]);
-        if constexpr (TYPE == BlockType::Q4_1) {
+        if constexpr (PlanesKind<TYPE>::kHasM) {
           acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s), acc[t][h]);
           if constexpr (TWO) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a2->s), acc[t][h]);
         }

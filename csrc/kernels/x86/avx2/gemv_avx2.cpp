@@ -73,11 +73,11 @@ inline float quantize_block(const float* x, block_q8a& o) {
 #include "kplanes.h"
 #include "planes_unpack.h"
 
-// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0, int8 activations (cflow/planes.h) ----
+// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, int8 activations (cflow/planes.h) ----
 // A group of 16 rows is two ymm of int32 lanes (rows 0..7, 8..15): each 64-byte plane is two
 // 32-byte halves (planes_unpack.h), and slice j of the activation is broadcast to every lane.
 // Nibbles: maddubs of the slices, their int16 sums added while they cannot saturate (8 slices
-// of 4-bit weights: at most 8 * 2 * 15 * 127 = 30480; 4 of Q5_0's: 31496), one madd to int32 per
+// of 4-bit weights: at most 8 * 2 * 15 * 127 = 30480; 4 of Q5_0's or Q5_1's: 31496), one madd to int32 per
 // run; the start value -kZero * sum(x) as the AVX-512 kernel. Q8_0: |w| times sign(x, w).
 // y[0 .. gg) += a group's outputs: rows 0..7 in a0, 8..15 in a1 (rows past gg dropped).
 inline void add_group(float* y, int gg, __m256 a0, __m256 a1) {
@@ -108,7 +108,7 @@ inline __m256i planes_half_dot(const __m256i (&u)[8], const Slices& xb, const q8
   __m256i s = _mm256_set1_epi32(K::kNib ? -K::kZero * isum : 0);
   if (K::kNib) {
     // int16 sums of as many maddubs as cannot saturate (a pair sums to at most 2 * kMaxU * 127:
-    // 8 of them for 4-bit weights, 4 for Q5_0's 5 bits), then one madd to int32: the multiply
+    // 8 of them for 4-bit weights, 4 for Q5_0's and Q5_1's 5 bits), then one madd to int32: the multiply
     // port, which Zen 1 runs at 128 bits, carries a quarter fewer operations than a madd per pair
     constexpr int kRun = 32767 / (2 * K::kMaxU * 127) >= 8 ? 8 : 4;
     for (int k0 = 0; k0 < 8; k0 += kRun) {
@@ -133,7 +133,7 @@ template <BlockType WT>
 inline __m256 planes_half_finish(const uint8_t* c, int h, __m256i s, const block_q8a& a, __m256 acc) {
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
   acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d)), _mm256_cvtepi32_ps(s), acc);
-  if (WT == BlockType::Q4_1)
+  if (PlanesKind<WT>::kHasM)
     acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h))), _mm256_set1_ps(a.s), acc);
   return acc;
 }
@@ -169,16 +169,18 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
   });
 }
 
-// ---- planes-packed Q4_K / Q6_K, q8_K activations (kplanes.h) ----
+// ---- planes-packed Q4_K / Q5_K / Q6_K, q8_K activations (kplanes.h) ----
 // As the AVX-512 kernel, per half of the group (8 rows, one ymm): each sub-block's D_s from
 // maddubs of its slices against the broadcast activation bytes, int16 sums of up to 32004
-// (Q4_K: 8 slices of at most 2 * 15 * 127; Q6_K: 2 of 2 * 63 * 127: no saturation), one madd to
+// (Q4_K: 8 slices of at most 2 * 15 * 127; Q5_K: 4 of 2 * 31 * 127; Q6_K: 2 of 2 * 63 * 127: no
+// saturation), one madd to
 // int32 per sub-block, started at -kZero * (its sum of x), times its row scales (vpmulld).
 // Rows 8h .. 8h+7: group q's share of I for a token, from slices unpacked into u (L1).
 template <BlockType WT>
 inline __m256i kplanes_group_isum(const uint8_t* c, int h, int q, const __m256i* u, const block_q8_K& a) {
   using K = KPlanesKind<WT>;
-  constexpr int kPer16 = K::kQ4 ? 8 : 2;
+  constexpr int kPer16 = K::kMaxU == 15 ? 8 : K::kMaxU == 31 ? 4 : 2;  // slices per int16 run
+  static_assert(kPer16 * 2 * K::kMaxU * 127 <= 32767, "the int16 sums must not saturate");
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i I = _mm256_setzero_si256();
   for (int r = 0; r < K::kSubs; ++r) {
@@ -308,7 +310,7 @@ void gemv_batch_avx2(float* y, int ldy, const void* xv, int m, const uint8_t* w,
   for (int t0 = 0; t0 < m; t0 += kAvx2Group) {
     const uint8_t* x = (const uint8_t*)xv + t0 * ab;
     const int nt = std::min(kAvx2Group, m - t0);
-    if constexpr (WT == BlockType::Q4_K || WT == BlockType::Q6_K)
+    if constexpr (kKQuant<WT>)
       kplanes_tokens<WT, TWO>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);
     else
       planes_tokens<WT, TWO>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);

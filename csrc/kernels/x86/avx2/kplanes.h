@@ -1,8 +1,11 @@
-// The K-quant planes pack at 256 bits (Q4_K, Q6_K; x86/planes_simd.h KPlanesKind), the pieces of
+// The K-quant planes pack at 256 bits (Q4_K, Q5_K, Q6_K; x86/planes_simd.h KPlanesKind), the pieces of
 // x86/avx512/kplanes.h for half h of a 16-row chunk (rows 8h .. 8h+7: the 32-byte half h of
 // every plane and of the header vectors), shared by the GEMV (gemv_avx2.cpp) and the GEMM
 // (gemm_avx2.cpp). The integers I, M and the float finish are those of the 512-bit file.
 // Included inside namespace cflow::avx2 (anonymous), after <immintrin.h> and x86/planes_simd.h.
+
+// Bit b (0..7) of every byte of h at bit 4 of that byte (as the 512-bit kplanes_bit4).
+inline __m256i kplanes_bit4(__m256i h, int b) { return b <= 4 ? _mm256_slli_epi16(h, 4 - b) : _mm256_srli_epi16(h, b - 4); }
 
 // Group q's 16 slices of rows 8h .. 8h+7, unsigned (KPlanesKind).
 template <BlockType WT>
@@ -12,10 +15,16 @@ inline void kplanes_unpack(const uint8_t* c, int h, int q, __m256i (&u)[16]) {
   auto plane = [&](int p) { return _mm256_loadu_si256((const __m256i*)(pl + 64 * p)); };
   const __m256i lo = _mm256_set1_epi8(0x0F);
   if constexpr (K::kQ4) {
+    const __m256i b4 = _mm256_set1_epi8(16);
     for (int j = 0; j < 8; ++j) {
-      const __m256i p = plane(3 + 8 * q + j);
+      const __m256i p = plane(K::kQsPlane + 8 * q + j);
       u[j] = _mm256_and_si256(p, lo);
       u[8 + j] = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo);
+      if constexpr (K::kFifth) {  // Q5_K: bits 2q and 2q + 1 of qh plane 3 + j as bit 4
+        const __m256i qh = plane(3 + j);
+        u[j] = _mm256_or_si256(u[j], _mm256_and_si256(kplanes_bit4(qh, 2 * q), b4));
+        u[8 + j] = _mm256_or_si256(u[8 + j], _mm256_and_si256(kplanes_bit4(qh, 2 * q + 1), b4));
+      }
     }
   } else {
     const int hf = q / 2, m0 = 4 * (q % 2);
@@ -51,7 +60,7 @@ inline __m256i kplanes_scale(const uint8_t* c, int h, int s) {
   }
 }
 
-// Q4_K's M of rows 8h .. 8h+7 for one activation level (Q6_K: zero).
+// Q4_K's (and Q5_K's) M of rows 8h .. 8h+7 for one activation level (Q6_K: zero).
 template <BlockType WT>
 inline __m256i kplanes_mins(const uint8_t* c, int h, const block_q8_K& a) {
   using K = KPlanesKind<WT>;

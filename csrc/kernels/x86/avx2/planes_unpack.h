@@ -6,7 +6,7 @@
 // (cflow/planes.h; half h of each 64-byte plane): row 8h + i's weights 4j..4j+3 in int32 lane i.
 //   Q4_0, Q4_1  unsigned (the integer weight plus PlanesKind<WT>::kZero): slice j < 4 the low
 //               nibbles of plane j, j >= 4 the high nibbles of plane j - 4;
-//   Q5_0        the same, and as bit 4 each weight's fifth bit. Lane i of the qh plane is row
+//   Q5_0, Q5_1  the same, and as bit 4 each weight's fifth bit. Lane i of the qh plane is row
 //               i's 32 fifth bits, bit w for weight w, so slice j's are bits 4j..4j+3: nibble
 //               j % 2 of the lane's byte j / 2. vpshufb copies that byte to the lane's 4 bytes
 //               (for even j from qh << 4, so that the nibble is the high one either way); byte b

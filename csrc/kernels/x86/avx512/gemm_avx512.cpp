@@ -33,7 +33,7 @@ struct V : Vec, IVec {
 // NT tokens meets them with its own 8 activation slices, broadcast: 8 vpdpbusd give the 16 rows'
 // int32 dots. Per (block, token), f = d_x * dot summed over the levels (level 2 by one fma),
 // s_x = d_x * sum(q_x) of each level: acc += d_w * (f + off * s_x), off = -kZero (Q4_0 -8,
-// Q5_0 -16, Q8_0 -128), or acc += d_w * f + m_w * s_x (Q4_1). No shuffles, no horizontal sums.
+// Q5_0 -16, Q8_0 -128), or acc += d_w * f + m_w * s_x (Q4_1, Q5_1). No shuffles, no horizontal sums.
 // Port 0 is the limit: it alone runs the 512-bit vpdpbusd, so nothing else that only it runs
 // (vcvtdq2ps) is in the token loop: a dot starts from the bits of 1.5 * 2^23, and as a float the
 // sum is 1.5 * 2^23 + dot exactly (|dot| <= 32 * 255 * 127 < 2^22), one subtraction away. The
@@ -65,14 +65,14 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
     planes_unpack<TYPE>(c, u);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
     __m512 m = _mm512_setzero_ps();
-    if constexpr (TYPE == BlockType::Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32)));
+    if constexpr (PlanesKind<TYPE>::kHasM) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32)));
 #pragma GCC unroll 16
     for (int t = 0; t < NT; ++t) {
       const block_q8a* a = xr[t] + cb;
       const block_q8a* a2 = level2(a, l2);
       __m512 f = _mm512_mul_ps(dot(u, a), _mm512_set1_ps(a->d));
       if constexpr (TWO) f = _mm512_fmadd_ps(dot(u, a2), _mm512_set1_ps(a2->d), f);
-      if constexpr (TYPE == BlockType::Q4_1) {
+      if constexpr (PlanesKind<TYPE>::kHasM) {
         acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s), _mm512_fmadd_ps(d, f, acc[t]));
         if constexpr (TWO) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a2->s), acc[t]);
       } else {

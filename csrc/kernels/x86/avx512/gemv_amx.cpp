@@ -12,12 +12,12 @@
 //   A: 16 rows x 32 bytes, one row per (token, level) of up to 16 / levels tokens: the
 //       activation bytes of block b, copied once per call into a padded buffer (missing rows 0);
 //   B: 8 rows x 64 bytes, row k = slice k of the 16 weight rows (4 weights each), as signed
-//       bytes. Q8_0 planes are that already; Q4_0/Q4_1/Q5_0 unpack plane k's low nibbles into
-//       slice k and its high nibbles into slice 4 + k (planes_unpack.h; Q5_0 with their fifth
+//       bytes. Q8_0 planes are that already; Q4_0/Q4_1/Q5_0/Q5_1 unpack plane k's low nibbles
+//       into slice k and its high nibbles into slice 4 + k (planes_unpack.h; Q5_0/Q5_1 with their fifth
 //       bits), minus their zero point (Q4_0 8, Q5_0 16: the offset inside);
 //   C = A . B (tdpbssd): C[(t, l)][i] = row i's dot product with token t's level l.
 //
-// The K-quants (Q4_K, Q6_K; kplanes.h) take one dot product per sub-block s of a super-block
+// The K-quants (Q4_K, Q5_K, Q6_K; kplanes.h) take one dot product per sub-block s of a super-block
 // (chunk c): A is 16 (token, level) rows of the block_q8_K bytes of s (32, Q6_K 16), B the kSlices
 // slices of s (kplanes_unpack, minus kZero: Q6_K 32), so C[(t, l)] is the GEMV's D_s; per token
 // I = sum_s sc_s * D_s and M (kplanes_mins) are the GEMV's exact integers and kplanes_finish
@@ -269,7 +269,7 @@ void gemv_batch_kplanes(float* y, int ldy, const void* xv, int m, const uint8_t*
 GemvBatchFn amx_gemv_batch(BlockType bt, Pack pack, AType at) {
   return planes_batch_fn(bt, pack, at, [](auto wt, auto two) -> GemvBatchFn {
     constexpr BlockType WT = decltype(wt)::value;
-    if constexpr (WT == BlockType::Q4_K || WT == BlockType::Q6_K) return gemv_batch_kplanes<WT, decltype(two)::value>;
+    if constexpr (kKQuant<WT>) return gemv_batch_kplanes<WT, decltype(two)::value>;
     else return gemv_batch_planes<WT, decltype(two)::value>;
   });
 }

@@ -1,6 +1,6 @@
 // AVX-512 (F/BW/VL/DQ + VNNI) GEMV kernels: the traits V plus the shared x86/gemv_simd.h (every
 // type, fp32 and int8 activations), and the wider kernels below that replace some of them: the
-// 4-bit quads (Q4_0/Q4_1/Q5_0 int8) and Q4_K/Q6_K int8 at 512 bits.
+// 4-bit quads (Q4_0/Q4_1/Q5_0/Q5_1 int8) and Q4_K/Q5_K/Q6_K int8 at 512 bits.
 //
 // The unit of work of the 4-bit int8 kernels is a quad: 4 rows x 1 column block. With interleave g >= 4 a quad's 4 blocks
 // are contiguous in the tile (72 bytes for Q4_0), so two loads and one vpermt2w put block k's
@@ -8,7 +8,7 @@
 // block is broadcast to all four lanes and one vpdpbusd per nibble half gives every row's
 // partial dot product. Rows of a ragged group (or interleave 1 and 2) are gathered from 4
 // pointers instead (a missing row repeats the last one; its result is dropped).
-// Weight nibbles are unsigned (0..15, Q5_0 0..31); the -8 offset of Q4_0 (-16 of Q5_0) enters as
+// Weight nibbles are unsigned (0..15, Q5_0 and Q5_1 0..31); the -8 offset of Q4_0 (-16 of Q5_0) enters as
 // the initial value of the int32 accumulator, -8 * (lane sums of the activation), precomputed in
 // q8a_sums.
 #include <immintrin.h>
@@ -57,26 +57,31 @@ inline void add_quad_n(float* y, __m512 acc, int n) {
 
 // ---- quad loaders of the 4-bit types: qs (block k's 16 bytes in lane k), d (and m) ----
 
-// Q4_0 / Q4_1 / Q5_0 blocks: scale words at 0 (and m at 1, or Q5_0's qh at 1..2), qs from
-// byte QSOFF. ZS: the int8 path subtracts 2^ZS * (lane sums of x) (Q4_0: 8, Q5_0: 16; Q4_1: m).
-// Q5_0's fifth bits come out as two 64-bit masks in h (low, high nibbles; bit 16k + j: weight
-// j resp. 16 + j of block k, matching byte 16k + j of qs).
-template <int BB, int QSOFF, bool HAS_M, int ZS, bool HAS_H = false>
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks: scale words at 0 (and m at 1), qh (Q5_0, Q5_1) at byte
+// QHOFF (0: none), qs from byte QSOFF. ZS: the int8 path subtracts 2^ZS * (lane sums of x)
+// (Q4_0: 8, Q5_0: 16; Q4_1, Q5_1: m). The fifth bits come out as two 64-bit masks in h (low,
+// high nibbles; bit 16k + j: weight j resp. 16 + j of block k, matching byte 16k + j of qs).
+template <int BB, int QSOFF, bool HAS_M, int ZS, int QHOFF = 0>
 struct Nib {
   static constexpr int kBB = BB, kZeroShift = ZS;
-  static constexpr bool kHasM = HAS_M, kHasH = HAS_H;
+  static constexpr bool kHasM = HAS_M, kHasH = QHOFF > 0;
   static constexpr int kWords = BB / 2;
   static const WordIdx& idx_qs() {
     static const WordIdx w = make_idx([](int i) { return (i / 8) * kWords + QSOFF / 2 + i % 8; });
     return w;
   }
-  // words 0..15: d of block i/4; 16..31: m of block (i-16)/4, or (HAS_H) words 16+k, 20+k:
-  // the low and high qh word of block k.
+  // words 0..15: d of block i/4; 16..31: m of block (i-16)/4, or (qh, no m: Q5_0) words 16+k,
+  // 20+k: the low and high qh word of block k.
   static const WordIdx& idx_dm() {
     static const WordIdx w = make_idx([](int i) {
-      if (i < 16 || !HAS_H) return ((i % 16) / 4) * kWords + (i >= 16 ? 1 : 0);
-      return i < 24 ? ((i - 16) % 4) * kWords + 1 + (i - 16) / 4 : 0;
+      if (i < 16 || !kHasH || HAS_M) return ((i % 16) / 4) * kWords + (i >= 16 ? 1 : 0);
+      return i < 24 ? ((i - 16) % 4) * kWords + QHOFF / 2 + (i - 16) / 4 : 0;
     });
+    return w;
+  }
+  // (qh and m: Q5_1) words k, 4+k: the low and high qh word of block k; the rest unused.
+  static const WordIdx& idx_h() {
+    static const WordIdx w = make_idx([](int i) { return i < 8 ? (i % 4) * kWords + QHOFF / 2 + i / 4 : 0; });
     return w;
   }
   // 4 contiguous blocks at p.
@@ -87,7 +92,8 @@ struct Nib {
     const __m512i dm = _mm512_permutex2var_epi16(a, load_idx(idx_dm()), b);
     d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
     if (HAS_M) m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
-    if (HAS_H) hm = _mm512_extracti32x4_epi32(dm, 2);
+    if (kHasH && HAS_M) hm = _mm512_castsi512_si128(_mm512_permutex2var_epi16(a, load_idx(idx_h()), b));
+    else if (kHasH) hm = _mm512_extracti32x4_epi32(dm, 2);
   }
   // 4 blocks at 4 pointers.
   static inline void load4(const uint8_t* const* p, __m512i& qs, __m512& d, __m512& m, __m128i& hm) {
@@ -101,11 +107,11 @@ struct Nib {
     const __m512i sel_d = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     d = _mm512_permutexvar_ps(sel_d, dm);
     if (HAS_M) m = _mm512_permutexvar_ps(_mm512_add_epi32(sel_d, _mm512_set1_epi32(4)), dm);
-    if (HAS_H) {
+    if (kHasH) {
       uint64_t lo = 0, hi = 0;
       for (int k = 0; k < 4; ++k) {
         uint32_t qh;
-        std::memcpy(&qh, p[k] + 2, 4);
+        std::memcpy(&qh, p[k] + QHOFF, 4);
         lo |= (uint64_t)(qh & 0xFFFF) << (16 * k);
         hi |= (uint64_t)(qh >> 16) << (16 * k);
       }
@@ -116,7 +122,8 @@ struct Nib {
 
 using Q4_0 = Nib<18, 2, false, 3>;
 using Q4_1 = Nib<20, 4, true, 0>;
-using Q5_0 = Nib<22, 6, false, 4, true>;
+using Q5_0 = Nib<22, 6, false, 4, 2>;
+using Q5_1 = Nib<24, 8, true, 0, 4>;
 
 // One quad (4 rows) over nb column blocks of 4-bit weights. CONTIG: the quad's 4 blocks of
 // column block b are contiguous at q0 + b * stride (rows of one interleave group, g >= 4);
@@ -124,7 +131,7 @@ using Q5_0 = Nib<22, 6, false, 4, true>;
 template <class T, bool CONTIG>
 inline __m512 quad_nib(const uint8_t* q0, size_t stride, const TileRow* rows, const block_q8a* xa,
                        const q8a_sums* xs, int nb) {
-  constexpr bool kOff = !T::kHasM;  // Q4_0: q - 8, Q5_0: q - 16; Q4_1: d*q + m
+  constexpr bool kOff = !T::kHasM;  // Q4_0: q - 8, Q5_0: q - 16; Q4_1, Q5_1: d*q + m
   const __m512i lo4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(16);
   __m512 acc = _mm512_setzero_ps();
   __m512 accm = _mm512_setzero_ps();
@@ -145,7 +152,7 @@ inline __m512 quad_nib(const uint8_t* q0, size_t stride, const TileRow* rows, co
     if (kOff)  // -2^ZS * lane sums of x
       s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xs[b].lsum4)), T::kZeroShift));
     __m512i ulo = _mm512_and_si512(qs, lo4), uhi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
-    if (T::kHasH) {  // Q5_0: + 16 where the fifth bit is set
+    if (T::kHasH) {  // Q5_0, Q5_1: + 16 where the fifth bit is set
       ulo = _mm512_mask_add_epi8(ulo, (__mmask64)_mm_cvtsi128_si64(h), ulo, bit4);
       uhi = _mm512_mask_add_epi8(uhi, (__mmask64)_mm_extract_epi64(h, 1), uhi, bit4);
     }
@@ -247,6 +254,23 @@ struct KQ4_K512 : BlkQ4_K {
     for (int c = 0; c < 4; ++c) {
       const __m256i q = load32(p + 16 + 32 * c);
       const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo4(q)), hi4(q), 1);
+      const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(sm[2 * c]), _mm256_set1_epi16(sm[2 * c + 1]), 1);
+      s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.qs + 64 * c)), sc);
+    }
+    finish(p, a, sm, fold(s), acc, accs);
+  }
+};
+
+struct KQ5_K512 : BlkQ5_K {
+  // As KQ4_K512, the fifth bits put above the nibbles first (BlkQ5_K::quants).
+  static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float& accs) {
+    uint8_t sm[16];
+    scales_k4(p + 4, sm);
+    __m512i s = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo, hi;
+      quants(p, c, lo, hi);
+      const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
       const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(sm[2 * c]), _mm256_set1_epi16(sm[2 * c + 1]), 1);
       s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.qs + 64 * c)), sc);
     }
@@ -452,13 +476,13 @@ void gemv_tq2_batch(float* y, int ldy, const void* xv, int m, const uint8_t* w, 
   }
 }
 
-// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q8_0, int8 activations (cflow/planes.h) ----
+// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, int8 activations (cflow/planes.h) ----
 // One interleave group of 16 rows is one zmm of int32 lanes, lane i = row i. Per column block:
 // the 16 scales are one fp16 load; each 64-byte plane holds slice k (4 quant bytes) of every
 // row, and one vpdpbusd against the 4 activation bytes of slice k, broadcast, adds every row's
 // partial dot product. No shuffles. The weights are unsigned (planes_unpack.h), their offsets
 // enter the int32 accumulator exactly, as its start value -kZero * sum(x): Q4_0 -8 * sum(x),
-// Q5_0 -16 * sum(x), Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x); Q4_1 adds
+// Q5_0 -16 * sum(x), Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x); Q4_1 and Q5_1 add
 // m * d_x * sum(x) in float.
 // A group of fewer rows is widened to 16 (planes_widen).
 // TWO (AType::Q8x2): a second int8 activation (the residual level, a2) is dotted with the same
@@ -506,7 +530,7 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
   });
 }
 
-// ---- planes-packed Q4_K / Q6_K, q8_K activations (kplanes.h) ----
+// ---- planes-packed Q4_K / Q5_K / Q6_K, q8_K activations (kplanes.h) ----
 // Per super-block of a 16-row group: M from the mins (Q4_K), then per group of 16 slices each
 // sub-block's D_s, started at -kZero * (its sum of x), by one vpdpbusd per slice against the 4
 // activation bytes broadcast, times the sub-block's 16 row scales (vpmulld), into I; then
@@ -718,7 +742,7 @@ void gemv_batch_vnni(float* y, int ldy, const void* xv, int m, const uint8_t* w,
   for (int t0 = 0; t0 < m; t0 += kVnniGroup) {
     const uint8_t* x = (const uint8_t*)xv + t0 * ab;
     with_count<kVnniGroup>(std::min(kVnniGroup, m - t0), [&](auto NT) {
-      if constexpr (WT == BlockType::Q4_K || WT == BlockType::Q6_K)
+      if constexpr (kKQuant<WT>)
         kplanes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, w, L, row_begin, row_end);
       else
         planes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, w, L, row_begin, row_end);
@@ -731,7 +755,9 @@ void fill_wide(KernelTable& t) {
   set_gemv_q8<gemv_nib_q8<Q4_0>>(t, BlockType::Q4_0);
   set_gemv_q8<gemv_nib_q8<Q4_1>>(t, BlockType::Q4_1);
   set_gemv_q8<gemv_nib_q8<Q5_0>>(t, BlockType::Q5_0);
+  set_gemv_q8<gemv_nib_q8<Q5_1>>(t, BlockType::Q5_1);
   set_gemv_q8<gemv_q8<KQ4_K512>>(t, BlockType::Q4_K);
+  set_gemv_q8<gemv_q8<KQ5_K512>>(t, BlockType::Q5_K);
   set_gemv_q8<gemv_q8<KQ6_K512>>(t, BlockType::Q6_K);
   set_gemv_q8<gemv_tq2_q8>(t, BlockType::TQ2_0);
 }

@@ -1,12 +1,12 @@
-// The K-quant planes pack at 512 bits (Q4_K, Q6_K; x86/planes_simd.h KPlanesKind): a 16-row
+// The K-quant planes pack at 512 bits (Q4_K, Q5_K, Q6_K; x86/planes_simd.h KPlanesKind): a 16-row
 // chunk's weights, sub-block scales and mins, and the float finish of a super-block, shared by
 // the GEMV (gemv_avx512.cpp), the batched GEMV (gemv_amx.cpp) and the GEMM (gemm_avx512.cpp).
 // Included inside namespace cflow::avx512 (anonymous), after <immintrin.h> and x86/planes_simd.h.
 //
 // Per super-block, for row i (int32 lane i) and one activation level a (block_q8_K, scale d_a):
 //   D_s = sum over sub-block s of (u - kZero) * a      exact int32 (|D_s| <= 32 * 63 * 128)
-//   I   = sum_s sc_s * D_s                             exact int32 (Q4_K < 2^25, Q6_K < 2^28)
-//   M   = sum_s m_s * (sum of a over s)                Q4_K only, exact int32 (< 2^21)
+//   I   = sum_s sc_s * D_s                             exact int32 (Q4_K < 2^25, Q5_K < 2^26, Q6_K < 2^28)
+//   M   = sum_s m_s * (sum of a over s)                Q4_K and Q5_K, exact int32 (< 2^21)
 //   y  += d * d_a * I - dmin * d_a * M                 kplanes_finish, the one float part
 // Integer sums do not depend on their order, so any kernel that forms I and M (vpdpbusd here,
 // tdpbssd on AMX) and then runs kplanes_finish gives a token the same result, bit for bit.
@@ -14,17 +14,30 @@
 // Group q's 16 slices of the 16 rows (KPlanesKind: u[k] is slice k % kSlices of sub-block
 // sub(q, k / kSlices)), unsigned. Q6_K: quarter t's 6-bit weights are nibble t / 2 of a ql
 // plane and bits 2t, 2t+1 of the qh plane, moved to bits 4, 5 (16-bit shifts: the 0x30 mask
-// drops what crosses a byte) and put beside the nibble by one bit-select.
+// drops what crosses a byte) and put beside the nibble by one bit-select. Q5_K: slice j's fifth
+// bits are bits 2q (low nibbles) and 2q + 1 (high) of each byte of qh plane 3 + j, moved to bit 4
+// (kplanes_bit4) and put beside the nibbles the same way.
+// Bit b (0..7) of every byte of h at bit 4 of that byte (16-bit shifts by at most 4: what crosses
+// a byte lands in bits the caller masks off).
+inline __m512i kplanes_bit4(__m512i h, int b) { return b <= 4 ? _mm512_slli_epi16(h, 4 - b) : _mm512_srli_epi16(h, b - 4); }
+
 template <BlockType WT>
 inline void kplanes_unpack(const uint8_t* c, int q, __m512i (&u)[16]) {
   using K = KPlanesKind<WT>;
   const __m512i* pl = (const __m512i*)(c + K::kPlanes);
   const __m512i lo = _mm512_set1_epi8(0x0F);
   if constexpr (K::kQ4) {
+    const __m512i b4 = _mm512_set1_epi8(16);
     for (int j = 0; j < 8; ++j) {
-      const __m512i p = _mm512_loadu_si512(pl + 3 + 8 * q + j);
-      u[j] = _mm512_and_si512(p, lo);
-      u[8 + j] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
+      const __m512i p = _mm512_loadu_si512(pl + K::kQsPlane + 8 * q + j);
+      if constexpr (K::kFifth) {  // (lo & nibbles) | (~lo & fifth bits)
+        const __m512i h = _mm512_loadu_si512(pl + 3 + j);
+        u[j] = _mm512_ternarylogic_epi32(lo, p, _mm512_and_si512(kplanes_bit4(h, 2 * q), b4), 0xCA);
+        u[8 + j] = _mm512_ternarylogic_epi32(lo, _mm512_srli_epi16(p, 4), _mm512_and_si512(kplanes_bit4(h, 2 * q + 1), b4), 0xCA);
+      } else {
+        u[j] = _mm512_and_si512(p, lo);
+        u[8 + j] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo);
+      }
     }
   } else {
     const int h = q / 2, m0 = 4 * (q % 2);
@@ -43,7 +56,7 @@ inline void kplanes_unpack(const uint8_t* c, int q, __m512i (&u)[16]) {
   }
 }
 
-// Sub-block s's scale of the 16 rows (int32 lanes): Q4_K's 6-bit sc from planes 0 and 2, Q6_K's
+// Sub-block s's scale of the 16 rows (int32 lanes): Q4_K's (and Q5_K's) 6-bit sc from planes 0 and 2, Q6_K's
 // int8 from plane 48 + s / 4 (docs/FORMAT.md 5.1).
 template <BlockType WT>
 inline __m512i kplanes_scale(const uint8_t* c, int s) {
@@ -61,7 +74,7 @@ inline __m512i kplanes_scale(const uint8_t* c, int s) {
   }
 }
 
-// Q4_K's M of one or two levels (Q6_K: zero): sum_j m_j * asum_j, m_j from planes 1 and 2.
+// Q4_K's (and Q5_K's) M of one or two levels (Q6_K: zero): sum_j m_j * asum_j, m_j from planes 1 and 2.
 template <BlockType WT, bool TWO>
 inline void kplanes_mins(const uint8_t* c, const block_q8_K& a, const block_q8_K* a2, __m512i& M, __m512i& M2) {
   using K = KPlanesKind<WT>;

@@ -19,7 +19,7 @@ inline __m512 planes_finish(const uint8_t* c, __m512i S, __m512i T, const block_
   } else {
     acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(S), acc);
   }
-  if (WT == BlockType::Q4_1)
+  if (PlanesKind<WT>::kHasM)
     acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))),
                           _mm512_set1_ps(TWO ? a.s + a2->s : a.s), acc);
   return acc;

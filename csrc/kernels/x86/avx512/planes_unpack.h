@@ -6,7 +6,7 @@
 // row i's weights 4j..4j+3 in int32 lane i, as unsigned bytes (the integer weight plus
 // PlanesKind<WT>::kZero):
 //   Q4_0, Q4_1  slice j < 4: the low nibbles of plane j; j >= 4: the high nibbles of plane j - 4;
-//   Q5_0        the same nibbles, and as bit 4 each weight's fifth bit. Lane i of the qh plane is
+//   Q5_0, Q5_1  the same nibbles, and as bit 4 each weight's fifth bit. Lane i of the qh plane is
 //               row i's 32 fifth bits, bit w for weight w, so slice j's are bits 4j..4j+3: the
 //               lane shifted down by 4j, vpermd (which reads the low 4 bits of each index)
 //               looks them up in kSpread, and one bit-select (vpternlogd) puts them above the
