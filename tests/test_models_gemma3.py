@@ -1,15 +1,14 @@
 """Gemma 3 270M (the real Q4_K_M GGUF from `cflow pull`): coherent text, and top-1 agreement with
 Hugging Face transformers (fp32, same GGUF dequantized) on a teacher-forced sequence."""
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
-from cflow import hub  # noqa: E402
-from test_models_smollm2 import TEXT  # noqa: E402
+from test_models_smollm2 import TEXT
 
+from cflow import hub
 
 ONE_LEVEL_TOP1_MIN = 0.85
 
@@ -51,14 +50,23 @@ def test_chat_uses_gemmas_turns_when_the_file_has_no_template(llm):
     assert ids.count(llm.tokenizer.backend.token_to_id("<start_of_turn>")) == 4  # one token each, not text
 
 
-def test_top1_agrees_with_transformers(llm, gguf_path):
-    ids = llm.tokenizer.encode(TEXT, add_special_tokens=True)[:128]
+@pytest.fixture(scope="module")
+def ids(llm):
+    return llm.tokenizer.encode(TEXT, add_special_tokens=True)[:128]
+
+
+@pytest.fixture(scope="module")
+def ref(gguf_path, ids):
     ref_model = tf.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                         torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = ref_model(torch.tensor([ids])).logits[0].float().numpy()
+        return ref_model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def test_top1_agrees_with_transformers(llm, gguf_path, ids, ref):
     from cflow.llm import LLM
 
+    assert ids[0] == llm.tokenizer.bos_token_id  # Gemma's text starts with BOS, as transformers adds it
     exact = LLM(str(gguf_path), quiet=True, n_ctx=1024, fast=False)  # fp32 activations
     assert (exact.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= 0.98
     # two-level int8 activations (the default fast path): the 98% acceptance
@@ -69,3 +77,16 @@ def test_top1_agrees_with_transformers(llm, gguf_path):
     # Parity); guarded so that a regression shows
     one = LLM(str(gguf_path), quiet=True, n_ctx=1024, precise=False)
     assert (one.logits(ids).argmax(-1) == ref.argmax(-1)).mean() >= ONE_LEVEL_TOP1_MIN
+
+
+def test_default_path_at_least_as_faithful_as_llama_cpp(llm, gguf_path, ids, ref):
+    """The acceptance: the same GGUF and token ids (BOS included, passed to llama.cpp as tokens),
+    the default path's top-1 agreement with transformers at least llama.cpp's."""
+    pytest.importorskip("llama_cpp")
+    from cflow.bench.fidelity import compare, llama_cpp_logits
+
+    ours = compare(llm.logits(ids), ref)
+    theirs = compare(llama_cpp_logits(str(gguf_path), ids, threads=2)[0], ref)
+    assert theirs["top1"] > 0.8  # llama.cpp saw the same tokens
+    assert ours["top1"] >= max(0.98, theirs["top1"]), (ours, theirs)
+    assert ours["rel_err_mean"] <= theirs["rel_err_mean"]

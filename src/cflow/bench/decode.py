@@ -137,7 +137,8 @@ def _model_params(**fields):
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python's low-level API, timed by its perf counters."""
 
-    def __init__(self, gguf: str, threads: int, n_ctx: int, extra_bufts: bool | None = None):
+    def __init__(self, gguf: str, threads: int, n_ctx: int, extra_bufts: bool | None = None,
+                 logits_all: bool = False):
         try:
             import llama_cpp
         except ImportError as e:
@@ -153,7 +154,7 @@ class LlamaCppRunner:
         self.extra_bufts = not _cpu_has_amx() if extra_bufts is None else bool(extra_bufts)
         with _model_params(use_extra_bufts=self.extra_bufts):
             self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                                       n_threads_batch=threads, verbose=False)
+                                       n_threads_batch=threads, logits_all=logits_all, verbose=False)
         self.ctx = self.llm._ctx.ctx
         self.steps: list[float] = []  # seconds of every decode step timed so far
 
