@@ -138,3 +138,36 @@ def test_bench_fidelity_reports_every_setting(gguf_path, capsys):
     rows = {r["setting"]: r for r in rec["rows"] if r["engine"] == "cflow"}
     assert set(rows) == {"fp32", "int8x2"} and rows["int8x2"]["default"], rec["rows"]
     assert rows["fp32"]["top1"] == 1.0 and rows["fp32"]["rel_err_mean"] < 1e-3
+
+
+def test_greedy_64_tokens_equal_the_reference(fp32, reference):
+    prompt = fp32.tokenizer.encode("Once upon a time")
+    got = [t for c in fp32.complete(prompt, max_tokens=64, temperature=0) for t in c.token_ids]
+    assert len(got) == 64
+    ref = ref_logits(reference, prompt + got[:-1])[len(prompt) - 1:]
+    assert ref.argmax(-1).tolist() == got
+
+
+def test_tokenizer_matches_the_reference_tokenizer(fp32, gguf_path):
+    ref = tf.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    for s in (TEXT[:300], "In 2024, 1234567 cats 🤗 said héllo!\n\n  ok", "<|im_start|>user\nhi<|im_end|>"):
+        assert fp32.tokenizer.encode(s) == ref.encode(s, add_special_tokens=False)
+
+
+def test_bench_decode_vs_llama_cpp(gguf_path):
+    """The comparison itself, where the optional extra (llama-cpp-python) is installed: both
+    engines' figures, per-run ratios and llama.cpp's per-step times from its own counters."""
+    pytest.importorskip("llama_cpp")
+    from cflow.bench.decode import run
+    from cflow.engine import Engine
+    from cflow.llm import load_model
+
+    eng = Engine(load_model(str(gguf_path), quiet=True), threads=1, n_ctx=1024)
+    rec = run(eng, name="smollm2-135m", threads=1, gguf=str(gguf_path), runs=2, tokens=4, prompt_len=32,
+              log=lambda *a: None)
+    vs = rec["vs"]["llama.cpp"]
+    assert len(vs["decode_runs"]) == len(vs["prefill_runs"]) == len(vs["ratio_decode_runs"]) == 2
+    assert vs["decode_tok_s"] > 0 and vs["prefill_tok_s"] > 0 and vs["decode_step_ms_median"] > 0
+    assert vs["ratio_decode"] == pytest.approx(rec["decode_tok_s"] / vs["decode_tok_s"], rel=0.01)
+    assert vs["ratio_decode_step"] == pytest.approx(vs["decode_step_ms_median"] / rec["decode_step_ms_median"],
+                                                    rel=0.01)
