@@ -187,9 +187,13 @@ def cflow_logits(
     weights, ids: list[int], setting: str, threads: int, decode: bool = False
 ) -> tuple[np.ndarray, str]:
     """cflow's native engine over ids in one setting: teacher-forced in one prompt pass, or with
-    decode one token a step; and the engine's name of the setting."""
+    decode one token a step; and the engine's name of the setting. weights: an opened model or
+    a model argument (a name, a .gguf or .cflow path: GGUF files run their cached conversion)."""
     from cflow.engine import Engine
+    from cflow.llm import load_model
 
+    if isinstance(weights, (str, os.PathLike)):
+        weights = load_model(str(weights), quiet=True)
     eng = Engine(weights, threads=threads, n_ctx=len(ids) + 8, **parse_setting(setting))
     st = eng.new_state()
     if decode:
@@ -343,21 +347,25 @@ def _ids_digest(ids: list[int]) -> str:
 def report(rec: dict) -> str:
     mix = ", ".join(f"{k} x{v}" for k, v in rec["quant_mix"].items())
     r = rec["reference"]
+    labels = [
+        f"{row['engine']} {row['setting']}"
+        + (" (default)" if row["default"] else "")
+        + f", {row['pass']}"
+        for row in rec["rows"]
+    ]
+    # a role subset (int8x2:qkv+attn_output+...) makes a long label
+    w = max([34, *map(len, labels)])
     lines = [
         f"{rec['model']} ({rec['gguf']}, {rec['arch']}; matrices {mix})",
         f"{rec['positions']} teacher-forced positions of the {rec['text']} text"
         + (", BOS first" if rec["bos_first"] else ", no BOS")
         + f"; reference transformers {r['transformers']} "
         f"fp32 ({r['attn_implementation']} attention), the same token ids for every engine",
-        f"  {'engine / setting':34s} {'top-1':>7s} {'rel. err mean':>13s} {'max':>9s} {'KL mean':>9s}",
+        f"  {'engine / setting':{w}s} {'top-1':>7s} {'rel. err mean':>13s} {'max':>9s} {'KL mean':>9s}",
     ]
-    for row in rec["rows"]:
-        label = f"{row['engine']} {row['setting']}" + (
-            " (default)" if row["default"] else ""
-        )
-        label += f", {row['pass']}"
+    for label, row in zip(labels, rec["rows"]):
         lines.append(
-            f"  {label:34s} {100 * row['top1']:6.1f}% {row['rel_err_mean']:13.2e} {row['rel_err_max']:9.2e} "
+            f"  {label:{w}s} {100 * row['top1']:6.1f}% {row['rel_err_mean']:13.2e} {row['rel_err_max']:9.2e} "
             f"{row['kl_mean']:9.2e}"
         )
     lines.append(
