@@ -125,19 +125,30 @@ def test_default_path_at_least_as_faithful_as_llama_cpp(gguf_path, text_ids, tex
     assert ours["rel_err_mean"] <= theirs["rel_err_mean"]
 
 
-def test_bench_fidelity_reports_every_setting(gguf_path, capsys):
-    """`cflow bench fidelity --json`: one record, a row per cflow setting over the same positions."""
+def test_bench_fidelity_command(gguf_path, reference, capsys, monkeypatch):
+    """`cflow bench fidelity --json` end to end on a few positions: a row per setting over the same
+    positions, and llama.cpp reported as skipped where llama-cpp-python is missing (made so here).
+    The reference is this module's transformers model, already loaded: loading it a second time
+    costs most of a minute on a 2-core machine."""
     import json
 
+    from cflow.bench import fidelity
     from cflow.cli import main
 
-    assert main(["bench", "fidelity", "-m", str(gguf_path), "--tokens", "24", "--settings", "fp32,int8x2",
-                 "--no-llama-cpp", "--json"]) == 0
+    monkeypatch.setattr(fidelity, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(fidelity, "reference_logits",
+                        lambda gguf, ids, threads=None: (ref_logits(reference, ids),
+                                                         {"transformers": tf.__version__, "attn_implementation": "sdpa"}))
+    assert main(["bench", "fidelity", "-m", str(gguf_path), "--tokens", "24", "--settings", "fp32,int8x2,int8x2:head",
+                 "--json"]) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rec["positions"] == 24
-    rows = {r["setting"]: r for r in rec["rows"] if r["engine"] == "cflow"}
-    assert set(rows) == {"fp32", "int8x2"} and rows["int8x2"]["default"], rec["rows"]
-    assert rows["fp32"]["top1"] == 1.0 and rows["fp32"]["rel_err_mean"] < 1e-3
+    assert rec["positions"] == 24 and rec["quant_mix"] == {"Q4_1": 210, "Q8_0": 1} and not rec["bos_first"]
+    assert [(r["engine"], r["setting"], r["pass"], r["default"]) for r in rec["rows"]] == [
+        ("cflow", "fp32", "prefill", False), ("cflow", "int8x2", "prefill", True),
+        ("cflow", "int8x2:head", "prefill", False)]
+    assert rec["rows"][0]["top1"] == 1.0 and rec["rows"][0]["rel_err_mean"] < 1e-4
+    assert any("llama.cpp skipped" in n for n in rec["notes"])
+    assert fidelity.report(rec).count("\n") >= 6
 
 
 def test_greedy_64_tokens_equal_the_reference(fp32, reference):
