@@ -72,7 +72,7 @@ def test_fp32_path_logits_within_1e_3(fp32, text_ids, text_ref):
     assert (ours.argmax(-1) == text_ref.argmax(-1)).all()
 
 
-# One-level int8 activations (--activations int8, as llama.cpp's q8 activations) measured 96.1%
+# One-level int8 activations (--activations int8, as llama.cpp's q8 activations) measured 97.7%
 # here: quantizing activations to int8 flips near-ties (docs/MODELS.md, "Parity"). The bound
 # guards against regressions; the default two-level path below carries the 98% acceptance.
 FAST_TOP1_MIN = 0.95
