@@ -105,30 +105,56 @@ inline void scales_k4(const uint8_t* s12, uint8_t* sm) {
   std::memcpy(sm, u, 16);
 }
 
-struct BlkQ4_K : BlkOf<BlockType::Q4_K> {
+// Q4_K and Q5_K share their scales, mins and float finish; Q::quants(p, c, lo, hi) gives chunk c's
+// 64 weights as unsigned bytes: low nibbles (sub-block 2c), high nibbles (2c + 1).
+struct QuantsQ4_K {
+  // 4 chunks of 64 weights, 32 bytes each
+  static void quants(const uint8_t* p, int c, __m256i& lo, __m256i& hi) {
+    const __m256i q = load32(p + 16 + 32 * c);
+    lo = lo4(q);
+    hi = hi4(q);
+  }
+};
+
+// Q5_K: chunk c's 32 qs bytes with bits 2c and 2c + 1 of the 32 qh bytes (the same 32 bytes for
+// every chunk) as bit 4 of the low and high nibbles (weights 0..31).
+struct QuantsQ5_K {
+  static void quants(const uint8_t* p, int c, __m256i& lo, __m256i& hi) {
+    const __m256i q = load32(p + 48 + 32 * c), qh = load32(p + 16), b4 = _mm256_set1_epi8(16);
+    const __m256i h = _mm256_srli_epi16(qh, 2 * c);  // bit 2c of each byte at bit 0 (16-bit shift)
+    lo = _mm256_or_si256(lo4(q), _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
+    hi = _mm256_or_si256(hi4(q), _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
+  }
+};
+
+template <BlockType T, class Q>
+struct BlkK4 : BlkOf<T> {
   using Act = block_q8_K;
-  // 4 chunks of 64 weights, 32 bytes each: low nibbles are sub-block 2c, high 2c+1.
+  static void quants(const uint8_t* p, int c, __m256i& lo, __m256i& hi) { Q::quants(p, c, lo, hi); }
   template <class F>
   static void chunks(const uint8_t* p, F&& f) {
     uint8_t sm[16];
     scales_k4(p + 4, sm);
     const float d = h2f(p), dmin = h2f(p + 2);
     for (int c = 0; c < 4; ++c) {
-      const __m256i q = load32(p + 16 + 32 * c);
+      __m256i lo, hi;
+      quants(p, c, lo, hi);
       const float d0 = d * sm[2 * c], o0 = -(dmin * sm[8 + 2 * c]);
       const float d1 = d * sm[2 * c + 1], o1 = -(dmin * sm[9 + 2 * c]);
-      f(2 * c, lo4(q), d0, o0, d0, o0);
-      f(2 * c + 1, hi4(q), d1, o1, d1, o1);
+      f(2 * c, lo, d0, o0, d0, o0);
+      f(2 * c + 1, hi, d1, o1, d1, o1);
     }
   }
   // acc += d*dx * sum_s sc_s (q_s . x_s); accs -= dmin*dx * sum_s m_s * sum(x_s). isum is the
   // integer part (8 int32 lanes summing to sum_s sc_s (q_s . x_s)); sm: scales_k4 of the block.
+  // maddubs pair sums stay below 2 * 31 * 128 for 5-bit weights: no saturation.
   static __m256i isum(const uint8_t* p, const block_q8_K& a, const uint8_t* sm) {
     __m256i s = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
-      const __m256i q = load32(p + 16 + 32 * c);
-      s = V::dot_sc(s, lo4(q), load32(a.qs + 64 * c), _mm256_set1_epi16(sm[2 * c]));
-      s = V::dot_sc(s, hi4(q), load32(a.qs + 64 * c + 32), _mm256_set1_epi16(sm[2 * c + 1]));
+      __m256i lo, hi;
+      quants(p, c, lo, hi);
+      s = V::dot_sc(s, lo, load32(a.qs + 64 * c), _mm256_set1_epi16(sm[2 * c]));
+      s = V::dot_sc(s, hi, load32(a.qs + 64 * c + 32), _mm256_set1_epi16(sm[2 * c + 1]));
     }
     return s;
   }
@@ -146,52 +172,8 @@ struct BlkQ4_K : BlkOf<BlockType::Q4_K> {
     finish(p, a, sm, isum(p, a, sm), acc, accs);
   }
 };
-
-// Q5_K: Q4_K's scales, mins and float finish; its chunk c's 32 qs bytes with bits 2c and 2c + 1
-// of the 32 qh bytes (the same 32 bytes for every chunk) as bit 4 of the low and high nibbles.
-struct BlkQ5_K : BlkOf<BlockType::Q5_K> {
-  using Act = block_q8_K;
-  // chunk c's weights as unsigned bytes (0..31): low nibbles (sub-block 2c), high (2c + 1)
-  static void quants(const uint8_t* p, int c, __m256i& lo, __m256i& hi) {
-    const __m256i q = load32(p + 48 + 32 * c), qh = load32(p + 16), b4 = _mm256_set1_epi8(16);
-    const __m256i h = _mm256_srli_epi16(qh, 2 * c);  // bit 2c of each byte at bit 0 (16-bit shift)
-    lo = _mm256_or_si256(lo4(q), _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
-    hi = _mm256_or_si256(hi4(q), _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
-  }
-  template <class F>
-  static void chunks(const uint8_t* p, F&& f) {
-    uint8_t sm[16];
-    scales_k4(p + 4, sm);
-    const float d = h2f(p), dmin = h2f(p + 2);
-    for (int c = 0; c < 4; ++c) {
-      __m256i lo, hi;
-      quants(p, c, lo, hi);
-      const float d0 = d * sm[2 * c], o0 = -(dmin * sm[8 + 2 * c]);
-      const float d1 = d * sm[2 * c + 1], o1 = -(dmin * sm[9 + 2 * c]);
-      f(2 * c, lo, d0, o0, d0, o0);
-      f(2 * c + 1, hi, d1, o1, d1, o1);
-    }
-  }
-  // Q4_K's isum with 5-bit weights: maddubs pair sums up to 2 * 31 * 128, no saturation.
-  static __m256i isum(const uint8_t* p, const block_q8_K& a, const uint8_t* sm) {
-    __m256i s = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      __m256i lo, hi;
-      quants(p, c, lo, hi);
-      s = V::dot_sc(s, lo, load32(a.qs + 64 * c), _mm256_set1_epi16(sm[2 * c]));
-      s = V::dot_sc(s, hi, load32(a.qs + 64 * c + 32), _mm256_set1_epi16(sm[2 * c + 1]));
-    }
-    return s;
-  }
-  static void finish(const uint8_t* p, const block_q8_K& a, const uint8_t* sm, __m256i s, __m256& acc, float& accs) {
-    BlkQ4_K::finish(p, a, sm, s, acc, accs);  // d, dmin and scales where Q4_K has them
-  }
-  static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float& accs) {
-    uint8_t sm[16];
-    scales_k4(p + 4, sm);
-    finish(p, a, sm, isum(p, a, sm), acc, accs);
-  }
-};
+using BlkQ4_K = BlkK4<BlockType::Q4_K, QuantsQ4_K>;
+using BlkQ5_K = BlkK4<BlockType::Q5_K, QuantsQ5_K>;
 
 struct BlkQ6_K : BlkOf<BlockType::Q6_K> {
   using Act = block_q8_K;

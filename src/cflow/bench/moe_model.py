@@ -131,25 +131,25 @@ def _k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return s
 
 
-def _fill_q4_k(rng, out: np.ndarray, rms: float) -> None:
-    # block_q4_K: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks of 32, 128
-    # bytes of nibbles; w = d sc q - dmin m. With m = sc and dmin = 7.5 d: w = d sc (q - 7.5), mean 0;
-    # sc uniform in 32..63 (RMS sqrt(2310)), q - 7.5 RMS sqrt(21.25).
+def _fill_k4(rng, out: np.ndarray, rms: float, levels: int) -> None:
+    # block_q4_K / block_q5_K: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks
+    # of 32, then the quants (Q5_K: 32 bytes of fifth bits before the 128 of nibbles), q uniform in
+    # 0..levels-1; w = d sc q - dmin m. With m = sc and dmin = c d, c = (levels - 1) / 2:
+    # w = d sc (q - c), mean 0, RMS of q - c sqrt((levels^2 - 1) / 12) (Q4_K 21.25, Q5_K 85.25);
+    # sc uniform in 32..63 (RMS sqrt(2310)).
     n = out.shape[0]
     out[:] = np.frombuffer(rng.bytes(out.size), np.uint8).reshape(out.shape)
-    d = _scales(rng, n, rms / (np.sqrt(21.25) * np.sqrt(2310.0) * _jitter_rms()))
+    d = _scales(rng, n, rms / (np.sqrt((levels**2 - 1) / 12) * np.sqrt(2310.0) * _jitter_rms()))
     sc = rng.integers(32, 64, size=(n, 8), dtype=np.uint8)
-    out[:, 0:2], out[:, 2:4], out[:, 4:16] = d, _times(d, 7.5), _k4_scales(sc, sc)
+    out[:, 0:2], out[:, 2:4], out[:, 4:16] = d, _times(d, (levels - 1) / 2), _k4_scales(sc, sc)
+
+
+def _fill_q4_k(rng, out: np.ndarray, rms: float) -> None:
+    _fill_k4(rng, out, rms, 16)
 
 
 def _fill_q5_k(rng, out: np.ndarray, rms: float) -> None:
-    # block_q5_K: Q4_K's header and scales, then 32 bytes of fifth bits and 128 of nibbles; q uniform
-    # in 0..31, so with m = sc and dmin = 15.5 d: w = d sc (q - 15.5), mean 0, RMS of q - 15.5 sqrt(85.25).
-    n = out.shape[0]
-    out[:] = np.frombuffer(rng.bytes(out.size), np.uint8).reshape(out.shape)
-    d = _scales(rng, n, rms / (np.sqrt(85.25) * np.sqrt(2310.0) * _jitter_rms()))
-    sc = rng.integers(32, 64, size=(n, 8), dtype=np.uint8)
-    out[:, 0:2], out[:, 2:4], out[:, 4:16] = d, _times(d, 15.5), _k4_scales(sc, sc)
+    _fill_k4(rng, out, rms, 32)
 
 
 def _fill_q6_k(rng, out: np.ndarray, rms: float) -> None:

@@ -245,38 +245,26 @@ inline float quantize_block(const float* x, block_q8a& o) {
 // K-quants at 512 bits: 64 weights per maddubs + vpdpwssd (the shared kinds take 32).
 inline __m256i fold(__m512i s) { return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)); }
 
-struct KQ4_K512 : BlkQ4_K {
-  // chunk c (32 bytes): low nibbles are sub-block 2c, high 2c+1 = weights 64c .. 64c+63 in order.
-  static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float& accs) {
-    uint8_t sm[16];
-    scales_k4(p + 4, sm);
-    __m512i s = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) {
-      const __m256i q = load32(p + 16 + 32 * c);
-      const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo4(q)), hi4(q), 1);
-      const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(sm[2 * c]), _mm256_set1_epi16(sm[2 * c + 1]), 1);
-      s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.qs + 64 * c)), sc);
-    }
-    finish(p, a, sm, fold(s), acc, accs);
-  }
-};
-
-struct KQ5_K512 : BlkQ5_K {
-  // As KQ4_K512, the fifth bits put above the nibbles first (BlkQ5_K::quants).
+// Q4_K and Q5_K: chunk c's 64 weights (Base::quants: low nibbles sub-block 2c, high 2c+1 = weights
+// 64c .. 64c+63 in order) in one maddubs against the activations, times the two scales.
+template <class Base>
+struct KK4_512 : Base {
   static void dot(const uint8_t* p, const block_q8_K& a, const void*, __m256& acc, float& accs) {
     uint8_t sm[16];
     scales_k4(p + 4, sm);
     __m512i s = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       __m256i lo, hi;
-      quants(p, c, lo, hi);
+      Base::quants(p, c, lo, hi);
       const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
       const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(sm[2 * c]), _mm256_set1_epi16(sm[2 * c + 1]), 1);
       s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.qs + 64 * c)), sc);
     }
-    finish(p, a, sm, fold(s), acc, accs);
+    Base::finish(p, a, sm, fold(s), acc, accs);
   }
 };
+using KQ4_K512 = KK4_512<BlkQ4_K>;
+using KQ5_K512 = KK4_512<BlkQ5_K>;
 
 struct KQ6_K512 : BlkQ6_K {
   // Half h: ql's 64 bytes give quarters 0|1 (low nibbles, weights 0..63 of the half) and 2|3
