@@ -189,3 +189,18 @@ def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_pat
     table = out.split("parallel   tok/s")[1].splitlines()[1:3]
     assert [row.split()[0] for row in table] == ["1", "2"]
     assert png.stat().st_size > 0
+
+
+def test_bench_load_unstreamed_plots_request_latency(tiny_cflow, tmp_path, capsys):
+    # no first-token or inter-token times without streams: the table says "-" and the plot
+    # shows request latency (a log axis of nothing used to fail here)
+    from cflow.cli import main
+
+    png = tmp_path / "load.png"
+    rc = main(["bench", "load", "-m", str(tiny_cflow), "--parallel", "1,2", "--clients", "2", "--requests", "2",
+               "--max-tokens", "4", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = out.split("parallel   tok/s")[1].splitlines()[1:3]
+    assert [row.split()[0] for row in rows] == ["1", "2"] and all(" - " in row for row in rows)
+    assert "first token p50 " not in out and "  latency     p50" in out and png.stat().st_size > 0

@@ -11,6 +11,7 @@ latency against parallelism. --disconnect makes clients abandon streams mid-way 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import socket
 import subprocess
@@ -260,7 +261,7 @@ def _report(args, model, url, slots, results, wall, rss0, rss1) -> dict:
         print(f"  server RSS  before {rss0 / 2**20:.1f} MiB, after {rss1 / 2**20:.1f} MiB ({growth:+.2f}%)")
     sys.stdout.flush()
     return dict(parallel=slots, tok_s=tokens / wall, server_errors=server_err, other_errors=other_err,
-                ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95), itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
+                lat50=_pct(lat, 0.50), lat95=_pct(lat, 0.95), ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95), itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
                 rss_growth=growth)
 
 
@@ -275,9 +276,11 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     a.plot(xs, [r["tok_s"] for r in rows], "o-")
     a.set(xlabel="--parallel", ylabel="aggregate completion tokens/s", title="throughput", xscale="log", xticks=xs)
     a.set_ylim(bottom=0)
-    for key, label in (("ttft50", "first token p50"), ("ttft95", "first token p95"),
-                       ("itl50", "inter-token p50"), ("itl95", "inter-token p95")):
-        b.plot(xs, [1e3 * r[key] for r in rows], "o-" if "50" in key else "o--", label=label)
+    # request latency always; first-token and inter-token latency only where streamed (else nan)
+    for key, label in (("lat50", "request p50"), ("lat95", "request p95"), ("ttft50", "first token p50"),
+                       ("ttft95", "first token p95"), ("itl50", "inter-token p50"), ("itl95", "inter-token p95")):
+        if all(math.isfinite(r[key]) and r[key] > 0 for r in rows):
+            b.plot(xs, [1e3 * r[key] for r in rows], "o-" if "50" in key else "o--", label=label)
     b.set(xlabel="--parallel", ylabel="ms", title="latency", xscale="log", yscale="log", xticks=xs)
     b.legend()
     for ax in (a, b):
@@ -311,10 +314,12 @@ def main(args) -> int:
     rows = [_phase(args, None if args.url else p) for p in values]
     if len(rows) > 1:
         base = rows[0]["tok_s"]
-        print("\nparallel   tok/s  x first  first token p50/p95 s   inter-token p50/p95 ms   errors")
+        print("\nparallel   tok/s  x first  latency p50/p95 s  first token p50/p95 s   inter-token p50/p95 ms   errors")
         for r in rows:
-            print(f"{r['parallel']:>8} {r['tok_s']:7.1f} {r['tok_s'] / base:8.2f}  {r['ttft50']:10.3f} {r['ttft95']:7.3f}"
-                  f"   {1e3 * r['itl50']:13.1f} {1e3 * r['itl95']:7.1f}   {r['server_errors']:6d}")
+            ttft = f"{r['ttft50']:10.3f} {r['ttft95']:7.3f}" if math.isfinite(r["ttft50"]) else f"{'-':>10} {'-':>7}"
+            itl = f"{1e3 * r['itl50']:13.1f} {1e3 * r['itl95']:7.1f}" if math.isfinite(r["itl50"]) else f"{'-':>13} {'-':>7}"
+            print(f"{r['parallel']:>8} {r['tok_s']:7.1f} {r['tok_s'] / base:8.2f}  {r['lat50']:8.3f} {r['lat95']:7.3f}"
+                  f"   {ttft}   {itl}   {r['server_errors']:6d}")
     if plot:
         _plot(rows, plot, f"cflow bench load: {args.model or 'default model'}, {args.clients} clients, "
                           f"max_tokens {args.max_tokens}")
