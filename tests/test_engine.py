@@ -159,3 +159,31 @@ def test_offsets_are_checked():
     t.nbytes -= 4
     with pytest.raises(CflowFormatError, match="bytes"):
         Engine(f)
+
+
+@pytest.mark.parametrize("wtype", ["q4_0", "q8_0", "q4_k"])
+def test_decode_split_on_groups_is_thread_count_free(wtype):
+    # The planes pack's decode GEMVs split rows between threads on 16-row group boundaries, not
+    # whole stripes: d=96 is one 64-row stripe and a ragged one of 32 rows (2 stripes, 6 groups),
+    # so 3 and 5 threads cut stripes (and a ragged group) in the middle. Each row's dot product
+    # does not depend on who computes it: the logits are bit-identical to one thread's, batched
+    # or alone, and match transformers as one thread's do.
+    k = wtype == "q4_k"  # 256-column super-blocks: every matrix 256 wide
+    model = tiny_hf("llama", d=256 if k else 96, n_head=4, n_kv=2, hd=64 if k else 16, ffn=256 if k else 160)
+    f = to_cflow(model, wtype=wtype, embtype="q8_0", tile=(64, 256 if k else 64), interleave=16,
+                 stripe_rows=64, pack="planes")
+    assert f.tensors["blk.0.attn_output"].pack == "planes"
+    runs = {}
+    for threads in (1, 2, 3, 5):
+        eng = Engine(f, threads=threads)
+        st, st2 = eng.new_state(), eng.new_state()
+        eng.forward(st, IDS[:10])
+        eng.forward(st2, IDS[10:18])
+        alone = np.stack([eng.forward(st, [t]) for t in IDS[18:26]])
+        both = eng.forward([st, st2], [[IDS[30]], [IDS[31]]])  # a batched step of two sequences
+        runs[threads] = (alone, np.stack(both))
+    for threads in (2, 3, 5):
+        assert np.array_equal(runs[threads][0], runs[1][0]), threads
+        assert np.array_equal(runs[threads][1], runs[1][1]), threads
+    ref = hf_logits(model, IDS[:26])
+    assert np.mean(runs[1][0].argmax(1) == ref[18:26].argmax(1)) >= 0.75

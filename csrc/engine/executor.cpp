@@ -580,6 +580,16 @@ static void row_share(const TileLayout& L, int tid, int nth, int* r0, int* r1) {
   *r1 = unit_row(L, (int)((int64_t)U * (tid + 1) / nth));
 }
 
+// Thread tid's share of rows for the decode GEMVs: every kernel of the planes pack walks
+// interleave groups (walk_planes, or whole-block kernels over unpacked stripes, walk_tiles_whole),
+// so it splits on group boundaries; the others (ternary kernels walk rows in fours) by whole
+// stripes. A matrix of few stripes then splits evenly: 896 rows are 7 stripes of 128 (4 against
+// 3 a thread) but 56 groups of 16.
+static void gemv_share(const TileLayout& L, int tid, int nth, int* r0, int* r1) {
+  if (L.packing() == Pack::Planes) row_share(L, tid, nth, r0, r1);
+  else stripe_share(L, tid, nth, r0, r1);
+}
+
 // h[j] = act(g[j]) * u[j]: SwiGLU (act 0), GeGLU with tanh GELU (act 1) or squared ReLU (act 2,
 // BitNet b1.58's relu2: a loop the compiler vectorizes).
 static void act_mul(int act, const float* g, const float* u, float* h, int n) {
@@ -718,7 +728,7 @@ void Engine::matmul_gemm(const Matmul& op, Team& t, const float* src, int lds, i
   const GemvBatchFn batch =
       q8 && gemv_batch_beats_gemm(isa_) ? batch_kernel(L, in.qa.levels == 2 ? AType::Q8x2 : AType::Q8) : nullptr;
   int r0, r1;
-  if (batch) stripe_share(L, t.tid, t.nth, &r0, &r1);
+  if (batch) gemv_share(L, t.tid, t.nth, &r0, &r1);
   else row_share(L, t.tid, t.nth, &r0, &r1);
   if (r0 >= r1) return;
   int ldy;
@@ -737,7 +747,7 @@ void Engine::matmul_single(const Matmul& op, Team& t, const float* src, int lds,
   AType at;
   const GemvFn gemv = decode_kernel(L, fast_ && op.two_level, &at);
   int r0, r1;
-  if (gemv) stripe_share(L, t.tid, t.nth, &r0, &r1);
+  if (gemv) gemv_share(L, t.tid, t.nth, &r0, &r1);
   else row_share(L, t.tid, t.nth, &r0, &r1);
   // each row's input, normalised and prepared for the kernel (thread-private: no barrier)
   const size_t ab = gemv ? act_bytes(L.bt(), at, L.cols) : (size_t)L.cols * sizeof(float);

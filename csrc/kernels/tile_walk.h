@@ -44,16 +44,21 @@ inline void for_stripes(const TileLayout& L, const uint8_t* w, int r0, int r1, F
   }
 }
 
-// GEMV walk over whole tiles of the stripes in [row_begin, row_end) (row_begin on a stripe):
-// f(tile, r, nr, cb0, nb), the tile holding rows r .. r+nr-1 (relative to row_begin) over column
-// blocks cb0 .. cb0+nb-1; TileRow finds a row's blocks in it. y is zeroed first, so f adds its
-// partial dot products into y[r + i].
+// GEMV walk over the tiles of the stripes in [row_begin, row_end): f(tile, r, nr, cb0, nb), the
+// tile holding rows r .. r+nr-1 (relative to row_begin) over column blocks cb0 .. cb0+nb-1;
+// TileRow finds a row's blocks in it. y is zeroed first, so f adds its partial dot products into
+// y[r + i]. row_begin and row_end lie on interleave-group boundaries (or row_end at L.rows):
+// where they cut a stripe, f gets the stripe's rows in range as a tile of their own (a tile's
+// groups are contiguous, group g0 at tile + g0 * nb * bb, so rows [lo, hi) of a tile laid out
+// from its row lo are a tile of hi - lo rows with the same groups). Threads can then share a
+// matrix of few stripes evenly (896 rows: 7 stripes of 128, but 56 groups of 16).
 template <class F>
 inline void walk_tiles_whole(float* y, const uint8_t* w, const TileLayout& L, int row_begin, int row_end, F&& f) {
   row_end = std::min(row_end, L.rows);
   if (row_end > row_begin) std::memset(y, 0, sizeof(float) * (size_t)(row_end - row_begin));
-  for_stripes(L, w, row_begin, row_end, [&](const Stripe& S, int, int) {
-    for (int t = 0; t < S.ntiles(); ++t) f(S.tile(t), S.row - row_begin, S.nr, t * S.bpt, S.nb(t));
+  for_stripes(L, w, row_begin, row_end, [&](const Stripe& S, int lo, int hi) {
+    for (int t = 0; t < S.ntiles(); ++t)
+      f(S.tile(t) + (size_t)lo * S.nb(t) * S.bb, S.row + lo - row_begin, hi - lo, t * S.bpt, S.nb(t));
   });
 }
 
