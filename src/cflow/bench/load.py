@@ -261,7 +261,8 @@ def _report(args, model, url, slots, results, wall, rss0, rss1) -> dict:
         print(f"  server RSS  before {rss0 / 2**20:.1f} MiB, after {rss1 / 2**20:.1f} MiB ({growth:+.2f}%)")
     sys.stdout.flush()
     return dict(parallel=slots, tok_s=tokens / wall, server_errors=server_err, other_errors=other_err,
-                lat50=_pct(lat, 0.50), lat95=_pct(lat, 0.95), ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95), itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
+                lat50=_pct(lat, 0.50), lat95=_pct(lat, 0.95), ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95),
+                itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
                 rss_growth=growth)
 
 
