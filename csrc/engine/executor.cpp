@@ -558,8 +558,8 @@ Engine::Input Engine::prepare(Team& t, const float* src, int lds, int n, int col
   return in;
 }
 
-// Decode reads each weight once for one token: the tile GEMV kernels (kernels.h), which split
-// work by whole stripes, are the bandwidth-bound path. int8 activations (one or two levels,
+// Decode reads each weight once for one token: the tile GEMV kernels (kernels.h), which threads
+// share by interleave groups or whole stripes (gemv_share), are the bandwidth-bound path. int8 activations (one or two levels,
 // AType::Q8 / Q8x2) on the fast path for quantized types, fp32 otherwise.
 GemvFn Engine::decode_kernel(const TileLayout& L, bool precise, AType* at) const {
   *at = !fast_ || !has_int8_path(L.bt(), false) ? AType::F32 : precise ? AType::Q8x2 : AType::Q8;
@@ -621,12 +621,12 @@ void Engine::run_op(const Embed& op, Workspace& ws, Team& t) {
 //  - rows of sequences with several new tokens (prompts, laid out first: rows [0, n_pre)) take
 //    the tile GEMM together, each weight block read once for all of them;
 //  - a sequence's single new token (decode; rows [n_pre, n)) takes the decode GEMV, which
-//    splits work by whole stripes. The single rows of a step visit a thread's stripes in runs
+//    threads share as gemv_share says. The single rows of a step visit a thread's rows in runs
 //    of about kVisitBytes, every row in turn, so the weights come from memory once per step and
 //    from cache for the other rows.
 constexpr size_t kVisitBytes = 192 << 10;
 
-// Rows of L in a run of about kVisitBytes: whole stripes, at least one.
+// Rows of L in a run of about kVisitBytes: a whole number of stripes' rows, at least one stripe's.
 static int visit_rows(const TileLayout& L) {
   const size_t stripe_bytes = layout_nbytes(L) / std::max(1, (L.rows + L.tr - 1) / L.tr);
   return L.tr * (int)std::max<size_t>(1, kVisitBytes / std::max<size_t>(1, stripe_bytes));
@@ -645,7 +645,7 @@ static float* output_rows(bool accumulate, std::vector<float>& scratch, float* d
   return scratch.data();
 }
 
-// Rows [r0, r1) of L (r0 on a stripe) for n tokens through a batched GEMV: y (n, ldy) from row
+// Rows [r0, r1) of L (r0 on an interleave group) for n tokens through a batched GEMV: y (n, ldy) from row
 // r0; x: the tokens' prepared activations, adjacent. The kernel passes over its rows once per
 // group of 8 or more tokens (kernels.h): more tokens than that take the rows in runs of about
 // kVisitBytes of weights, each run passed over by every group while it is in cache.
@@ -724,7 +724,7 @@ void Engine::matmul_gemm(const Matmul& op, Team& t, const float* src, int lds, i
   const bool q8 = fast_ && has_int8_path(L.bt(), true);
   Input in = prepare(t, src, lds, n, L.cols, op.norm, q8, q8 && op.two_level);
   // where decode has a batched kernel that is faster than the GEMM (AMX), prompt rows take it
-  // too (by whole stripes): each token then gets what it gets as a single row
+  // too (shared as gemv_share shares decode rows): each token then gets what it gets as a single row
   const GemvBatchFn batch =
       q8 && gemv_batch_beats_gemm(isa_) ? batch_kernel(L, in.qa.levels == 2 ? AType::Q8x2 : AType::Q8) : nullptr;
   int r0, r1;
