@@ -3,7 +3,7 @@ Hugging Face transformers (fp32, same GGUF dequantized) on a teacher-forced sequ
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 from test_models_smollm2 import TEXT
@@ -57,10 +57,10 @@ def ids(llm):
 
 @pytest.fixture(scope="module")
 def ref(gguf_path, ids):
-    ref_model = tf.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                        torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        return ref_model(torch.tensor([ids])).logits[0].float().numpy()
+    """transformers' fp32 logits, the GGUF dequantized."""
+    from cflow.bench.fidelity import reference_logits
+
+    return reference_logits(str(gguf_path), ids)[0]
 
 
 def test_top1_agrees_with_transformers(llm, gguf_path, ids, ref):

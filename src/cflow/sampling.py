@@ -64,6 +64,12 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax of (n, vocab) logits, in float64."""
+    z = z.astype(np.float64) - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
 def top_k_filter(p: np.ndarray, k: int) -> np.ndarray:
     if k <= 0 or k >= p.size:
         return p

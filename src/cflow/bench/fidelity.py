@@ -27,6 +27,7 @@ import os
 import numpy as np
 
 from cflow.errors import CflowError
+from cflow.sampling import log_softmax
 
 # Varied English prose (narrative, explanation, instructions, numbers), long enough that every
 # tokenizer here gives 256 tokens without repeating it.
@@ -126,10 +127,7 @@ def compare(logits: np.ndarray, ref: np.ndarray) -> dict:
     rel = np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)
     kl = []
     for i in range(0, len(a), KL_ROWS):
-        la = a[i : i + KL_ROWS] - a[i : i + KL_ROWS].max(1, keepdims=True)
-        lb = b[i : i + KL_ROWS] - b[i : i + KL_ROWS].max(1, keepdims=True)
-        la -= np.log(np.exp(la).sum(1, keepdims=True))
-        lb -= np.log(np.exp(lb).sum(1, keepdims=True))
+        la, lb = log_softmax(a[i : i + KL_ROWS]), log_softmax(b[i : i + KL_ROWS])
         kl.append((np.exp(lb) * (lb - la)).sum(1))
     top1 = a.argmax(1) == b.argmax(1)
     return {

@@ -32,9 +32,9 @@ def _logits(path, ids: list[int], cache) -> np.ndarray:
 
 
 def _ppl(logits: np.ndarray, ids: list[int]) -> float:
-    z = logits[:-1].astype(np.float64)
-    z -= z.max(axis=1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    from cflow.sampling import log_softmax
+
+    logp = log_softmax(logits[:-1])
     return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
 
 
