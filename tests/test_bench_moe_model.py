@@ -188,6 +188,55 @@ def test_cflow_converts_and_runs_it(small, t, tmp_path):
     assert np.isfinite(got).all() and rel(got, want) < 1e-3, rel(got, want)  # two int8 levels: about 2e-5
 
 
+def _as_version_2(path) -> None:
+    """Rewrite a .cflow file's version fields (preamble and header) to 2, its checksums fixed up:
+    a file as cflow wrote it before version 3 reordered the q6_k planes."""
+    import json
+    import os
+
+    from cflow.format.spec import PREAMBLE, Preamble, crc32
+
+    with open(path, "r+b") as f:
+        pre = Preamble.unpack(f.read(PREAMBLE.size), os.path.getsize(path))
+        f.seek(pre.header_offset)
+        h = json.loads(f.read())
+        h["version"] = 2
+        raw = json.dumps(h).encode()
+        f.truncate(pre.header_offset)
+        f.seek(pre.header_offset)
+        f.write(raw)
+        f.seek(0)
+        f.write(Preamble(2, 0, pre.header_offset + len(raw), pre.header_offset, len(raw), crc32(raw), pre.alignment).pack())
+
+
+def test_q6_k_planes_of_a_version_2_file_are_refused_and_a_cached_one_converted_again(small, tmp_path):
+    """Version 3 stores q6_k planes in the order the kernels read them. A version-2 file holding q6_k
+    planes (the earlier order) is refused with a clear error instead of being misread, and a cached
+    conversion of that kind is converted again on load, giving the fresh conversion's logits."""
+    from cflow.engine import Engine
+    from cflow.errors import CflowFormatError
+    from cflow.format import CflowFile
+    from cflow.llm import converted_path, load_model
+
+    src = small["q4_k_m"]
+    load_model(str(src), cache=tmp_path, quiet=True).close()
+    cached = converted_path(src, tmp_path)
+    with CflowFile(cached) as f:
+        assert f.preamble.version == 3 and any(t.type.name == "q6_k" and t.pack == "planes" for t in f.tensors.values())
+    seq = [300, 301, 17, 99, 500, 42]
+    fresh = Engine(str(cached), threads=2)
+    want = fresh.forward(fresh.new_state(), seq, all_logits=True)
+    del fresh
+    _as_version_2(cached)
+    with pytest.raises(CflowFormatError, match=r"q6_k planes in a version-2 file .* convert the model again"):
+        CflowFile(cached)
+    f = load_model(str(src), cache=tmp_path, quiet=True)
+    assert f.preamble.version == 3
+    f.close()
+    again = Engine(str(cached), threads=2)
+    assert np.array_equal(again.forward(again.new_state(), seq, all_logits=True), want)
+
+
 @pytest.mark.parametrize("t", moe_model.TYPES)
 def test_llama_cpp_loads_and_decodes(small, t):
     llama_cpp = pytest.importorskip("llama_cpp")

@@ -147,7 +147,7 @@ def test_wrong_json_values_anywhere_are_format_errors(where, idx, key_pick, valu
 CRAFTED = {
     "bad magic": (lambda: b"GGUF" + GOOD[4:], "bad magic"),
     "empty file": (lambda: b"", "too small"),
-    "unknown version": (lambda: assemble(HEADER, version=3), "unsupported .cflow version 3"),
+    "unknown version": (lambda: assemble(HEADER, version=4), "unsupported .cflow version 4"),
     "planes in a version-1 file": (lambda: assemble(edited(lambda h: h.update(version=1)), version=1), "needs version 2"),
     "nonzero flags": (lambda: assemble(HEADER, flags=1), "flags"),
     "huge header length": (lambda: assemble(HEADER, hlen=1 << 40), "header at offset"),

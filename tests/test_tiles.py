@@ -100,11 +100,12 @@ def _planes_chunk_weights(name: str, c: np.ndarray, g: int) -> np.ndarray:
                 w[:, 32 * j + l] = (d * sc.astype(np.float32)) * q.astype(np.float32) - dmin * m.astype(np.float32)
         return w
     d = f16[:g]
-    for n in range(256):  # weight n = 128 hf + 32 t + l: ql plane 16 hf + 8 (t % 2) + l // 4, qh plane 8 hf + l // 4
+    for n in range(256):  # weight n = 128 hf + 32 t + l: group 2 hf + l // 16 at plane 4 + 12 (2 hf + l // 16)
         hf, t, l = n // 128, (n // 32) % 4, n % 32
-        lo = (byte(16 * hf + 8 * (t % 2) + l // 4, l % 4) >> (4 * (t // 2))) & 15
-        hi = (byte(32 + 8 * hf + l // 4, l % 4) >> (2 * t)) & 3
-        sc = byte(48 + n // 64, (n // 16) % 4)
+        p = 4 + 12 * (2 * hf + l // 16) + (l % 16) // 4  # its qh plane; its ql planes 4 and 8 further
+        lo = (byte(p + 4 + 4 * (t % 2), l % 4) >> (4 * (t // 2))) & 15
+        hi = (byte(p, l % 4) >> (2 * t)) & 3
+        sc = byte(n // 64, (n // 16) % 4)
         sc = np.where(sc > 127, sc - 256, sc)
         w[:, n] = (d * sc.astype(np.float32)) * ((lo | hi << 4) - 32).astype(np.float32)
     return w

@@ -58,9 +58,10 @@ def converted_path(src: Path, cache=None) -> Path:
 
 def _outdated(f) -> bool:
     """Whether an open cached conversion was written by an older cflow, to convert again: an
-    older format version, or a matrix in whole blocks whose type today's converter writes in a
-    faster layout (the planes pack gained Q5_0, Q4_K and Q6_K after files that hold them were
-    cached; ternary matrices gained whole-row tiles; experts gained checksums)."""
+    older format version (version 3 reordered q6_k's planes), or a matrix in whole blocks whose
+    type today's converter writes in a faster layout (the planes pack gained Q5_0, Q4_K and Q6_K
+    after files that hold them were cached; ternary matrices gained whole-row tiles; experts
+    gained checksums)."""
     from cflow.convert.write import tensor_layout
     from cflow.format.spec import VERSION
 
@@ -73,6 +74,24 @@ def _outdated(f) -> bool:
         if t.pack != lay["pack"] or tuple(lay.get("tile", t.tile)) != tuple(t.tile):
             return True
     return False
+
+
+def _open_cached(path: Path):
+    """The cached conversion at path, or None where an older cflow wrote it in a form this one
+    refuses (q6_k planes before version 3), to convert again. Any other error is raised: a
+    damaged cache file is reported, not silently replaced."""
+    from cflow.errors import CflowFormatError
+    from cflow.format import CflowFile
+    from cflow.format.spec import PREAMBLE, VERSION
+
+    try:
+        return CflowFile(path)
+    except CflowFormatError:
+        with open(path, "rb") as fh:
+            head = fh.read(PREAMBLE.size)
+        if len(head) == PREAMBLE.size and 1 <= PREAMBLE.unpack(head)[1] < VERSION:
+            return None
+        raise
 
 
 def load_model(model: str, *, cache=None, quiet: bool = False):
@@ -92,10 +111,11 @@ def load_model(model: str, *, cache=None, quiet: bool = False):
         return load_source(path)
     out = converted_path(path, cache)
     if out.is_file():  # the cached conversion, opened once: checked, then returned
-        f = CflowFile(out)
-        if not _outdated(f):
+        f = _open_cached(out)
+        if f is not None and not _outdated(f):
             return f
-        f.close()
+        if f is not None:
+            f.close()
     from cflow.convert import convert
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,15 +8,16 @@
 // then qs; Q4_K: the 12 scale bytes then qs; Q5_K: scales, qh, qs; Q6_K: ql, qh, scales). In the
 // chunk:
 //   header word h of row i      at  2 * (h * g + i)                (all d, then all m / dmin)
-//   quant bytes 4k .. 4k+3 of i at  H * g + 4 * (k * g + i)        (slice k of every row)
+//   quant bytes 4k .. 4k+3 of i at  H * g + 4 * (p * g + i)        (slice k of every row in plane
+//                                                                   p = planes_slice_pos(k): k, but Q6_K)
 // So with g = 16, slice k of the 16 rows is one 64-byte plane: for Q4_0/Q4_1 its low nibbles
 // are weights 4k..4k+3 and its high nibbles 16+4k..16+4k+3 of each row, for Q8_0 weights
 // 4k..4k+3. Q5_0's (and Q5_1's) plane 0 is the rows' qh (row i's 32 fifth bits in dword i, bit j
 // for weight j), and its planes 1..4 are nibbles as Q4_0's planes 0..3. Q4_K's planes 0..2 are
 // the packed 6-bit scales and mins (row i's scale bytes 4p..4p+3 in dword i of plane p), planes
 // 3..34 its qs; Q5_K's planes 0..2 are the same scales, 3..10 its qh, 11..42 its qs; Q6_K's
-// planes 0..31 are ql, 32..47 qh, 48..51 the int8 scales (docs/FORMAT.md 5.1 has the weights of
-// each). The transform is a permutation of the chunk's bytes: lossless.
+// slices 0..31 are ql, 32..47 qh, 48..51 the int8 scales, in the planes of q6k_plane (docs/FORMAT.md
+// 5.1 has the weights of each). The transform is a permutation of the chunk's bytes: lossless.
 #pragma once
 #include <atomic>
 #include <algorithm>
@@ -28,13 +29,29 @@
 
 namespace cflow {
 
+// The plane that holds slice k of a Q6_K chunk (format version 3). Its planes lie in the order
+// the kernels consume them, so that a chunk is read front to back: the 4 scale planes (slices
+// 48..51), then per group q of 16 slices (half h = q / 2, e = q % 2; x86/planes_simd.h) its 4 qh
+// planes (slices 32 + 8h + 4e ..), its 4 ql planes of quarters 0 and 2 (slices 16h + 4e ..) and
+// its 4 ql planes of quarters 1 and 3 (slices 16h + 8 + 4e ..). In slice order (version 2) the
+// kernel took each group from three places 1-2 KB apart, and the hardware prefetcher of an AMD
+// Zen 4 core fell behind: 7.5 GB/s from DRAM on 1 thread against 23 in this order (docs/KERNELS.md).
+constexpr int q6k_plane(int k) {
+  if (k >= 48) return k - 48;                                      // scales
+  if (k >= 32) return 4 + 12 * ((k - 32) / 4) + (k - 32) % 4;      // qh: group (k - 32) / 4
+  return 4 + 12 * (2 * (k / 16) + k % 8 / 4) + 4 + 4 * (k % 16 / 8) + k % 4;  // ql
+}
+// The plane of slice k (quant bytes 4k .. 4k+3 of a block) in a chunk of type bt.
+constexpr int planes_slice_pos(BlockType bt, int k) { return bt == BlockType::Q6_K ? q6k_plane(k) : k; }
+
 // Calls f(chunk offset, block offset, bytes) for each piece of block i of a chunk of g blocks
 // of type bt: its header words, then its quant slices (the one statement of the permutation).
 template <class F>
 inline void planes_pieces(BlockType bt, int g, int i, F&& f) {
   const int hdr = planes_header(bt), at = planes_header_at(bt), bb = block_bytes(bt);
   for (int h = 0; h < hdr / 2; ++h) f(2 * (h * g + i), at + 2 * h, 2);
-  for (int k = 0; k < (bb - hdr) / 4; ++k) f(hdr * g + 4 * (k * g + i), 4 * k < at ? 4 * k : 4 * k + hdr, 4);
+  for (int k = 0; k < (bb - hdr) / 4; ++k)
+    f(hdr * g + 4 * (planes_slice_pos(bt, k) * g + i), 4 * k < at ? 4 * k : 4 * k + hdr, 4);
 }
 // Block i of a chunk of g blocks of type bt <-> whole block bytes.
 inline void planes_get(const uint8_t* chunk, int g, int i, BlockType bt, uint8_t* block) {

@@ -21,6 +21,10 @@ struct PlanesKind {
   static constexpr int kMaxU = kFifth ? 31 : kNib ? 15 : 255;
 };
 
+// Whether WT's planes are a K-quant's (KPlanesKind) rather than a 32-block type's (PlanesKind).
+template <BlockType WT>
+constexpr bool kKQuant = WT == BlockType::Q4_K || WT == BlockType::Q5_K || WT == BlockType::Q6_K;
+
 // Walks a planes payload by interleave group (walk_tiles): group(r, gg, cb0, nb, chunk), with
 // chunk(b) the 16-row chunk of column block b, prefetched ahead (planes_prefetch) and widened
 // to 16 rows in a stack buffer when the group is ragged (planes_widen).
@@ -48,8 +52,9 @@ inline void walk_planes(float* y, const uint8_t* w, const TileLayout& L, int row
 //   Q4_K  group q = qs planes 8q .. 8q+7: their low nibbles sub-block 2q, high nibbles 2q + 1;
 //   Q5_K  the same from qs planes 8 (q + 1) .. +7 (the 8 qh planes come first), each slice j
 //         with bits 2q (low nibbles) and 2q + 1 (high) of qh plane j as its bit 4;
-//   Q6_K  group q = half q / 2, qh planes 4 (q % 2) .. +3 of it with their ql planes: slice
-//         m of quarter t (u[4t + m]) is in sub-block 8 (q / 2) + 2t + q % 2.
+//   Q6_K  group q = half q / 2, qh slices 4 (q % 2) .. +3 of it with their ql slices: slice
+//         m of quarter t (u[4t + m]) is in sub-block 8 (q / 2) + 2t + q % 2. Its 12 planes lie
+//         together, in the order read (q6k_plane, cflow/planes.h).
 // Q4_K and Q5_K (kQ4: the Q4_K layout) share the scale planes 0..2, their 6-bit scales and mins.
 // Weights are unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63: the integer weight plus kZero). Activations are
 // block_q8_K (one scale per 256: the whole super-block's integer sum is exact, and one float
@@ -69,13 +74,14 @@ struct KPlanesKind {
   static constexpr int kMaxU = kFifth ? 31 : kQ4 ? 15 : 63;
   static constexpr int kPlanes = kPlanesMaxG * kHdr;  // byte offset of plane 0 in a 16-row chunk
   static constexpr int sub(int q, int r) { return kQ4 ? 2 * q + r : 8 * (q / 2) + 2 * r + q % 2; }
+  // Q6_K's planes of group q: slice m (0..3) of its qh, of its ql of quarters 0 and 2 (hi = 0) or
+  // 1 and 3 (hi = 1), and sub-block s's scales (byte s % 4 of the plane).
+  static constexpr int q6_qh(int q, int m) { return q6k_plane(32 + 8 * (q / 2) + 4 * (q % 2) + m); }
+  static constexpr int q6_ql(int q, int hi, int m) { return q6k_plane(16 * (q / 2) + 8 * hi + 4 * (q % 2) + m); }
+  static constexpr int q6_scales(int s) { return q6k_plane(48 + s / 4); }
   // Sub-block s's sum of activations (16-sums in bsums).
   static int asum(const block_q8_K& a, int s) { return kQ4 ? a.bsums[2 * s] + a.bsums[2 * s + 1] : a.bsums[s]; }
 };
-
-// Whether WT's planes are a K-quant's (KPlanesKind) rather than a 32-block type's (PlanesKind).
-template <BlockType WT>
-constexpr bool kKQuant = WT == BlockType::Q4_K || WT == BlockType::Q5_K || WT == BlockType::Q6_K;
 
 // f(std::integral_constant<int, n>) for 1 <= n <= N: a token count as a template argument.
 template <int N, class F>

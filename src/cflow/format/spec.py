@@ -1,4 +1,4 @@
-"""The `.cflow` container, versions 1 and 2: constants, the preamble, and the header's validation.
+"""The `.cflow` container, versions 1 to 3: constants, the preamble, and the header's validation.
 
 File layout (docs/FORMAT.md has every byte):
     [0, 64)          preamble (little-endian; struct PREAMBLE below)
@@ -26,8 +26,10 @@ from cflow.errors import CflowFormatError
 from cflow.format.tiles import BLOCK_TYPES, TERNARY_CODE, BlockType, check_pack, tiled_nbytes
 
 MAGIC = b"\x89CFLOW\r\n"
-VERSION = 2  # what the writer writes
-READ_VERSIONS = (1, 2)  # what the reader reads (version 2 added the tensor key "pack")
+VERSION = 3  # what the writer writes
+# what the reader reads: version 2 added the tensor key "pack"; version 3 reordered q6_k's planes
+# (docs/FORMAT.md 5.1), so a q6_k planes tensor of an earlier version is refused, never misread
+READ_VERSIONS = (1, 2, 3)
 ALIGN = 4096  # sections, expert ranges and the header start on this boundary (O_DIRECT)
 TENSOR_ALIGN = 64  # tensors start on this boundary inside their section (cache line, SIMD loads)
 # magic, version, flags, file_size, header_offset, header_length, header_crc32, alignment,
@@ -433,6 +435,11 @@ def parse_header(raw: bytes, pre: Preamble) -> dict[str, Any]:
         for t in tensors.values():
             if t.pack != "blocks":
                 _fail(f"tensor {t.name!r}", "the key 'pack' needs version 2 (a version-1 reader would misread it)")
+    if pre.version < 3:
+        for t in tensors.values():
+            if t.pack == "planes" and t.type.name == "q6_k":
+                _fail(f"tensor {t.name!r}", f"q6_k planes in a version-{pre.version} file are in the plane order before "
+                      "version 3; convert the model again (cflow convert SOURCE -o OUT.cflow)")
     if "layout" in h or "stages" in h:  # a stage-major file (.vflow): its stages against the delays
         from cflow.format.vflow import check_stages
 

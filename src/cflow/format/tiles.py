@@ -18,10 +18,11 @@ of QK; for quantized types C must be a multiple of QK (as in GGUF).
 Pack (docs/FORMAT.md, 5.1): "blocks" stores each group's chunk (the g blocks of one column block)
 as g whole blocks, as above. "planes" (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K with G <= 16)
 regroups the same bytes of each chunk: header word h of row i at 2*(h*g + i), quant bytes 4k..4k+3
-of row i at H*g + 4*(k*g + i) (H = header bytes; the quant bytes are the block's other bytes in
-order: the qh of Q5_0 and Q5_1 is their slice 0, Q4_K's scales its slices 0..2, Q5_K's scales
-and qh its slices 0..2 and 3..10, and Q6_K's header d is its last two bytes). Same size, same
-chunk positions; lossless.
+(slice k) of row i at H*g + 4*(p*g + i), p = planes_slice_pos(k) (H = header bytes; the quant bytes
+are the block's other bytes in order: the qh of Q5_0 and Q5_1 is their slice 0, Q4_K's scales its
+slices 0..2, Q5_K's scales and qh its slices 0..2 and 3..10, and Q6_K's header d is its last two
+bytes; p = k but for Q6_K, whose planes follow its kernels' reading order). Same size, same chunk
+positions; lossless.
 """
 
 from __future__ import annotations
@@ -118,6 +119,21 @@ PLANES_HEADER_AT = {"q6_k": 208}  # the others: 0
 PLANES_MAX_G = 16
 
 
+def planes_slice_pos(name: str, k: int) -> int:
+    """The plane of slice k (quant bytes 4k .. 4k+3 of a block) in a planes chunk: k, except for
+    q6_k, whose planes lie in the order its kernels read them (docs/FORMAT.md 5.1, version 3): the 4
+    scale planes, then per group q = 2h + e (h the half, e = 0, 1) its 4 qh planes (slices
+    32 + 8h + 4e ..), its ql planes of quarters 0, 2 (slices 16h + 4e ..) and of quarters 1, 3
+    (16h + 8 + 4e ..)."""
+    if name != "q6_k":
+        return k
+    if k >= 48:
+        return k - 48
+    if k >= 32:
+        return 4 + 12 * ((k - 32) // 4) + (k - 32) % 4
+    return 4 + 12 * (2 * (k // 16) + k % 8 // 4) + 4 + 4 * (k % 16 // 8) + k % 4
+
+
 def check_pack(bt: BlockType, interleave: int, pack: str) -> str | None:
     """None when `pack` is valid for (bt, interleave), else the reason."""
     if pack not in PACKS:
@@ -139,9 +155,9 @@ def _planes_perm(bt: BlockType, g: int) -> np.ndarray:
         for byte in range(2):
             src[2 * (w * g + i) + byte] = i * bb + at + 2 * w + byte
     for k in range((bb - h) // 4):  # quant slice k of every row: the block's bytes around the header
-        q = 4 * k if 4 * k < at else 4 * k + h
+        q, p = 4 * k if 4 * k < at else 4 * k + h, planes_slice_pos(bt.name, k)
         for byte in range(4):
-            src[h * g + 4 * (k * g + i) + byte] = i * bb + q + byte
+            src[h * g + 4 * (p * g + i) + byte] = i * bb + q + byte
     return src
 
 

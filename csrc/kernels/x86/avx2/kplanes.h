@@ -27,13 +27,12 @@ inline void kplanes_unpack(const uint8_t* c, int h, int q, __m256i (&u)[16]) {
       }
     }
   } else {
-    const int hf = q / 2, m0 = 4 * (q % 2);
     const __m256i hi2 = _mm256_set1_epi8(0x30);
     auto sel = [&](__m256i nib, __m256i bits) {
       return _mm256_or_si256(_mm256_and_si256(nib, lo), _mm256_and_si256(bits, hi2));
     };
     for (int m = 0; m < 4; ++m) {
-      const __m256i qh = plane(32 + 8 * hf + m0 + m), l0 = plane(16 * hf + m0 + m), l1 = plane(16 * hf + 8 + m0 + m);
+      const __m256i qh = plane(K::q6_qh(q, m)), l0 = plane(K::q6_ql(q, 0, m)), l1 = plane(K::q6_ql(q, 1, m));
       u[m] = sel(l0, _mm256_slli_epi16(qh, 4));
       u[4 + m] = sel(l1, _mm256_slli_epi16(qh, 2));
       u[8 + m] = sel(_mm256_srli_epi16(l0, 4), qh);
@@ -55,7 +54,7 @@ inline __m256i kplanes_scale(const uint8_t* c, int h, int s) {
     return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, k), _mm256_set1_epi32(15)),
                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(A, k + 6), _mm256_set1_epi32(3)), 4));
   } else {
-    const __m256i P = _mm256_loadu_si256((const __m256i*)(pl + 64 * (48 + s / 4)));
+    const __m256i P = _mm256_loadu_si256((const __m256i*)(pl + 64 * K::q6_scales(s)));
     return _mm256_srai_epi32(_mm256_slli_epi32(P, 24 - 8 * (s % 4)), 24);
   }
 }

@@ -40,14 +40,13 @@ inline void kplanes_unpack(const uint8_t* c, int q, __m512i (&u)[16]) {
       }
     }
   } else {
-    const int h = q / 2, m0 = 4 * (q % 2);
     const __m512i hi2 = _mm512_set1_epi8(0x30);
     auto sel = [&](__m512i nib, __m512i bits) {  // (lo & nib) | (~lo & bits & 0x30)
       return _mm512_ternarylogic_epi32(lo, nib, _mm512_and_si512(bits, hi2), 0xCA);
     };
     for (int m = 0; m < 4; ++m) {
-      const __m512i qh = _mm512_loadu_si512(pl + 32 + 8 * h + m0 + m);
-      const __m512i l0 = _mm512_loadu_si512(pl + 16 * h + m0 + m), l1 = _mm512_loadu_si512(pl + 16 * h + 8 + m0 + m);
+      const __m512i qh = _mm512_loadu_si512(pl + K::q6_qh(q, m));
+      const __m512i l0 = _mm512_loadu_si512(pl + K::q6_ql(q, 0, m)), l1 = _mm512_loadu_si512(pl + K::q6_ql(q, 1, m));
       u[m] = sel(l0, _mm512_slli_epi16(qh, 4));
       u[4 + m] = sel(l1, _mm512_slli_epi16(qh, 2));
       u[8 + m] = sel(_mm512_srli_epi16(l0, 4), qh);
@@ -57,7 +56,7 @@ inline void kplanes_unpack(const uint8_t* c, int q, __m512i (&u)[16]) {
 }
 
 // Sub-block s's scale of the 16 rows (int32 lanes): Q4_K's (and Q5_K's) 6-bit sc from planes 0 and 2, Q6_K's
-// int8 from plane 48 + s / 4 (docs/FORMAT.md 5.1).
+// int8 from byte s % 4 of its scale plane (docs/FORMAT.md 5.1).
 template <BlockType WT>
 inline __m512i kplanes_scale(const uint8_t* c, int s) {
   using K = KPlanesKind<WT>;
@@ -70,7 +69,7 @@ inline __m512i kplanes_scale(const uint8_t* c, int s) {
     return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, k), _mm512_set1_epi32(15)),
                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, k + 6), _mm512_set1_epi32(3)), 4));
   } else {
-    return _mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(pl + 48 + s / 4), 24 - 8 * (s % 4)), 24);
+    return _mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(pl + K::q6_scales(s)), 24 - 8 * (s % 4)), 24);
   }
 }
 
