@@ -85,6 +85,16 @@ inline void planes_prefetch(const uint8_t* chunk, size_t n) {
   if (!prefetch_on()) return;
   for (size_t o = 0; o < n; o += 64) __builtin_prefetch(chunk + kPrefetchAhead + o, 0, 3);
 }
+// The K-quants' chunks (2304-3360 bytes, 36-53 lines) are prefetched a quarter at a time, by
+// their GEMVs before each of the 4 groups of slices they read: the whole chunk at once, as the
+// 32-blocks' 5-9 lines are, put bursts of 36-53 prefetches ahead of the loads, and on a Zen 4 core
+// that made the K-quant GEMVs 13-37% slower than no software prefetch at all; a quarter at a time
+// they are within the measurements' noise of it there (docs/KERNELS.md).
+inline void planes_prefetch_quarter(const uint8_t* chunk, size_t n, int q) {
+  if (!prefetch_on()) return;
+  const size_t a = n * q / 4 / 64 * 64, b = q == 3 ? n : n * (q + 1) / 4 / 64 * 64;
+  for (size_t o = a; o < b; o += 64) __builtin_prefetch(chunk + kPrefetchAhead + o, 0, 3);
+}
 
 // Calls f(S, ws, lo, hi, ys) for each stripe met by rows [r0, r1) of a planes-packed L, with
 // S the stripe as a whole-block matrix of its own (ws: a per-thread buffer), rows [lo, hi) of

@@ -26,8 +26,9 @@ template <BlockType WT>
 constexpr bool kKQuant = WT == BlockType::Q4_K || WT == BlockType::Q5_K || WT == BlockType::Q6_K;
 
 // Walks a planes payload by interleave group (walk_tiles): group(r, gg, cb0, nb, chunk), with
-// chunk(b) the 16-row chunk of column block b, prefetched ahead (planes_prefetch) and widened
-// to 16 rows in a stack buffer when the group is ragged (planes_widen).
+// chunk(b) the 16-row chunk of column block b, prefetched ahead (planes_prefetch; a K-quant GEMV
+// prefetches its chunks a quarter at a time itself, planes_prefetch_quarter) and widened to 16
+// rows in a stack buffer when the group is ragged (planes_widen).
 template <BlockType WT, class GroupF>
 inline void walk_planes(float* y, const uint8_t* w, const TileLayout& L, int row_begin, int row_end, GroupF&& group) {
   using K = PlanesKind<WT>;
@@ -37,7 +38,7 @@ inline void walk_planes(float* y, const uint8_t* w, const TileLayout& L, int row
                const size_t step = (size_t)gg * K::kBB;
                auto chunk = [&](int b) -> const uint8_t* {
                  const uint8_t* c = grp + b * step;
-                 planes_prefetch(c, step);
+                 if constexpr (!kKQuant<WT>) planes_prefetch(c, step);
                  if (gg == kPlanesMaxG) return c;
                  planes_widen(c, gg, K::kHdr, K::kBB, wide);
                  return wide;

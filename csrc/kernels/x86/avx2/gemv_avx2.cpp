@@ -200,11 +200,13 @@ inline __m256i kplanes_group_isum(const uint8_t* c, int h, int q, const __m256i*
   return I;
 }
 
+// pf: prefetch the chunk ahead a quarter per group (the GEMV's first pass over a chunk).
 template <BlockType WT>
-inline __m256i kplanes_isum(const uint8_t* c, int h, const block_q8_K& a) {
+inline __m256i kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, bool pf = false) {
   __m256i I = _mm256_setzero_si256();
   for (int q = 0; q < 4; ++q) {
     __m256i u[16];
+    if (pf) planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
     kplanes_unpack<WT>(c, h, q, u);
     I = _mm256_add_epi32(I, kplanes_group_isum<WT>(c, h, q, u, a));
   }
@@ -223,7 +225,7 @@ void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayou
       const block_q8_K& a = x[cb0 + b];
       const block_q8_K* a2 = x2 + cb0 + b;
       for (int h = 0; h < 2; ++h) {
-        const __m256i I = kplanes_isum<WT>(c, h, a), M = kplanes_mins<WT>(c, h, a);
+        const __m256i I = kplanes_isum<WT>(c, h, a, h == 0), M = kplanes_mins<WT>(c, h, a);
         const __m256i I2 = TWO ? kplanes_isum<WT>(c, h, *a2) : I, M2 = TWO ? kplanes_mins<WT>(c, h, *a2) : M;
         acc[h] = kplanes_finish<WT, TWO>(c, h, I, M, I2, M2, a, a2, acc[h]);
       }

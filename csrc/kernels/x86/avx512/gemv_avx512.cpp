@@ -553,6 +553,7 @@ inline __m512 kplanes_block(const uint8_t* c, const block_q8_K& a, const block_q
   kplanes_mins<WT, TWO>(c, a, a2, M, M2);
   for (int q = 0; q < 4; ++q) {
     __m512i u[16];
+    planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
     kplanes_unpack<WT>(c, q, u);
     kplanes_group<WT, TWO>(c, u, q, a, a2, I, I2);
   }
