@@ -187,3 +187,25 @@ def test_decode_split_on_groups_is_thread_count_free(wtype):
         assert np.array_equal(runs[threads][1], runs[1][1]), threads
     ref = hf_logits(model, IDS[:26])
     assert np.mean(runs[1][0].argmax(1) == ref[18:26].argmax(1)) >= 0.75
+
+
+def test_rows_handed_out_while_decoding_are_thread_count_free():
+    # Matrices of 2 MB or more hand their last rows out to whichever thread is free first (the
+    # executor's UnitShare): here the head (8192 x 256 q8_0, 2.2 MB) and gate+up (8192 x 256).
+    # Each row's dot product does not depend on who computes it, so the logits stay bit-identical
+    # to one thread's, alone and in batched steps, however the rows fall.
+    model = tiny_hf("llama", d=256, n_head=4, n_kv=2, hd=64, ffn=4096, vocab=8192)
+    f = to_cflow(model, wtype="q8_0", embtype="q8_0", tile=(128, 256), interleave=16, stripe_rows=64, pack="planes")
+    assert f.tensors["output"].nbytes >= 2 << 20 and f.tensors["blk.0.ffn_gate_up"].nbytes >= 2 << 20
+    runs = {}
+    for threads in (1, 2, 3):
+        eng = Engine(f, threads=threads)
+        st, st2 = eng.new_state(), eng.new_state()
+        eng.forward(st, IDS[:10])
+        eng.forward(st2, IDS[10:18])
+        alone = np.stack([eng.forward(st, [t]) for t in IDS[18:30]])
+        both = np.stack(eng.forward([st, st2], [[IDS[30]], [IDS[31]]]))
+        runs[threads] = (alone, both)
+    for threads in (2, 3):
+        assert np.array_equal(runs[threads][0], runs[1][0]), threads
+        assert np.array_equal(runs[threads][1], runs[1][1]), threads
