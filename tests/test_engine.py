@@ -209,3 +209,27 @@ def test_rows_handed_out_while_decoding_are_thread_count_free():
     for threads in (2, 3):
         assert np.array_equal(runs[threads][0], runs[1][0]), threads
         assert np.array_equal(runs[threads][1], runs[1][1]), threads
+
+
+def test_a_long_prompt_does_not_size_scratch_by_the_vocabulary():
+    # A prompt's rows need their inputs normalised and quantized, and only the last row's logits
+    # (unless all are asked for): the scratch of a 512-token step is sized by the widest input,
+    # not the vocabulary. With a 65536-token head of width 64, sizing by the vocabulary took
+    # 512 x 65536 floats of logits and as many of normalised input, about 300 MB.
+    psutil = pytest.importorskip("psutil")
+    model = tiny_hf("llama", d=64, n_head=4, n_kv=2, hd=16, ffn=128, vocab=65536)
+    f = to_cflow(model, wtype="q8_0", embtype="q8_0")
+    eng = Engine(f, threads=2, n_ctx=1024)
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, 65536, size=512)]
+    eng.forward(eng.new_state(), ids[:4])
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    last = eng.forward(eng.new_state(), ids)
+    grew = proc.memory_info().rss - before
+    assert grew < 64 << 20, f"a 512-token prompt grew the process by {grew >> 20} MB"
+    st = eng.new_state()
+    every = eng.forward(st, ids[:32], all_logits=True)  # every row's logits still come out whole
+    assert every.shape == (32, 65536) and np.isfinite(every).all()
+    # the last row alone takes the decode GEMV, all rows the GEMM: the same to rounding
+    np.testing.assert_allclose(eng.forward(eng.new_state(), ids[:32]), every[-1], rtol=0, atol=1e-4)
+    assert last.shape == (65536,)

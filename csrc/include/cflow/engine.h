@@ -221,6 +221,7 @@ class Engine {
   size_t ex_in_width_ = 0, ex_h_width_ = 0;  // floats per row of the experts' scratch
   mutable std::atomic<uint64_t> counts_[kNumStreams + 2] = {};  // bytes per stream, steps, rows
   int n_ctx_, threads_, vocab_ = 0, max_width_ = 0;
+  bool logits_by_seq_ = true;  // only last-token ops touch the logits buffer (plan_schedule)
   bool fast_;
   bool any_precise_ = false;  // some op runs two-level activations
   Isa isa_;                   // kernel ISA, resolved once (CFLOW_ISA caps it)
