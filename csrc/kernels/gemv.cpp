@@ -220,8 +220,8 @@ GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa) {
 }
 
 bool gemv_batch_beats_gemm(Isa isa) {
-#if defined(CFLOW_X86) && defined(CFLOW_AMX)
-  return isa == Isa::Avx512 && amx_usable();
+#if defined(CFLOW_X86)
+  return isa == Isa::Avx512;
 #else
   (void)isa;
   return false;

@@ -89,8 +89,8 @@ constexpr int kBatchGroupMin = 8;
 // forms 16 (token, level) rows' integers at once; elsewhere each chunk is unpacked once per pass and
 // met by every token's dot products in turn (vpdpbusd; AVX2 maddubs + madd).
 GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa);
-// Whether the batched kernel is also faster than the int8 GEMM for prompt rows (measured: on AMX
-// it is; the VNNI batched kernel is not, docs/KERNELS.md).
+// Whether the batched kernel is also faster than the int8 GEMM for prompt rows: at 512 bits it
+// is, on AMX and on VNNI alike (docs/KERNELS.md); at 256 bits the GEMM is.
 bool gemv_batch_beats_gemm(Isa isa);
 
 // Scalar references outside the table.
