@@ -1032,13 +1032,19 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   // causal work balances. With enough rows a unit is the `group` query heads of one (row, KV
   // head), items it .. it + group - 1, so their keys and values come from memory once, not once
   // per query head; else a unit is one head.
+  // A unit's query heads (adjacent in q and in the output) go through the key and value rows
+  // together, kHeadsAtOnce at a time (dot_rows_n / mix_rows_n: each head gets bit for bit what
+  // it gets alone, so a prompt row and a decode row of the same token agree).
   const float scale = op.scale > 0 ? op.scale : 1.f / std::sqrt((float)hd);
   const int group = nh / nkv, per_unit = n * nkv >= 4 * nth ? group : 1;
+  constexpr int kHeadsAtOnce = 8;
   Scratch& s = *t.priv;
-  grow(s.scores, (size_t)n_ctx_);
+  const size_t lds = (size_t)n_ctx_;  // one score row per head of a pass
+  grow(s.scores, (size_t)std::min(per_unit, kHeadsAtOnce) * lds);
   float* out = ws.bufs[op.dst].data();
   for (int u = tid; u < n * nh / per_unit; u += nth)
-  for (int it = u * per_unit; it < (u + 1) * per_unit; ++it) {
+  for (int it = u * per_unit; it < (u + 1) * per_unit; it += kHeadsAtOnce) {
+    const int nq = std::min(kHeadsAtOnce, (u + 1) * per_unit - it);
     const int k = it / nh, h = it % nh, p = ws.row_pos[k], j = h / group;
     const State& st = *ws.states[ws.row_seq[k]];
     const float* K = st.k_[op.kv].get();
@@ -1046,12 +1052,15 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
     const int lo = op.window > 0 ? std::max(0, p - op.window + 1) : 0, len = p - lo + 1;
     const float* q = qkv + (size_t)k * ld + h * hd;
     float* sc = s.scores.data();
-    dot_rows(q, K + (size_t)lo * kvdim + j * hd, kvdim, len, hd, sc);
-    for (int i = 0; i < len; ++i) sc[i] *= scale;
-    softmax(sc, 1, len);
+    dot_rows_n(q, hd, nq, K + (size_t)lo * kvdim + j * hd, kvdim, len, hd, sc, lds);
+    for (int m = 0; m < nq; ++m) {
+      float* sm = sc + m * lds;
+      for (int i = 0; i < len; ++i) sm[i] *= scale;
+      softmax(sm, 1, len);
+    }
     float* o = out + (size_t)k * qdim + h * hd;
-    std::memset(o, 0, sizeof(float) * hd);
-    mix_rows(sc, V + (size_t)lo * kvdim + j * hd, kvdim, len, hd, o);
+    std::memset(o, 0, sizeof(float) * hd * nq);
+    mix_rows_n(sc, lds, nq, V + (size_t)lo * kvdim + j * hd, kvdim, len, hd, o, hd);
   }
 }
 

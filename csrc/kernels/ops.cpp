@@ -64,6 +64,14 @@ void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* 
   }
 }
 
+void dot_rows_n(const float* q, size_t ldq, int nq, const float* K, size_t ldk, int n, int hd, float* out, size_t ldo) {
+  for (int m = 0; m < nq; ++m) dot_rows(q + m * ldq, K, ldk, n, hd, out + m * ldo);
+}
+
+void mix_rows_n(const float* p, size_t ldp, int nq, const float* V, size_t ldv, int n, int hd, float* out, size_t ldo) {
+  for (int m = 0; m < nq; ++m) mix_rows(p + m * ldp, V, ldv, n, hd, out + m * ldo);
+}
+
 }  // namespace ref
 
 // ---- dispatch ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <cstring>
 #include <vector>
 
 #include "cflow/ops.h"
@@ -43,6 +44,13 @@ std::vector<const OpsTable*> simd_tables() {
   std::vector<const OpsTable*> t;
   for (Isa isa : {Isa::Avx2, Isa::Avx512})
     if (isa_supported(isa)) t.push_back(&ops_table(isa));
+  return t;
+}
+
+// Every table, the scalar reference's included.
+std::vector<const OpsTable*> all_tables() {
+  std::vector<const OpsTable*> t = simd_tables();
+  t.push_back(&ops_table(Isa::Scalar));
   return t;
 }
 
@@ -109,6 +117,28 @@ TEST(ops_simd_exp_edges) {
     ref::softmax(a.data(), 1, 8), t->softmax(b.data(), 1, 8);
     for (int i = 0; i < 8; ++i) CHECK(std::fabs(b[i] - a[i]) <= 1e-5f * a[i] + 1e-37f);
   }
+}
+
+// Several queries at once give each query exactly what it gets alone, on every table (the
+// engine runs a KV head's query heads together in prompts and alone in decode steps).
+TEST(ops_attention_loops_of_several_queries_are_each_querys_own) {
+  for (const int hd : {64, 80, 256, 36})
+    for (const int nq : {1, 2, 3, 4, 5, 7}) {
+      const int n = 39, ld = 2 * 256 + 16, ldq = hd + 8, ldo = hd + 4, ldp = n + 3;
+      const std::vector<float> q = randn((size_t)nq * ldq, 4), K = randn((size_t)n * ld, 5), P = randn((size_t)nq * ldp, 6);
+      const std::vector<float> o0 = randn((size_t)nq * ldo, 7);
+      for (const OpsTable* t : all_tables()) {
+        std::vector<float> a((size_t)nq * ldp, 0.f), b = a, oa = o0, ob = o0;
+        t->dot_rows_n(q.data(), ldq, nq, K.data(), ld, n, hd, a.data(), ldp);
+        t->mix_rows_n(P.data(), ldp, nq, K.data() + 256, ld, n, hd, oa.data(), ldo);
+        for (int m = 0; m < nq; ++m) {
+          t->dot_rows(q.data() + m * ldq, K.data(), ld, n, hd, b.data() + m * ldp);
+          t->mix_rows(P.data() + m * ldp, K.data() + 256, ld, n, hd, ob.data() + m * ldo);
+        }
+        CHECK(std::memcmp(a.data(), b.data(), sizeof(float) * a.size()) == 0);
+        CHECK(std::memcmp(oa.data(), ob.data(), sizeof(float) * oa.size()) == 0);
+      }
+    }
 }
 
 TEST(ops_attention_loops_match_ref) {

@@ -31,6 +31,14 @@ struct OpsTable {
   // mix_rows: out (hd,) += p (n,) @ V (n rows, stride ldv).
   void (*dot_rows)(const float* q, const float* K, size_t ldk, int n, int hd, float* out);
   void (*mix_rows)(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
+  // The same for nq queries that share K (V): the query heads of one KV head. Query m is
+  // q + m * ldq (its probabilities p + m * ldp), its outputs out + m * ldo. Each query's results
+  // are bit for bit dot_rows' (mix_rows') of it alone; the SIMD versions load each key (value)
+  // chunk once for up to 4 queries (AVX2: 2) instead of once per query.
+  void (*dot_rows_n)(const float* q, size_t ldq, int nq, const float* K, size_t ldk, int n, int hd, float* out,
+                     size_t ldo);
+  void (*mix_rows_n)(const float* p, size_t ldp, int nq, const float* V, size_t ldv, int n, int hd, float* out,
+                     size_t ldo);
 };
 
 // The table of one ISA; `isa` must be supported by this CPU (isa_supported).
@@ -46,6 +54,8 @@ void swiglu(float* h, const float* g, const float* u, int n);
 void geglu(float* h, const float* g, const float* u, int n);
 void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* out);
 void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
+void dot_rows_n(const float* q, size_t ldq, int nq, const float* K, size_t ldk, int n, int hd, float* out, size_t ldo);
+void mix_rows_n(const float* p, size_t ldp, int nq, const float* V, size_t ldv, int n, int hd, float* out, size_t ldo);
 }  // namespace ref
 
 // ---- dispatched entry points (what the engine calls) ---------------------------------------
@@ -61,6 +71,14 @@ inline void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, 
 }
 inline void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* out) {
   ops().mix_rows(p, V, ldv, n, hd, out);
+}
+inline void dot_rows_n(const float* q, size_t ldq, int nq, const float* K, size_t ldk, int n, int hd, float* out,
+                       size_t ldo) {
+  ops().dot_rows_n(q, ldq, nq, K, ldk, n, hd, out, ldo);
+}
+inline void mix_rows_n(const float* p, size_t ldp, int nq, const float* V, size_t ldv, int n, int hd, float* out,
+                       size_t ldo) {
+  ops().mix_rows_n(p, ldp, nq, V, ldv, n, hd, out, ldo);
 }
 
 }  // namespace cflow

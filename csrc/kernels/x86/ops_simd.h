@@ -165,21 +165,11 @@ void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* 
   }
 }
 
+static void mix_rows_chunks(const float* p, const float* Vm, size_t ldv, int n, int hd, float* out);
+
 void mix_rows(const float* p, const float* Vm, size_t ldv, int n, int hd, float* out) {
-  constexpr int kRegs = 8;
-  if (hd % W == 0) {  // up to kRegs chunks of the head in registers per pass over the rows, their
-    reg a[kRegs];     // chains independent (each lane sums j in order, as the loop below does)
-    for (int c0 = 0; c0 < hd; c0 += kRegs * W) {
-      const int nc = std::min(kRegs, (hd - c0) / W);
-      float* o = out + c0;
-      for (int c = 0; c < nc; ++c) a[c] = V::load(o + c * W);
-      for (int j = 0; j < n; ++j) {
-        const float* v = Vm + (size_t)j * ldv + c0;
-        const reg pj = V::set1(p[j]);
-        for (int c = 0; c < nc; ++c) a[c] = V::fmadd(pj, V::load(v + c * W), a[c]);
-      }
-      for (int c = 0; c < nc; ++c) V::store(o + c * W, a[c]);
-    }
+  if (hd % W == 0) {  // chunks of the head in registers, 8 per pass over the rows (8 chains)
+    mix_rows_chunks(p, Vm, ldv, n, hd, out);
     return;
   }
   for (int i = 0; i < hd; i += W) {
@@ -192,4 +182,115 @@ void mix_rows(const float* p, const float* Vm, size_t ldv, int n, int hd, float*
     if (m == W) V::store(out + i, a);
     else V::store_n(out + i, a, m);
   }
+}
+
+// Several queries against the same keys / values (ops.h): per block of 4 keys (values: of kMixC
+// chunks) each chunk is loaded once and met by up to kQ queries, whose accumulators are exactly
+// dot_rows' (mix_rows'): the same FMAs in the same order, the keys reduced four at a time by
+// hsum4 at the same positions, the rows a lane sums in order.
+constexpr int kQ = W == 16 ? 4 : 2;  // queries per pass: AVX-512 4 x 4 accumulators, AVX2 2 x 4
+constexpr int kMixC = 4;              // value chunks per pass
+
+template <int NQ>
+static void dot_rows_q(const float* q, size_t ldq, const float* K, size_t ldk, int n, int hd, float* out, size_t ldo) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* k = K + (size_t)j * ldk;
+    reg a[NQ][4];
+    for (int m = 0; m < NQ; ++m)
+      for (int r = 0; r < 4; ++r) a[m][r] = V::zero();
+    for (int i = 0; i < hd; i += W) {
+      reg kv[4];
+      for (int r = 0; r < 4; ++r) kv[r] = V::load(k + r * ldk + i);
+      for (int m = 0; m < NQ; ++m) {
+        const reg qi = V::load(q + m * ldq + i);
+        for (int r = 0; r < 4; ++r) a[m][r] = V::fmadd(qi, kv[r], a[m][r]);
+      }
+    }
+    for (int m = 0; m < NQ; ++m) _mm_storeu_ps(out + m * ldo + j, V::hsum4(a[m][0], a[m][1], a[m][2], a[m][3]));
+  }
+  if (j < n)  // the last n % 4 keys one at a time, as dot_rows takes them
+    for (int m = 0; m < NQ; ++m) dot_rows(q + m * ldq, K + (size_t)j * ldk, ldk, n - j, hd, out + m * ldo + j);
+}
+
+// Calls f(integral_constant<int, B>, m) for the queries [m, m + B) of nq, B <= kQ at a time.
+template <class F>
+static void query_batches(int nq, F&& f) {
+  for (int m = 0; m < nq; m += kQ) {
+    const int b = std::min(kQ, nq - m);
+    if (b == kQ) f(std::integral_constant<int, kQ>{}, m);
+    else if (b == 3) f(std::integral_constant<int, 3>{}, m);
+    else if (b == 2) f(std::integral_constant<int, 2>{}, m);
+    else f(std::integral_constant<int, 1>{}, m);
+  }
+}
+
+void dot_rows_n(const float* q, size_t ldq, int nq, const float* K, size_t ldk, int n, int hd, float* out, size_t ldo) {
+  if (hd % W) {
+    for (int m = 0; m < nq; ++m) dot_rows(q + m * ldq, K, ldk, n, hd, out + m * ldo);
+    return;
+  }
+  query_batches(nq, [&](auto B, int m) {
+    if constexpr (B == 1) dot_rows(q + m * ldq, K, ldk, n, hd, out + m * ldo);
+    else dot_rows_q<B>(q + m * ldq, ldq, K, ldk, n, hd, out + m * ldo, ldo);
+  });
+}
+
+// NC (<= kMixC) value chunks from c0 for NQ queries: the accumulators stay in registers.
+template <int NQ, int NC>
+static inline void mix_rows_qc(const float* p, size_t ldp, const float* Vm, size_t ldv, int n, int c0, float* out,
+                               size_t ldo) {
+  reg a[NQ][NC];
+  for (int m = 0; m < NQ; ++m)
+    for (int c = 0; c < NC; ++c) a[m][c] = V::load(out + m * ldo + c0 + c * W);
+  for (int j = 0; j < n; ++j) {
+    const float* v = Vm + (size_t)j * ldv + c0;
+    reg vc[NC];
+    for (int c = 0; c < NC; ++c) vc[c] = V::load(v + c * W);
+    for (int m = 0; m < NQ; ++m) {
+      const reg pj = V::set1(p[m * ldp + j]);
+      for (int c = 0; c < NC; ++c) a[m][c] = V::fmadd(pj, vc[c], a[m][c]);
+    }
+  }
+  for (int m = 0; m < NQ; ++m)
+    for (int c = 0; c < NC; ++c) V::store(out + m * ldo + c0 + c * W, a[m][c]);
+}
+
+template <int NQ>
+static void mix_rows_q(const float* p, size_t ldp, const float* Vm, size_t ldv, int n, int hd, float* out, size_t ldo) {
+  int c0 = 0;
+  for (; c0 + kMixC * W <= hd; c0 += kMixC * W) mix_rows_qc<NQ, kMixC>(p, ldp, Vm, ldv, n, c0, out, ldo);
+  switch ((hd - c0) / W) {
+    case 3: mix_rows_qc<NQ, 3>(p, ldp, Vm, ldv, n, c0, out, ldo); break;
+    case 2: mix_rows_qc<NQ, 2>(p, ldp, Vm, ldv, n, c0, out, ldo); break;
+    case 1: mix_rows_qc<NQ, 1>(p, ldp, Vm, ldv, n, c0, out, ldo); break;
+    default: break;
+  }
+}
+
+// mix_rows of a head of whole chunks: 8 chunks per pass (each lane sums its rows in order).
+static void mix_rows_chunks(const float* p, const float* Vm, size_t ldv, int n, int hd, float* out) {
+  int c0 = 0;
+  for (; c0 + 8 * W <= hd; c0 += 8 * W) mix_rows_qc<1, 8>(p, 0, Vm, ldv, n, c0, out, 0);
+  switch ((hd - c0) / W) {
+    case 7: mix_rows_qc<1, 7>(p, 0, Vm, ldv, n, c0, out, 0); break;
+    case 6: mix_rows_qc<1, 6>(p, 0, Vm, ldv, n, c0, out, 0); break;
+    case 5: mix_rows_qc<1, 5>(p, 0, Vm, ldv, n, c0, out, 0); break;
+    case 4: mix_rows_qc<1, 4>(p, 0, Vm, ldv, n, c0, out, 0); break;
+    case 3: mix_rows_qc<1, 3>(p, 0, Vm, ldv, n, c0, out, 0); break;
+    case 2: mix_rows_qc<1, 2>(p, 0, Vm, ldv, n, c0, out, 0); break;
+    case 1: mix_rows_qc<1, 1>(p, 0, Vm, ldv, n, c0, out, 0); break;
+    default: break;
+  }
+}
+
+void mix_rows_n(const float* p, size_t ldp, int nq, const float* Vm, size_t ldv, int n, int hd, float* out, size_t ldo) {
+  if (hd % W) {
+    for (int m = 0; m < nq; ++m) mix_rows(p + m * ldp, Vm, ldv, n, hd, out + m * ldo);
+    return;
+  }
+  query_batches(nq, [&](auto B, int m) {
+    if constexpr (B == 1) mix_rows(p + m * ldp, Vm, ldv, n, hd, out + m * ldo);
+    else mix_rows_q<B>(p + m * ldp, ldp, Vm, ldv, n, hd, out + m * ldo, ldo);
+  });
 }
