@@ -679,8 +679,6 @@ static void gemv_share(const TileLayout& L, int tid, int nth, int* r0, int* r1) 
   else stripe_share(L, tid, nth, r0, r1);
 }
 
-
-
 // h[j] = act(g[j]) * u[j]: SwiGLU (act 0), GeGLU with tanh GELU (act 1) or squared ReLU (act 2,
 // BitNet b1.58's relu2: a loop the compiler vectorizes).
 static void act_mul(int act, const float* g, const float* u, float* h, int n) {
