@@ -161,6 +161,26 @@ def test_state_history_truncate_and_misuse(qwen3_q4):
     assert st.tokens == IDS[:4]  # nothing lost by the refused calls
 
 
+def test_the_int8_paths_keep_keys_and_values_as_halves(qwen3_q4):
+    # int8 activations: an f16 KV cache (half the bytes per token; its values rounded once, so
+    # the logits stay within the int8 path's own error of the fp32 path); fp32: an f32 cache.
+    # A state is tied to its engine's cache type: crossing over is refused, nothing lost.
+    from cflow.engine import kv_bytes_per_token
+
+    fast, exact = Engine(qwen3_q4, threads=2, n_ctx=64), Engine(qwen3_q4, threads=2, n_ctx=64, fast=False)
+    assert (fast.kv_dtype, exact.kv_dtype) == ("f16", "f32")
+    assert 2 * kv_bytes_per_token(fast) == kv_bytes_per_token(exact) > 0
+    a, b = fast.new_state(), exact.new_state()
+    got, want = fast.forward(a, IDS[:40], all_logits=True), exact.forward(b, IDS[:40], all_logits=True)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    with pytest.raises(CflowError, match="another model"):
+        exact.forward(a, [1])
+    with pytest.raises(CflowError, match="different models"):
+        b.copy_prefix(a, 10)
+    assert a.tokens == IDS[:40] and b.tokens == IDS[:40]
+
+
 def test_the_plan_is_typed_and_checked(qwen3_q4):
     eng = Engine(qwen3_q4, threads=1)
     kinds = {type(op).__name__ for op in eng.plan.ops}

@@ -31,6 +31,7 @@ void bind_engine(nb::module_& m) {
   nb::class_<State>(m, "EngineState", "One sequence: its tokens and KV cache")
       .def_prop_ro("pos", &State::pos, "tokens in the cache")
       .def_prop_ro("n_ctx", &State::n_ctx)
+      .def_prop_ro("kv_half", &State::kv_half, "keys and values stored as IEEE halves (else floats)")
       .def_prop_ro("tokens", &State::tokens, "the token history (a copy)")
       .def("truncate", &State::truncate, "n"_a, "keep the first n tokens")
       .def("copy_prefix", &State::copy_prefix, "src"_a, "n"_a, "become the first n tokens of src and their KV cache");
@@ -65,6 +66,8 @@ void bind_engine(nb::module_& m) {
           "predict"_a = true, "direct"_a = true, "io"_a = "pread")
       .def("new_state", [](PyEngine& e) { return e.eng->new_state(); })
       .def_prop_ro("threads", [](PyEngine& e) { return e.eng->threads(); })
+      .def_prop_ro("kv_half", [](PyEngine& e) { return e.eng->kv_half(); },
+                   "the states' KV cache holds IEEE halves (the int8 paths) rather than floats (fp32)")
       .def_prop_ro("vocab", [](PyEngine& e) { return e.eng->vocab(); })
       .def("profile", [](PyEngine& e) { return e.eng->profile(); })
       .def("byte_counts",

@@ -218,10 +218,11 @@ static void grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-State::State(int n_ctx, const std::vector<int>& kv_widths) : n_ctx_(n_ctx), kv_width_(kv_widths) {
+State::State(int n_ctx, const std::vector<int>& kv_widths, const std::vector<int>& kv_head_dims, bool kv_half)
+    : n_ctx_(n_ctx), kv_width_(kv_widths), kv_hd_(kv_head_dims), kv_half_(kv_half) {
   for (int w : kv_width_) {
-    k_.emplace_back(new float[(size_t)n_ctx * w]);
-    v_.emplace_back(new float[(size_t)n_ctx * w]);
+    k_.emplace_back(new uint8_t[(size_t)n_ctx * w * kv_elem()]);
+    v_.emplace_back(new uint8_t[(size_t)n_ctx * w * kv_elem()]);
   }
 }
 
@@ -235,12 +236,15 @@ void State::copy_prefix(const State& src, int n) {
   if (&src == this) return truncate(n);
   if (n < 0 || n > src.pos())
     fail("copy_prefix(" + std::to_string(n) + "): the source holds " + std::to_string(src.pos()) + " tokens");
-  if (src.n_ctx_ != n_ctx_ || src.kv_width_ != kv_width_) fail("copy_prefix: the states belong to different models");
+  if (src.n_ctx_ != n_ctx_ || src.kv_width_ != kv_width_ || src.kv_half_ != kv_half_)
+    fail("copy_prefix: the states belong to different models");
   if (busy_ || src.busy_) fail("copy_prefix: a state is in a forward");
   for (size_t slot = 0; slot < k_.size(); ++slot) {
-    const size_t bytes = sizeof(float) * (size_t)n * kv_width_[slot];
-    std::memcpy(k_[slot].get(), src.k_[slot].get(), bytes);
-    std::memcpy(v_[slot].get(), src.v_[slot].get(), bytes);
+    const size_t hd = kv_hd_[slot], head = kv_elem() * (size_t)n_ctx_ * hd, bytes = kv_elem() * (size_t)n * hd;
+    for (size_t at = 0; at < head * (kv_width_[slot] / hd); at += head) {  // each head's first n positions
+      std::memcpy(k_[slot].get() + at, src.k_[slot].get() + at, bytes);
+      std::memcpy(v_[slot].get() + at, src.v_[slot].get() + at, bytes);
+    }
   }
   tokens_.assign(src.tokens_.begin(), src.tokens_.begin() + n);
 }
@@ -296,7 +300,7 @@ Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threa
 
 Engine::~Engine() = default;
 
-std::unique_ptr<State> Engine::new_state() const { return std::make_unique<State>(n_ctx_, kv_width_); }
+std::unique_ptr<State> Engine::new_state() const { return std::make_unique<State>(n_ctx_, kv_width_, kv_hd_, kv_half()); }
 
 std::vector<double> Engine::profile() const {
   std::lock_guard<std::mutex> lk(mu_);
@@ -466,9 +470,10 @@ void Engine::validate() {
           if (const TileLayout* N = tensor(o.k_norm, "k norm"))
             check(numel(N) == o.head_dim || numel(N) == kv, "k norm size: head_dim or n_kv_head head_dim");
           check(o.window >= 0 && o.rope_theta > 0 && o.scale >= 0, "bad window, RoPE base or scale");
-          if ((int)kv_width_.size() <= o.kv) kv_width_.resize(o.kv + 1, 0);
-          check(kv_width_[o.kv] == 0 || kv_width_[o.kv] == kv, "KV slot used with two widths");
-          kv_width_[o.kv] = kv;
+          if ((int)kv_width_.size() <= o.kv) kv_width_.resize(o.kv + 1, 0), kv_hd_.resize(o.kv + 1, 0);
+          check(kv_width_[o.kv] == 0 || (kv_width_[o.kv] == kv && kv_hd_[o.kv] == o.head_dim),
+                "KV slot used with two shapes");
+          kv_width_[o.kv] = kv, kv_hd_[o.kv] = o.head_dim;
         } else if constexpr (std::is_same_v<T, Add>) {
           const int w = buffer(o.src, "add src");
           check(buffer(o.dst, "add dst") == w, "add: src and dst widths differ");
@@ -1021,8 +1026,15 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
       State& st = *ws.states[ws.row_seq[k]];
       float* kh = row + qdim + j * hd;
       norm_rope(kh, kn, p);
-      std::memcpy(st.k_[op.kv].get() + (size_t)p * kvdim + j * hd, kh, sizeof(float) * hd);
-      std::memcpy(st.v_[op.kv].get() + (size_t)p * kvdim + j * hd, row + qdim + kvdim + j * hd, sizeof(float) * hd);
+      const float* vh = row + qdim + kvdim + j * hd;
+      const size_t at = ((size_t)j * st.n_ctx_ + p) * hd;  // head-major (State)
+      if (st.kv_half_) {
+        to_half(kh, (uint16_t*)st.k_[op.kv].get() + at, hd);
+        to_half(vh, (uint16_t*)st.v_[op.kv].get() + at, hd);
+      } else {
+        std::memcpy((float*)st.k_[op.kv].get() + at, kh, sizeof(float) * hd);
+        std::memcpy((float*)st.v_[op.kv].get() + at, vh, sizeof(float) * hd);
+      }
     }
   }
   t.barrier();
@@ -1045,12 +1057,12 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
     const int nq = std::min(kHeadsAtOnce, (u + 1) * per_unit - it);
     const int k = it / nh, h = it % nh, p = ws.row_pos[k], j = h / group;
     const State& st = *ws.states[ws.row_seq[k]];
-    const float* K = st.k_[op.kv].get();
-    const float* V = st.v_[op.kv].get();
     const int lo = op.window > 0 ? std::max(0, p - op.window + 1) : 0, len = p - lo + 1;
+    const size_t at = ((size_t)j * st.n_ctx_ + lo) * hd;  // KV head j's keys from the window's first
     const float* q = qkv + (size_t)k * ld + h * hd;
     float* sc = s.scores.data();
-    dot_rows_n(q, hd, nq, K + (size_t)lo * kvdim + j * hd, kvdim, len, hd, sc, lds);
+    if (st.kv_half_) dot_rows_n_h(q, hd, nq, (const uint16_t*)st.k_[op.kv].get() + at, hd, len, hd, sc, lds);
+    else dot_rows_n(q, hd, nq, (const float*)st.k_[op.kv].get() + at, hd, len, hd, sc, lds);
     for (int m = 0; m < nq; ++m) {
       float* sm = sc + m * lds;
       for (int i = 0; i < len; ++i) sm[i] *= scale;
@@ -1058,7 +1070,8 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
     }
     float* o = out + (size_t)k * qdim + h * hd;
     std::memset(o, 0, sizeof(float) * hd * nq);
-    mix_rows_n(sc, lds, nq, V + (size_t)lo * kvdim + j * hd, kvdim, len, hd, o, hd);
+    if (st.kv_half_) mix_rows_n_h(sc, lds, nq, (const uint16_t*)st.v_[op.kv].get() + at, hd, len, hd, o, hd);
+    else mix_rows_n(sc, lds, nq, (const float*)st.v_[op.kv].get() + at, hd, len, hd, o, hd);
   }
 }
 
@@ -1683,7 +1696,8 @@ void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logit
   for (const Seq& s : seqs) {
     if (!s.state || s.n <= 0) fail("forward: every sequence needs at least one token");
     const State& st = *s.state;
-    if (st.n_ctx_ != n_ctx_ || st.kv_width_ != kv_width_) fail("forward: the state belongs to another model");
+    if (st.n_ctx_ != n_ctx_ || st.kv_width_ != kv_width_ || st.kv_half_ != kv_half())
+      fail("forward: the state belongs to another model");
     if (st.pos() + s.n > n_ctx_)
       fail("context full: " + std::to_string(st.pos()) + " tokens in the cache + " + std::to_string(s.n) +
            " new > n_ctx " + std::to_string(n_ctx_));

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cflow/blocks.h"
 #include "ops_table.h"
 
 namespace cflow {
@@ -70,6 +71,29 @@ void dot_rows_n(const float* q, size_t ldq, int nq, const float* K, size_t ldk, 
 
 void mix_rows_n(const float* p, size_t ldp, int nq, const float* V, size_t ldv, int n, int hd, float* out, size_t ldo) {
   for (int m = 0; m < nq; ++m) mix_rows(p + m * ldp, V, ldv, n, hd, out + m * ldo);
+}
+
+// The half-cache forms widen each row to floats first: the float ops' results on the same values.
+void dot_rows_n_h(const float* q, size_t ldq, int nq, const uint16_t* K, size_t ldk, int n, int hd, float* out,
+                  size_t ldo) {
+  std::vector<float> k((size_t)hd);
+  for (int j = 0; j < n; ++j) {
+    for (int i = 0; i < hd; ++i) k[i] = fp16_to_f32(K[(size_t)j * ldk + i]);
+    for (int m = 0; m < nq; ++m) dot_rows(q + m * ldq, k.data(), 0, 1, hd, out + m * ldo + j);
+  }
+}
+
+void mix_rows_n_h(const float* p, size_t ldp, int nq, const uint16_t* V, size_t ldv, int n, int hd, float* out,
+                  size_t ldo) {
+  std::vector<float> v((size_t)hd);
+  for (int j = 0; j < n; ++j) {
+    for (int i = 0; i < hd; ++i) v[i] = fp16_to_f32(V[(size_t)j * ldv + i]);
+    for (int m = 0; m < nq; ++m) mix_rows(p + m * ldp + j, v.data(), 0, 1, hd, out + m * ldo);
+  }
+}
+
+void to_half(const float* x, uint16_t* y, int n) {
+  for (int i = 0; i < n; ++i) y[i] = f32_to_fp16(x[i]);
 }
 
 }  // namespace ref

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cflow/blocks.h"
 #include "cflow/ops.h"
 #include "test_util.h"
 
@@ -138,6 +139,40 @@ TEST(ops_attention_loops_of_several_queries_are_each_querys_own) {
         CHECK(std::memcmp(a.data(), b.data(), sizeof(float) * a.size()) == 0);
         CHECK(std::memcmp(oa.data(), ob.data(), sizeof(float) * oa.size()) == 0);
       }
+    }
+}
+
+// A cache of halves gives bit for bit what a float cache of the same (widened) values gives, on
+// every table, and every table narrows floats to halves as f32_to_fp16 does (the fast paths' KV
+// cache: the engine writes it with to_half and reads it with the _h loops).
+TEST(ops_attention_loops_over_halves_are_the_float_loops_over_their_values) {
+  for (const int hd : {64, 80, 256, 36})
+    for (const int nq : {1, 3, 4, 5}) {
+      const int n = 41, ld = 2 * 256 + 16, ldq = hd + 8, ldo = hd + 4, ldp = n + 3;
+      const std::vector<float> q = randn((size_t)nq * ldq, 8), P = randn((size_t)nq * ldp, 9);
+      const std::vector<float> o0 = randn((size_t)nq * ldo, 10);
+      std::vector<float> K = randn((size_t)n * ld, 11);
+      std::vector<uint16_t> Kh(K.size());
+      for (size_t i = 0; i < K.size(); ++i) Kh[i] = f32_to_fp16(K[i]), K[i] = fp16_to_f32(Kh[i]);
+      for (const OpsTable* t : all_tables()) {
+        std::vector<float> a((size_t)nq * ldp, 0.f), b = a, oa = o0, ob = o0;
+        t->dot_rows_n_h(q.data(), ldq, nq, Kh.data(), ld, n, hd, a.data(), ldp);
+        t->mix_rows_n_h(P.data(), ldp, nq, Kh.data() + 256, ld, n, hd, oa.data(), ldo);
+        t->dot_rows_n(q.data(), ldq, nq, K.data(), ld, n, hd, b.data(), ldp);
+        t->mix_rows_n(P.data(), ldp, nq, K.data() + 256, ld, n, hd, ob.data(), ldo);
+        CHECK(std::memcmp(a.data(), b.data(), sizeof(float) * a.size()) == 0);
+        CHECK(std::memcmp(oa.data(), ob.data(), sizeof(float) * oa.size()) == 0);
+      }
+    }
+  std::vector<float> x = randn(37, 12);
+  const float edges[] = {65504.f, 65520.f, 1e9f, -1e9f, 6.1e-5f, 3e-6f, 1e-9f, -0.f, 2049.f, 2051.f, 0.33333334f};
+  x.insert(x.end(), std::begin(edges), std::end(edges));
+  for (const OpsTable* t : all_tables())
+    for (const int n : {(int)x.size(), 5, 16, 1}) {
+      std::vector<uint16_t> h((size_t)n + 1, 0xABCD);
+      t->to_half(x.data(), h.data(), n);
+      for (int i = 0; i < n; ++i) CHECK(h[i] == f32_to_fp16(x[i]));
+      CHECK(h[n] == 0xABCD);  // nothing past the end
     }
 }
 

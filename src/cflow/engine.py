@@ -49,8 +49,10 @@ int8, fp32."""
 
 
 def kv_bytes_per_token(engine) -> int:
-    """Bytes of KV cache one token takes in one state: K and V, fp32, of every attention layer."""
-    return sum(2 * h * d * 4 for h, d in _plan().kv_slots(engine.plan))
+    """Bytes of KV cache one token takes in one state: K and V of every attention layer, as
+    engine.kv_dtype stores them (f16: 2 bytes, f32: 4)."""
+    size = 2 if engine.kv_dtype == "f16" else 4
+    return sum(2 * h * d * size for h, d in _plan().kv_slots(engine.plan))
 
 
 def available_memory() -> int | None:
@@ -139,7 +141,8 @@ def build_plan(weights, cfg: ModelConfig, precise=()):
 
 class EngineBase:
     """What both engines share: the plan, the context, argument checks, and forward over one or
-    several states. Subclasses implement new_state() and _forward(states, ids, all_logits).
+    several states. Subclasses implement new_state() and _forward(states, ids, all_logits), and
+    say how their KV cache stores keys and values (kv_dtype, "f32" or "f16").
 
     fast=True: activations quantized to int8 per op (integer dot products); fast=False: fp32
     activations, the parity path. precise=True (with fast; the default): two-level int8 for
@@ -248,7 +251,8 @@ class EngineBase:
 
 
 class State:
-    """One sequence of the native engine: its tokens (pos of them) and KV cache."""
+    """One sequence of the native engine: its tokens (pos of them) and KV cache (its engine's
+    kv_dtype)."""
 
     def __init__(self, core_state):
         self._st = core_state
@@ -424,6 +428,12 @@ class Engine(EngineBase):
 
         b, steps, rows = self._core.byte_counts()
         return {"bytes": dict(zip(STREAMS, b)), "steps": steps, "rows": rows}
+
+    @property
+    def kv_dtype(self) -> str:
+        """How the KV cache stores keys and values: "f16" on the int8 paths (half the memory and
+        the bytes attention reads, as llama.cpp's default cache), "f32" on the fp32 parity path."""
+        return "f16" if self._core.kv_half else "f32"
 
     def new_state(self) -> State:
         """A fresh, empty sequence (its KV cache for n_ctx tokens is allocated here)."""

@@ -80,6 +80,8 @@ ACT_FNS = {P.ACTS["silu"]: silu, P.ACTS["gelu_tanh"]: gelu_tanh, P.ACTS["relu2"]
 class RefEngine(EngineBase):
     """The plan interpreter; `fast` and `precise` are accepted and ignored (always fp32)."""
 
+    kv_dtype = "f32"
+
     def __init__(self, weights, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True,
                  precise=True):
         super().__init__(weights, threads=threads, n_ctx=n_ctx, fast=False, precise=())

@@ -44,12 +44,19 @@ namespace cflow {
 // below pos() are read, and pages are committed as they fill.
 class State {
  public:
-  State(int n_ctx, const std::vector<int>& kv_widths);
+  // kv_half: K and V stored as IEEE halves (the int8 paths' cache: half the memory and the
+  // bytes attention reads, as llama.cpp's default f16 cache), else as floats (the fp32 path,
+  // exact against PyTorch).
+  // Layout, per KV slot (attention layer): head-major, (n_kv_head, n_ctx, head_dim), so that the
+  // positions of one KV head, which one attention unit reads, are one contiguous stream.
+  // kv_widths[s] = n_kv_head * head_dim, kv_head_dims[s] = head_dim.
+  State(int n_ctx, const std::vector<int>& kv_widths, const std::vector<int>& kv_head_dims, bool kv_half);
   State(const State&) = delete;
   State& operator=(const State&) = delete;
 
   int pos() const { return (int)tokens_.size(); }
   int n_ctx() const { return n_ctx_; }
+  bool kv_half() const { return kv_half_; }
   const std::vector<int32_t>& tokens() const { return tokens_; }
   // Keeps the first n tokens (prompt reuse); 0 <= n <= pos().
   void truncate(int n);
@@ -62,8 +69,11 @@ class State {
   friend class Engine;
   friend class Claim;
   int n_ctx_;
-  std::vector<int> kv_width_;
-  std::vector<std::unique_ptr<float[]>> k_, v_;  // per slot
+  std::vector<int> kv_width_, kv_hd_;
+  bool kv_half_;
+  // per slot: (n_ctx, width) keys and values, floats or halves (kv_half_)
+  std::vector<std::unique_ptr<uint8_t[]>> k_, v_;
+  size_t kv_elem() const { return kv_half_ ? 2 : 4; }
   std::vector<int32_t> tokens_;
   std::atomic<bool> busy_{false};  // in a forward now
 };
@@ -117,6 +127,7 @@ class Engine {
   std::unique_ptr<State> new_state() const;
   int vocab() const { return vocab_; }
   int n_ctx() const { return n_ctx_; }
+  bool kv_half() const { return fast_; }  // the states' KV cache type (State)
   int threads() const { return threads_; }
   // Wall time per op kind (the index in Op) summed over forwards, seconds (CFLOW_PROFILE=1).
   std::vector<double> profile() const;
@@ -227,7 +238,7 @@ class Engine {
   Isa isa_;                   // kernel ISA, resolved once (CFLOW_ISA caps it)
   std::vector<Weight> W_;
   std::vector<std::vector<float>> vecs_;  // per tensor: dequantized when used as a norm or bias
-  std::vector<int> kv_width_;             // per KV slot
+  std::vector<int> kv_width_, kv_hd_;     // per KV slot: n_kv_head * head_dim, head_dim
   std::vector<RopeTable> rope_;
   bool profile_on_ = false;
   mutable std::mutex mu_;  // guards free_ and prof_ only

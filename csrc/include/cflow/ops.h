@@ -39,6 +39,15 @@ struct OpsTable {
                      size_t ldo);
   void (*mix_rows_n)(const float* p, size_t ldp, int nq, const float* V, size_t ldv, int n, int hd, float* out,
                      size_t ldo);
+  // The same over a cache of IEEE halves (uint16_t bits; the KV cache of the fast paths): each
+  // key (value) widened to float as it loads, which is exact, so the results are bit for bit
+  // dot_rows_n's (mix_rows_n's) over the widened rows.
+  void (*dot_rows_n_h)(const float* q, size_t ldq, int nq, const uint16_t* K, size_t ldk, int n, int hd, float* out,
+                       size_t ldo);
+  void (*mix_rows_n_h)(const float* p, size_t ldp, int nq, const uint16_t* V, size_t ldv, int n, int hd, float* out,
+                       size_t ldo);
+  // y (n halves) = x (n floats), rounded to nearest even (as F16C's vcvtps2ph).
+  void (*to_half)(const float* x, uint16_t* y, int n);
 };
 
 // The table of one ISA; `isa` must be supported by this CPU (isa_supported).
@@ -56,6 +65,11 @@ void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* 
 void mix_rows(const float* p, const float* V, size_t ldv, int n, int hd, float* out);
 void dot_rows_n(const float* q, size_t ldq, int nq, const float* K, size_t ldk, int n, int hd, float* out, size_t ldo);
 void mix_rows_n(const float* p, size_t ldp, int nq, const float* V, size_t ldv, int n, int hd, float* out, size_t ldo);
+void dot_rows_n_h(const float* q, size_t ldq, int nq, const uint16_t* K, size_t ldk, int n, int hd, float* out,
+                  size_t ldo);
+void mix_rows_n_h(const float* p, size_t ldp, int nq, const uint16_t* V, size_t ldv, int n, int hd, float* out,
+                  size_t ldo);
+void to_half(const float* x, uint16_t* y, int n);
 }  // namespace ref
 
 // ---- dispatched entry points (what the engine calls) ---------------------------------------
@@ -80,5 +94,14 @@ inline void mix_rows_n(const float* p, size_t ldp, int nq, const float* V, size_
                        size_t ldo) {
   ops().mix_rows_n(p, ldp, nq, V, ldv, n, hd, out, ldo);
 }
+inline void dot_rows_n_h(const float* q, size_t ldq, int nq, const uint16_t* K, size_t ldk, int n, int hd, float* out,
+                         size_t ldo) {
+  ops().dot_rows_n_h(q, ldq, nq, K, ldk, n, hd, out, ldo);
+}
+inline void mix_rows_n_h(const float* p, size_t ldp, int nq, const uint16_t* V, size_t ldv, int n, int hd, float* out,
+                         size_t ldo) {
+  ops().mix_rows_n_h(p, ldp, nq, V, ldv, n, hd, out, ldo);
+}
+inline void to_half(const float* x, uint16_t* y, int n) { ops().to_half(x, y, n); }
 
 }  // namespace cflow

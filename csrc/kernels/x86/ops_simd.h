@@ -132,42 +132,53 @@ void geglu(float* h, const float* g, const float* u, int n) {
 }
 
 // Attention inner loops (ops.h): out (n,) = K @ q; out (hd,) += p @ V. Any hd (masked tail).
-void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* out) {
+// Written once over the cache's element type E: float, or uint16_t for IEEE halves (the fast
+// paths' KV cache), widened to floats as they load (exact), so a half cache gives bit for bit
+// what a float cache holding the same values gives.
+static inline reg ld(const float* p) { return V::load(p); }
+static inline reg ld(const uint16_t* p) { return V::load_h(p); }
+static inline reg ld_n(const float* p, int n) { return V::load_n(p, n); }
+static inline reg ld_n(const uint16_t* p, int n) { return V::load_h_n(p, n); }
+
+template <class E>
+static void dot_rows_e(const float* q, const E* K, size_t ldk, int n, int hd, float* out) {
   const int hw = hd / W * W;
   int j = 0;
   if (hw == hd)  // 8 rows at a time: 8 independent chains (an FMA's latency is 4 cycles, and two
     for (; j + 8 <= n; j += 8) {  // issue a cycle), each four reduced as the loop below does
-      const float* k = K + (size_t)j * ldk;
+      const E* k = K + (size_t)j * ldk;
       reg a[8] = {V::zero(), V::zero(), V::zero(), V::zero(), V::zero(), V::zero(), V::zero(), V::zero()};
       for (int i = 0; i < hd; i += W) {
         const reg qi = V::load(q + i);
-        for (int r = 0; r < 8; ++r) a[r] = V::fmadd(qi, V::load(k + r * ldk + i), a[r]);
+        for (int r = 0; r < 8; ++r) a[r] = V::fmadd(qi, ld(k + r * ldk + i), a[r]);
       }
       _mm_storeu_ps(out + j, V::hsum4(a[0], a[1], a[2], a[3]));
       _mm_storeu_ps(out + j + 4, V::hsum4(a[4], a[5], a[6], a[7]));
     }
   if (hw == hd)  // 4 rows at a time: independent chains, one reduction for the four
     for (; j + 4 <= n; j += 4) {
-      const float* k = K + (size_t)j * ldk;
+      const E* k = K + (size_t)j * ldk;
       reg a[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
       for (int i = 0; i < hd; i += W) {
         const reg qi = V::load(q + i);
-        for (int r = 0; r < 4; ++r) a[r] = V::fmadd(qi, V::load(k + r * ldk + i), a[r]);
+        for (int r = 0; r < 4; ++r) a[r] = V::fmadd(qi, ld(k + r * ldk + i), a[r]);
       }
       _mm_storeu_ps(out + j, V::hsum4(a[0], a[1], a[2], a[3]));
     }
   for (; j < n; ++j) {
-    const float* k = K + (size_t)j * ldk;
+    const E* k = K + (size_t)j * ldk;
     reg a = V::zero();
-    for (int i = 0; i < hw; i += W) a = V::fmadd(V::load(q + i), V::load(k + i), a);
-    if (hw < hd) a = V::fmadd(V::load_n(q + hw, hd - hw), V::load_n(k + hw, hd - hw), a);
+    for (int i = 0; i < hw; i += W) a = V::fmadd(V::load(q + i), ld(k + i), a);
+    if (hw < hd) a = V::fmadd(V::load_n(q + hw, hd - hw), ld_n(k + hw, hd - hw), a);
     out[j] = V::hsum(a);
   }
 }
 
-static void mix_rows_chunks(const float* p, const float* Vm, size_t ldv, int n, int hd, float* out);
+template <class E>
+static void mix_rows_chunks(const float* p, const E* Vm, size_t ldv, int n, int hd, float* out);
 
-void mix_rows(const float* p, const float* Vm, size_t ldv, int n, int hd, float* out) {
+template <class E>
+static void mix_rows_e(const float* p, const E* Vm, size_t ldv, int n, int hd, float* out) {
   if (hd % W == 0) {  // chunks of the head in registers, 8 per pass over the rows (8 chains)
     mix_rows_chunks(p, Vm, ldv, n, hd, out);
     return;
@@ -176,8 +187,8 @@ void mix_rows(const float* p, const float* Vm, size_t ldv, int n, int hd, float*
     const int m = hd - i < W ? hd - i : W;
     reg a = m == W ? V::load(out + i) : V::load_n(out + i, m);
     for (int j = 0; j < n; ++j) {
-      const float* v = Vm + (size_t)j * ldv + i;
-      a = V::fmadd(V::set1(p[j]), m == W ? V::load(v) : V::load_n(v, m), a);
+      const E* v = Vm + (size_t)j * ldv + i;
+      a = V::fmadd(V::set1(p[j]), m == W ? ld(v) : ld_n(v, m), a);
     }
     if (m == W) V::store(out + i, a);
     else V::store_n(out + i, a, m);
@@ -191,17 +202,17 @@ void mix_rows(const float* p, const float* Vm, size_t ldv, int n, int hd, float*
 constexpr int kQ = W == 16 ? 4 : 2;  // queries per pass: AVX-512 4 x 4 accumulators, AVX2 2 x 4
 constexpr int kMixC = 4;              // value chunks per pass
 
-template <int NQ>
-static void dot_rows_q(const float* q, size_t ldq, const float* K, size_t ldk, int n, int hd, float* out, size_t ldo) {
+template <int NQ, class E>
+static void dot_rows_q(const float* q, size_t ldq, const E* K, size_t ldk, int n, int hd, float* out, size_t ldo) {
   int j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* k = K + (size_t)j * ldk;
+    const E* k = K + (size_t)j * ldk;
     reg a[NQ][4];
     for (int m = 0; m < NQ; ++m)
       for (int r = 0; r < 4; ++r) a[m][r] = V::zero();
     for (int i = 0; i < hd; i += W) {
       reg kv[4];
-      for (int r = 0; r < 4; ++r) kv[r] = V::load(k + r * ldk + i);
+      for (int r = 0; r < 4; ++r) kv[r] = ld(k + r * ldk + i);
       for (int m = 0; m < NQ; ++m) {
         const reg qi = V::load(q + m * ldq + i);
         for (int r = 0; r < 4; ++r) a[m][r] = V::fmadd(qi, kv[r], a[m][r]);
@@ -210,7 +221,7 @@ static void dot_rows_q(const float* q, size_t ldq, const float* K, size_t ldk, i
     for (int m = 0; m < NQ; ++m) _mm_storeu_ps(out + m * ldo + j, V::hsum4(a[m][0], a[m][1], a[m][2], a[m][3]));
   }
   if (j < n)  // the last n % 4 keys one at a time, as dot_rows takes them
-    for (int m = 0; m < NQ; ++m) dot_rows(q + m * ldq, K + (size_t)j * ldk, ldk, n - j, hd, out + m * ldo + j);
+    for (int m = 0; m < NQ; ++m) dot_rows_e(q + m * ldq, K + (size_t)j * ldk, ldk, n - j, hd, out + m * ldo + j);
 }
 
 // Calls f(integral_constant<int, B>, m) for the queries [m, m + B) of nq, B <= kQ at a time.
@@ -225,28 +236,30 @@ static void query_batches(int nq, F&& f) {
   }
 }
 
-void dot_rows_n(const float* q, size_t ldq, int nq, const float* K, size_t ldk, int n, int hd, float* out, size_t ldo) {
+template <class E>
+static void dot_rows_n_e(const float* q, size_t ldq, int nq, const E* K, size_t ldk, int n, int hd, float* out,
+                         size_t ldo) {
   if (hd % W) {
-    for (int m = 0; m < nq; ++m) dot_rows(q + m * ldq, K, ldk, n, hd, out + m * ldo);
+    for (int m = 0; m < nq; ++m) dot_rows_e(q + m * ldq, K, ldk, n, hd, out + m * ldo);
     return;
   }
   query_batches(nq, [&](auto B, int m) {
-    if constexpr (B == 1) dot_rows(q + m * ldq, K, ldk, n, hd, out + m * ldo);
+    if constexpr (B == 1) dot_rows_e(q + m * ldq, K, ldk, n, hd, out + m * ldo);
     else dot_rows_q<B>(q + m * ldq, ldq, K, ldk, n, hd, out + m * ldo, ldo);
   });
 }
 
-// NC (<= kMixC) value chunks from c0 for NQ queries: the accumulators stay in registers.
-template <int NQ, int NC>
-static inline void mix_rows_qc(const float* p, size_t ldp, const float* Vm, size_t ldv, int n, int c0, float* out,
+// NC (<= 8) value chunks from c0 for NQ queries: the accumulators stay in registers.
+template <int NQ, int NC, class E>
+static inline void mix_rows_qc(const float* p, size_t ldp, const E* Vm, size_t ldv, int n, int c0, float* out,
                                size_t ldo) {
   reg a[NQ][NC];
   for (int m = 0; m < NQ; ++m)
     for (int c = 0; c < NC; ++c) a[m][c] = V::load(out + m * ldo + c0 + c * W);
   for (int j = 0; j < n; ++j) {
-    const float* v = Vm + (size_t)j * ldv + c0;
+    const E* v = Vm + (size_t)j * ldv + c0;
     reg vc[NC];
-    for (int c = 0; c < NC; ++c) vc[c] = V::load(v + c * W);
+    for (int c = 0; c < NC; ++c) vc[c] = ld(v + c * W);
     for (int m = 0; m < NQ; ++m) {
       const reg pj = V::set1(p[m * ldp + j]);
       for (int c = 0; c < NC; ++c) a[m][c] = V::fmadd(pj, vc[c], a[m][c]);
@@ -256,8 +269,8 @@ static inline void mix_rows_qc(const float* p, size_t ldp, const float* Vm, size
     for (int c = 0; c < NC; ++c) V::store(out + m * ldo + c0 + c * W, a[m][c]);
 }
 
-template <int NQ>
-static void mix_rows_q(const float* p, size_t ldp, const float* Vm, size_t ldv, int n, int hd, float* out, size_t ldo) {
+template <int NQ, class E>
+static void mix_rows_q(const float* p, size_t ldp, const E* Vm, size_t ldv, int n, int hd, float* out, size_t ldo) {
   int c0 = 0;
   for (; c0 + kMixC * W <= hd; c0 += kMixC * W) mix_rows_qc<NQ, kMixC>(p, ldp, Vm, ldv, n, c0, out, ldo);
   switch ((hd - c0) / W) {
@@ -269,7 +282,8 @@ static void mix_rows_q(const float* p, size_t ldp, const float* Vm, size_t ldv, 
 }
 
 // mix_rows of a head of whole chunks: 8 chunks per pass (each lane sums its rows in order).
-static void mix_rows_chunks(const float* p, const float* Vm, size_t ldv, int n, int hd, float* out) {
+template <class E>
+static void mix_rows_chunks(const float* p, const E* Vm, size_t ldv, int n, int hd, float* out) {
   int c0 = 0;
   for (; c0 + 8 * W <= hd; c0 += 8 * W) mix_rows_qc<1, 8>(p, 0, Vm, ldv, n, c0, out, 0);
   switch ((hd - c0) / W) {
@@ -284,13 +298,43 @@ static void mix_rows_chunks(const float* p, const float* Vm, size_t ldv, int n, 
   }
 }
 
-void mix_rows_n(const float* p, size_t ldp, int nq, const float* Vm, size_t ldv, int n, int hd, float* out, size_t ldo) {
+template <class E>
+static void mix_rows_n_e(const float* p, size_t ldp, int nq, const E* Vm, size_t ldv, int n, int hd, float* out,
+                         size_t ldo) {
   if (hd % W) {
-    for (int m = 0; m < nq; ++m) mix_rows(p + m * ldp, Vm, ldv, n, hd, out + m * ldo);
+    for (int m = 0; m < nq; ++m) mix_rows_e(p + m * ldp, Vm, ldv, n, hd, out + m * ldo);
     return;
   }
   query_batches(nq, [&](auto B, int m) {
-    if constexpr (B == 1) mix_rows(p + m * ldp, Vm, ldv, n, hd, out + m * ldo);
+    if constexpr (B == 1) mix_rows_e(p + m * ldp, Vm, ldv, n, hd, out + m * ldo);
     else mix_rows_q<B>(p + m * ldp, ldp, Vm, ldv, n, hd, out + m * ldo, ldo);
   });
+}
+
+void dot_rows(const float* q, const float* K, size_t ldk, int n, int hd, float* out) {
+  dot_rows_e(q, K, ldk, n, hd, out);
+}
+void mix_rows(const float* p, const float* Vm, size_t ldv, int n, int hd, float* out) {
+  mix_rows_e(p, Vm, ldv, n, hd, out);
+}
+void dot_rows_n(const float* q, size_t ldq, int nq, const float* K, size_t ldk, int n, int hd, float* out, size_t ldo) {
+  dot_rows_n_e(q, ldq, nq, K, ldk, n, hd, out, ldo);
+}
+void mix_rows_n(const float* p, size_t ldp, int nq, const float* Vm, size_t ldv, int n, int hd, float* out, size_t ldo) {
+  mix_rows_n_e(p, ldp, nq, Vm, ldv, n, hd, out, ldo);
+}
+void dot_rows_n_h(const float* q, size_t ldq, int nq, const uint16_t* K, size_t ldk, int n, int hd, float* out,
+                  size_t ldo) {
+  dot_rows_n_e(q, ldq, nq, K, ldk, n, hd, out, ldo);
+}
+void mix_rows_n_h(const float* p, size_t ldp, int nq, const uint16_t* Vm, size_t ldv, int n, int hd, float* out,
+                  size_t ldo) {
+  mix_rows_n_e(p, ldp, nq, Vm, ldv, n, hd, out, ldo);
+}
+
+// y (n halves) = x (n floats), each rounded to nearest even.
+void to_half(const float* x, uint16_t* y, int n) {
+  int i = 0;
+  for (; i + W <= n; i += W) V::store_h(y + i, V::load(x + i));
+  if (i < n) V::store_h_n(y + i, V::load_n(x + i, n - i), n - i);
 }

@@ -25,6 +25,22 @@ struct Vec {
     return _mm256_blendv_ps(set1(fill), _mm256_maskload_ps(p, k), _mm256_castsi256_ps(k));
   }
   static void store_n(float* p, reg a, int n) { _mm256_maskstore_ps(p, mask(n), a); }
+  // IEEE halves (uint16_t bits) <-> floats: widening is exact, narrowing rounds to nearest even.
+  // No 16-bit masked moves in AVX2: ragged ends go through a small buffer.
+  static reg load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static reg load_h_n(const uint16_t* p, int n) {
+    alignas(16) uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < n; ++i) t[i] = p[i];
+    return _mm256_cvtph_ps(_mm_load_si128((const __m128i*)t));
+  }
+  static void store_h(uint16_t* p, reg a) {
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void store_h_n(uint16_t* p, reg a, int n) {
+    alignas(16) uint16_t t[8];
+    _mm_store_si128((__m128i*)t, _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (int i = 0; i < n; ++i) p[i] = t[i];
+  }
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }

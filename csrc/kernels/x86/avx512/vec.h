@@ -21,6 +21,15 @@ struct Vec {
     return _mm512_mask_loadu_ps(set1(fill), mask(n), p);
   }
   static void store_n(float* p, reg a, int n) { _mm512_mask_storeu_ps(p, mask(n), a); }
+  // IEEE halves (uint16_t bits) <-> floats: widening is exact, narrowing rounds to nearest even
+  static reg load_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static reg load_h_n(const uint16_t* p, int n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask(n), p)); }
+  static void store_h(uint16_t* p, reg a) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void store_h_n(uint16_t* p, reg a, int n) {
+    _mm256_mask_storeu_epi16(p, mask(n), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
