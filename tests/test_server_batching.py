@@ -72,6 +72,29 @@ def test_eight_prompts_at_once_give_their_alone_tokens(url8, long8):
     wait_for(lambda: health(long8)["active"] == 0, what="the streams to be cancelled")
 
 
+def batcher_counters(url):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("cflow_batcher_")}
+
+
+def test_the_batchers_counters_add_up_to_what_the_requests_carried(url8):
+    # /metrics counts the rows the steps carried: every token a request computed of its prompt,
+    # and a decode row per generated token after the first (which the prompt's last row gives)
+    before = batcher_counters(url8)
+    done = at_once(lambda p: complete(url8, p, 12), [(p,) for p in PROMPTS])
+    after = batcher_counters(url8)
+    d = {k: after[k] - before[k] for k in after}
+    usage = [r["usage"] for r in done]
+    computed = sum(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+    assert d["cflow_batcher_prompt_rows"] == computed > 0
+    assert d["cflow_batcher_decode_rows"] == sum(u["completion_tokens"] - 1 for u in usage) > 0
+    assert 12 <= d["cflow_batcher_steps"] < computed + sum(u["completion_tokens"] for u in usage)
+    assert 0 < d["cflow_batcher_forward_seconds"] < d["cflow_batcher_step_seconds"]
+
+
 class Stream:
     """A streamed completion read on its own thread: its text so far and whether it has ended."""
 
@@ -186,6 +209,7 @@ def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_pat
     assert rc == 0, out
     assert out.count("errors      0 server (5xx or dropped), 0 other") == 2
     assert "abandoned mid-stream by their client" in out and "first token p50" in out and "inter-token p50" in out
+    assert out.count(" decode + ") == 2 and "ms forward + " in out and "engine busy " in out
     table = out.split("parallel   tok/s")[1].splitlines()[1:3]
     assert [row.split()[0] for row in table] == ["1", "2"]
     assert png.stat().st_size > 0

@@ -205,6 +205,23 @@ def _pct(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))] if sorted_xs else float("nan")
 
 
+BATCHER_GAUGES = ("cflow_batcher_steps", "cflow_batcher_forward_seconds", "cflow_batcher_step_seconds",
+                  "cflow_batcher_decode_rows", "cflow_batcher_prompt_rows")
+
+
+def _batcher(url: str, headers: dict) -> dict[str, float] | None:
+    """The batcher's counters from the server's /metrics (None: a server without them)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    except (httpx.HTTPError, ValueError):
+        return None
+    return {k: got[k] for k in BATCHER_GAUGES} if all(k in got for k in BATCHER_GAUGES) else None
+
+
 def _phase(args, parallel: int | None) -> dict:
     """One run against one server (started here with `parallel` slots, or args.url)."""
     import httpx
@@ -219,17 +236,18 @@ def _phase(args, parallel: int | None) -> dict:
         model = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
         slots = httpx.get(url + "/health", timeout=10).json().get("slots", 1)
         asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens))
-        rss0 = _rss(pid)
+        rss0, b0 = _rss(pid), _batcher(url, headers)
         results, wall = asyncio.run(_load(url, args))
-        rss1 = _rss(pid)
+        rss1, b1 = _rss(pid), _batcher(url, headers)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    return _report(args, model, url, slots, results, wall, rss0, rss1)
+    steps = {k: b1[k] - b0[k] for k in BATCHER_GAUGES} if b0 and b1 else None
+    return _report(args, model, url, slots, results, wall, rss0, rss1, steps)
 
 
-def _report(args, model, url, slots, results, wall, rss0, rss1) -> dict:
+def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None) -> dict:
     lat = sorted(r.latency for r in results)
     ttft = sorted(r.ttft for r in results if r.ttft is not None)
     gaps = sorted(g for r in results for g in r.gaps)
@@ -255,6 +273,13 @@ def _report(args, model, url, slots, results, wall, rss0, rss1) -> dict:
     print(f"  throughput  {tokens} completion tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s, "
           f"{len(results) / wall:.2f} requests/s"
           + ("" if not abandoned else " (abandoned requests' tokens not counted)"))
+    if steps and steps["cflow_batcher_steps"] > 0:
+        n = steps["cflow_batcher_steps"]
+        fwd, whole = steps["cflow_batcher_forward_seconds"], steps["cflow_batcher_step_seconds"]
+        print(f"  steps       {n:.0f}, {steps['cflow_batcher_decode_rows'] / n:.2f} decode + "
+              f"{steps['cflow_batcher_prompt_rows'] / n:.2f} prompt rows a step; {1e3 * fwd / n:.2f} ms forward + "
+              f"{1e3 * (whole - fwd) / n:.2f} ms sampling and hand-out a step; engine busy {100 * fwd / wall:.0f}% "
+              f"of the wall time, batcher {100 * whole / wall:.0f}%")
     growth = None
     if rss0 is not None and rss1 is not None:
         growth = 100 * (rss1 - rss0) / rss0

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 from collections import deque
 
 from cflow.engine import check_kv_memory
@@ -117,6 +118,11 @@ class Batcher:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0  # forwards run (a step per token of the longest running sequence)
+        # where the batcher thread's time goes (/metrics): seconds inside engine.forward, seconds
+        # of whole steps (the forward, then sampling, detokenizing and handing out each row's
+        # result), and the rows the steps carried (decode tokens, prompt pieces)
+        self.forward_seconds = self.step_seconds = 0.0
+        self.decode_rows = self.prompt_rows = 0
 
     # ---- what /health and /metrics read
     @property
@@ -228,12 +234,20 @@ class Batcher:
         return batch, ids
 
     def _step(self, jobs: list[Job]) -> None:
+        t0 = time.perf_counter()
         batch, ids = self._compose(jobs)
+        tf = time.perf_counter()
         try:
             outs = self.engine.forward([j.slot.state for j in batch], ids)
         except Exception as e:  # the step's requests fail, the batcher and the server live on
             outs = [e] * len(batch)
+        t1 = time.perf_counter()
         self.steps += 1
+        for job, piece in zip(batch, ids):
+            if job.decoder.prefilling:
+                self.prompt_rows += len(piece)
+            else:
+                self.decode_rows += 1
         ended, items = [], []
         for job, logits in zip(batch, outs):
             try:
@@ -253,3 +267,6 @@ class Batcher:
             with self._cv:
                 for job in ended:
                     self._release(job.slot)
+        t2 = time.perf_counter()
+        self.forward_seconds += t1 - tf
+        self.step_seconds += t2 - t0

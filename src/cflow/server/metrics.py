@@ -26,6 +26,14 @@ class Metrics:
         Gauge("cflow_queue_length", "requests waiting for a sequence slot", registry=r).set_function(lambda: slots.queued)
         Gauge("cflow_active_generations", "sequences running now (prefilling or decoding)", registry=r).set_function(lambda: slots.active)
         Gauge("cflow_batcher_steps", "engine steps run by the batcher", registry=r).set_function(lambda: slots.steps)
+        Gauge("cflow_batcher_forward_seconds", "seconds the batcher spent in the engine's forwards", registry=r
+              ).set_function(lambda: slots.forward_seconds)
+        Gauge("cflow_batcher_step_seconds", "seconds of whole batcher steps: the forward, then sampling and handing out",
+              registry=r).set_function(lambda: slots.step_seconds)
+        Gauge("cflow_batcher_decode_rows", "decode tokens the batcher's steps carried", registry=r
+              ).set_function(lambda: slots.decode_rows)
+        Gauge("cflow_batcher_prompt_rows", "prompt tokens the batcher's steps carried", registry=r
+              ).set_function(lambda: slots.prompt_rows)
         Gauge("cflow_slots", "sequences decoded together (--parallel)", registry=r).set_function(lambda: slots.n)
 
     def finished(self, usage, timings) -> None:
