@@ -82,6 +82,32 @@ def test_each_row_gets_exactly_what_its_sequence_gets_alone(layout, acts):
     assert np.array_equal(eng.forward(mixed, IDS[31:45]), whole) and np.array_equal(out[0], alone_after(eng, IDS[:3], 9))
 
 
+@pytest.mark.parametrize("acts", ["int8x2", "fp32"])
+def test_long_contexts_give_each_row_its_own_numbers_in_any_step(acts):
+    # attention runs over spans of 128 keys, merged in order: a step of a few rows spreads their
+    # spans over the threads, a step of many rows gives each thread whole rows. Either way a
+    # token at position 300 (three spans) gets the same numbers, bit for bit: as a decode row
+    # alone or among five others, as the last row of a 301-token prompt or of a 2-token piece.
+    f = to_cflow(tiny_hf("qwen3"), wtype="q4_1", embtype="q8_0", tile=(32, 64), interleave=16, stripe_rows=16,
+                 pack="planes")  # what `cflow convert` writes
+    eng = Engine(f, threads=2, n_ctx=512, **ACTIVATIONS[acts])
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, 256, size=301)]
+    whole = eng.forward(eng.new_state(), ids)
+    piece = eng.new_state()
+    eng.forward(piece, ids[:-2])
+    assert np.array_equal(eng.forward(piece, ids[-2:]), whole)
+    one = eng.new_state()
+    eng.forward(one, ids[:-1])
+    alone = eng.forward(one, ids[-1:])
+    many = [eng.new_state() for _ in range(6)]
+    eng.forward(many, [ids[:-1]] + [ids[:40 + i] for i in range(5)])
+    assert np.array_equal(eng.forward(many, [ids[-1:]] + [[3]] * 5)[0], alone)
+    ref_eng = RefEngine(f, n_ctx=512)
+    ref = ref_eng.forward(ref_eng.new_state(), ids)
+    for got in (whole, alone):
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-5 if acts == "fp32" else 2e-2)
+
+
 def alone_after(eng, prompt, token):
     st = eng.new_state()
     eng.forward(st, prompt)

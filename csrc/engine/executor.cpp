@@ -28,7 +28,9 @@ struct Scratch {
   std::vector<float> xn;             // (n, C) normalised input
   std::vector<uint8_t> qa;           // (n, levels) rows of int8 input (QActs; two levels: two_level ops)
   std::vector<float> y;              // (n, rows of a share) GEMM output before an epilogue
-  std::vector<float> scores;         // (n_ctx,) attention scores
+  std::vector<float> scores;         // (heads at once, span) attention scores
+  std::vector<float> attn_part;      // attention: spans' partial results (per thread, or the team's)
+  std::vector<int> span_first;       // attention: each row's first span item
   std::vector<uint8_t> xa;           // one token's activation prepared for a GEMV kernel
   std::vector<float> gather;         // (seqs, C): the last row of each sequence (the head)
   // Experts: the step's (row, expert) assignments sorted by expert, then row
@@ -1037,41 +1039,92 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
       }
     }
   }
-  t.barrier();
-  // Phase B: softmax(q K^T * scale) V per (row, head); units interleaved over the threads so
-  // causal work balances. With enough rows a unit is the `group` query heads of one (row, KV
-  // head), items it .. it + group - 1, so their keys and values come from memory once, not once
-  // per query head; else a unit is one head.
-  // A unit's query heads (adjacent in q and in the output) go through the key and value rows
-  // together, kHeadsAtOnce at a time (dot_rows_n / mix_rows_n: each head gets bit for bit what
-  // it gets alone, so a prompt row and a decode row of the same token agree).
+  // Phase B: softmax(q K^T * scale) V per (row, query head), over spans of kSpan keys from the
+  // window's first: per span and query head its largest score m_c, l_c = sum of exp(s - m_c) and
+  // o_c = sum of exp(s - m_c) V; then out = sum_c w_c o_c / sum_c w_c l_c, w_c = exp(m_c - max m),
+  // spans in order. A span is met by the `group` query heads of its KV head together,
+  // kHeadsAtOnce at a time (dot_rows_n / mix_rows_n: each head gets what it gets alone), so its
+  // keys and values come from memory once.
+  // Work: with many (row, KV head) pairs (prompts, batches) a thread takes whole pairs, their
+  // spans in turn, and merges at once; with few (a decode step of a sequence or two) the spans go
+  // round the threads, their partial results in the team's scratch, merged after a barrier. The
+  // arithmetic is the same either way: a row's result does not depend on its step.
   const float scale = op.scale > 0 ? op.scale : 1.f / std::sqrt((float)hd);
-  const int group = nh / nkv, per_unit = n * nkv >= 4 * nth ? group : 1;
-  constexpr int kHeadsAtOnce = 8;
+  const int group = nh / nkv, part = group * (hd + 2);  // a span's partials: per head m, l, o
+  constexpr int kHeadsAtOnce = 8, kSpan = 128;
+  auto spans_of = [&](int k) {
+    const int p = ws.row_pos[k], lo = op.window > 0 ? std::max(0, p - op.window + 1) : 0;
+    return (p - lo + kSpan) / kSpan;
+  };
   Scratch& s = *t.priv;
-  const size_t lds = (size_t)n_ctx_;  // one score row per head of a pass
-  grow(s.scores, (size_t)std::min(per_unit, kHeadsAtOnce) * lds);
+  grow(s.scores, (size_t)kHeadsAtOnce * kSpan);
   float* out = ws.bufs[op.dst].data();
-  for (int u = tid; u < n * nh / per_unit; u += nth)
-  for (int it = u * per_unit; it < (u + 1) * per_unit; it += kHeadsAtOnce) {
-    const int nq = std::min(kHeadsAtOnce, (u + 1) * per_unit - it);
-    const int k = it / nh, h = it % nh, p = ws.row_pos[k], j = h / group;
+  // span c of row k's KV head j -> P (part floats)
+  auto span = [&](int k, int j, int c, float* P) {
+    const int p = ws.row_pos[k], i0 = (op.window > 0 ? std::max(0, p - op.window + 1) : 0) + c * kSpan;
+    const int len = std::min(kSpan, p + 1 - i0);
     const State& st = *ws.states[ws.row_seq[k]];
-    const int lo = op.window > 0 ? std::max(0, p - op.window + 1) : 0, len = p - lo + 1;
-    const size_t at = ((size_t)j * st.n_ctx_ + lo) * hd;  // KV head j's keys from the window's first
-    const float* q = qkv + (size_t)k * ld + h * hd;
+    const size_t at = ((size_t)j * st.n_ctx_ + i0) * hd;  // head-major (State)
+    const uint8_t *K = st.k_[op.kv].get(), *V = st.v_[op.kv].get();
     float* sc = s.scores.data();
-    if (st.kv_half_) dot_rows_n_h(q, hd, nq, (const uint16_t*)st.k_[op.kv].get() + at, hd, len, hd, sc, lds);
-    else dot_rows_n(q, hd, nq, (const float*)st.k_[op.kv].get() + at, hd, len, hd, sc, lds);
-    for (int m = 0; m < nq; ++m) {
-      float* sm = sc + m * lds;
-      for (int i = 0; i < len; ++i) sm[i] *= scale;
-      softmax(sm, 1, len);
+    for (int m0 = 0; m0 < group; m0 += kHeadsAtOnce) {
+      const int nq = std::min(kHeadsAtOnce, group - m0);
+      const float* q = qkv + (size_t)k * ld + (size_t)(j * group + m0) * hd;
+      if (st.kv_half_) dot_rows_n_h(q, hd, nq, (const uint16_t*)K + at, hd, len, hd, sc, kSpan);
+      else dot_rows_n(q, hd, nq, (const float*)K + at, hd, len, hd, sc, kSpan);
+      float* Pm = P + (size_t)m0 * (hd + 2);
+      for (int m = 0; m < nq; ++m) {
+        float *sm = sc + (size_t)m * kSpan, *pm = Pm + (size_t)m * (hd + 2);
+        for (int i = 0; i < len; ++i) sm[i] *= scale;
+        pm[1] = exp_max(sm, len, &pm[0]);
+        std::memset(pm + 2, 0, sizeof(float) * hd);
+      }
+      if (st.kv_half_) mix_rows_n_h(sc, kSpan, nq, (const uint16_t*)V + at, hd, len, hd, Pm + 2, hd + 2);
+      else mix_rows_n(sc, kSpan, nq, (const float*)V + at, hd, len, hd, Pm + 2, hd + 2);
     }
-    float* o = out + (size_t)k * qdim + h * hd;
-    std::memset(o, 0, sizeof(float) * hd * nq);
-    if (st.kv_half_) mix_rows_n_h(sc, lds, nq, (const uint16_t*)st.v_[op.kv].get() + at, hd, len, hd, o, hd);
-    else mix_rows_n(sc, lds, nq, (const float*)st.v_[op.kv].get() + at, hd, len, hd, o, hd);
+  };
+  // query head h of row k from its KV head's ns spans' partials P
+  auto merge = [&](int k, int h, const float* P, int ns) {
+    const int m = h % group;
+    float M = -INFINITY, L = 0.f;
+    for (int c = 0; c < ns; ++c) M = std::max(M, P[(size_t)c * part + (size_t)m * (hd + 2)]);
+    float* o = out + (size_t)k * qdim + (size_t)h * hd;
+    for (int c = 0; c < ns; ++c) {
+      const float* pc = P + (size_t)c * part + (size_t)m * (hd + 2);
+      const float w = std::exp(pc[0] - M);
+      L += w * pc[1];
+      for (int i = 0; i < hd; ++i) o[i] = (c ? o[i] : 0.f) + w * pc[2 + i];
+    }
+    const float inv = 1.f / L;
+    for (int i = 0; i < hd; ++i) o[i] *= inv;
+  };
+  if (n * nkv >= 4 * nth) {  // whole (row, KV head) pairs
+    t.barrier();
+    for (int u = tid; u < n * nkv; u += nth) {
+      const int k = u / nkv, j = u % nkv, ns = spans_of(k);
+      grow(s.attn_part, (size_t)ns * part);
+      for (int c = 0; c < ns; ++c) span(k, j, c, s.attn_part.data() + (size_t)c * part);
+      for (int m = 0; m < group; ++m) merge(k, j * group + m, s.attn_part.data(), ns);
+    }
+    return;
+  }
+  // spans round the threads: row k's items start at first[k], KV head by KV head
+  grow(s.span_first, (size_t)n + 1);
+  int* first = s.span_first.data();
+  first[0] = 0;
+  for (int k = 0; k < n; ++k) first[k + 1] = first[k] + nkv * spans_of(k);
+  if (t.lead()) grow(t.shared->attn_part, (size_t)first[n] * part);
+  t.barrier();
+  float* P = t.shared->attn_part.data();
+  for (int it = tid, k = 0; it < first[n]; it += nth) {
+    while (it >= first[k + 1]) ++k;
+    const int ns = spans_of(k), j = (it - first[k]) / ns, c = (it - first[k]) % ns;
+    span(k, j, c, P + (size_t)it * part);
+  }
+  t.barrier();
+  for (int u = tid; u < n * nh; u += nth) {
+    const int k = u / nh, h = u % nh, j = h / group, ns = spans_of(k);
+    merge(k, h, P + (size_t)(first[k] + j * ns) * part, ns);
   }
 }
 

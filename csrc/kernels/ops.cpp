@@ -96,6 +96,13 @@ void to_half(const float* x, uint16_t* y, int n) {
   for (int i = 0; i < n; ++i) y[i] = f32_to_fp16(x[i]);
 }
 
+float exp_max(float* x, int n, float* mx) {
+  const float m = *mx = *std::max_element(x, x + n);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += x[i] = (float)std::exp((double)x[i] - m);
+  return (float)sum;
+}
+
 }  // namespace ref
 
 // ---- dispatch ------------------------------------------------------------------------------

@@ -176,6 +176,25 @@ TEST(ops_attention_loops_over_halves_are_the_float_loops_over_their_values) {
     }
 }
 
+// exp_max: the unnormalised softmax of a span of scores, its max and its sum, as the
+// reference gives them (any length: whole vectors and masked tails; -inf scores give 0).
+TEST(ops_exp_max_matches_ref) {
+  for (const int n : {1, 7, 16, 37, 128}) {
+    std::vector<float> x = randn(n, 20 + n);
+    for (float& v : x) v *= 8.f;
+    if (n > 1) x[n / 2] = -INFINITY;
+    for (const OpsTable* t : simd_tables()) {
+      std::vector<float> a = x, b = x;
+      float ma = 0, mb = 0;
+      const float sa = ref::exp_max(a.data(), n, &ma), sb = t->exp_max(b.data(), n, &mb);
+      CHECK(ma == mb && ma == *std::max_element(x.begin(), x.end()));
+      CHECK(std::fabs(sa - sb) <= 1e-5f * sa);
+      CHECK(max_rel(b, a, 1e-30) < 1e-5);
+      if (n > 1) CHECK(b[n / 2] == 0.f);
+    }
+  }
+}
+
 TEST(ops_attention_loops_match_ref) {
   for (const int hd : {64, 80, 36}) {  // whole vectors and masked tails
     const int n = 37, ld = 192;

@@ -48,6 +48,9 @@ struct OpsTable {
                        size_t ldo);
   // y (n halves) = x (n floats), rounded to nearest even (as F16C's vcvtps2ph).
   void (*to_half)(const float* x, uint16_t* y, int n);
+  // x (n >= 1), in place: x[i] = exp(x[i] - max(x)); *mx = max(x), returns the sum of the new x
+  // (an unnormalised softmax: attention over one span of keys, merged with the others later).
+  float (*exp_max)(float* x, int n, float* mx);
 };
 
 // The table of one ISA; `isa` must be supported by this CPU (isa_supported).
@@ -70,6 +73,7 @@ void dot_rows_n_h(const float* q, size_t ldq, int nq, const uint16_t* K, size_t 
 void mix_rows_n_h(const float* p, size_t ldp, int nq, const uint16_t* V, size_t ldv, int n, int hd, float* out,
                   size_t ldo);
 void to_half(const float* x, uint16_t* y, int n);
+float exp_max(float* x, int n, float* mx);
 }  // namespace ref
 
 // ---- dispatched entry points (what the engine calls) ---------------------------------------
@@ -103,5 +107,6 @@ inline void mix_rows_n_h(const float* p, size_t ldp, int nq, const uint16_t* V, 
   ops().mix_rows_n_h(p, ldp, nq, V, ldv, n, hd, out, ldo);
 }
 inline void to_half(const float* x, uint16_t* y, int n) { ops().to_half(x, y, n); }
+inline float exp_max(float* x, int n, float* mx) { return ops().exp_max(x, n, mx); }
 
 }  // namespace cflow

@@ -124,6 +124,11 @@ void softmax(float* x, int rows, int n) {
   }
 }
 
+float exp_max(float* x, int n, float* mx) {
+  const float m = *mx = max_of(x, n);
+  return exp_sum(x, n, m);
+}
+
 void swiglu(float* h, const float* g, const float* u, int n) {
   map2(h, g, u, n, [](reg gv, reg uv) { return V::mul(vsilu(gv), uv); });
 }
