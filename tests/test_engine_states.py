@@ -52,7 +52,9 @@ def test_states_advanced_together_match_one_by_one(qwen3_q4, engine):
     (dict(wtype="q4_k", interleave=16, stripe_rows=16, pack="planes"), "int8x2"),
     ({"wtype": "q5_k", "interleave": 16, "stripe_rows": 16, "pack": "planes"}, "int8"),
     (dict(wtype="q6_k", interleave=16, stripe_rows=16, pack="planes"), "int8"),
-    (dict(wtype="q8_0", interleave=4, stripe_rows=16), "int8x2"), (dict(wtype="f32"), "int8x2")])
+    (dict(wtype="q8_0", interleave=4, stripe_rows=16), "int8x2"), (dict(wtype="f32"), "int8x2"),
+    (dict(wtype="q4_1", interleave=4, stripe_rows=16), "int8x2"),  # whole blocks: m x s summed by the GEMM
+    (dict(wtype="q5_0", interleave=4, stripe_rows=16), "int8")])
 def test_each_row_gets_exactly_what_its_sequence_gets_alone(layout, acts):
     # bit for bit: decode rows of 11 sequences in one step (more than one batched kernel's tile
     # of tokens), a prompt split into chunks, and a chunk sharing its step with decoding sequences

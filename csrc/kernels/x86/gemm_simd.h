@@ -4,7 +4,7 @@
 //   struct V : Vec, IVec { static constexpr int kNT, kPlanesNT; }   (x86/<isa>/vec.h)
 //   planes_tokens<TYPE, NT, TWO>(bpr, chunk, x, k0, y, ldy, g): the planes kernel below
 // kNT, kPlanesNT: tokens per call of the whole-block and the planes kernel (register budget).
-// The including file has already included <immintrin.h>, <cstring>, <vector>, tile_walk.h.
+// The including file has already included <immintrin.h>, <cmath>, <cstring>, <vector>, tile_walk.h.
 //
 // q8 path over whole blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0): a weight block is expanded to 32 bytes
 // once and dotted (V::dot) with kNT tokens' int8 activation blocks, for NR rows at a time; per
@@ -72,7 +72,10 @@ void micro(const Group& G, int i0, const QActs& x, int k0, float* y, int ldy, in
                                     ? V::dot(zero, _mm256_abs_epi8(wq[r]), _mm256_sign_epi8(xq, wq[r]))
                                     : V::dot(zero, wq[r], xq);
             acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw[r] * a.d), acc[r][t]);
-            if constexpr (TYPE != BlockType::Q8_0) macc[r][t] += ow[r] * a.s;
+            // one fused multiply-add, spelled out: left to contraction, the compiler fuses it in
+            // some token counts' instantiations and not others, and a token's sum would depend
+            // on how many tokens share its call
+            if constexpr (TYPE != BlockType::Q8_0) macc[r][t] = std::fma(ow[r], a.s, macc[r][t]);
           }
         }
     }

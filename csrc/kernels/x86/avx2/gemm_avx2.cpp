@@ -5,6 +5,7 @@
 
 #include <type_traits>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
