@@ -344,7 +344,7 @@ struct Blk32 : B {
       s = _mm256_setzero_si256();
       if (B::kZero > 0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(load32(ls->lsum8), B::kZero == 8 ? 3 : 4));
       s = V::dot(s, B::q(p), x);
-      if (B::kZero == 0) accs += B::o(p) * a.s;
+      if (B::kZero == 0) accs = std::fma(B::o(p), a.s, accs);  // fused in every instantiation
     }
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(B::d(p) * a.d), acc);
   }

@@ -13,6 +13,7 @@
 // q8a_sums.
 #include <immintrin.h>
 
+#include <cmath>
 #include <type_traits>
 
 #include "../../isa_kernels.h"
