@@ -39,14 +39,42 @@ def encoded_rows(name: str, rows: int, cols: int, rng) -> np.ndarray:
 
 
 def test_gguf_py_quantizers_are_what_quant_says():
+    # every encodable type is gguf-py's bytes, but Q4_0: cflow's fitted scale (tested below)
     x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
     for name in TYPES:
         bt = block_type(name)
-        if quant.can_encode(bt):
+        if name == "q4_0":
+            assert np.array_equal(quant.encode(x, bt), quant.encode_q4_0_fit(x))
+        elif quant.can_encode(bt):
             assert np.array_equal(quant.encode(x, bt), np.asarray(gguf_quantize(x, GGMLQuantizationType(bt.code))).view(np.uint8).reshape(2, -1))
         else:
             with pytest.raises(UnsupportedError, match="GGUF-encoded"):
                 quant.encode(x, bt)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), dist=st.sampled_from(["normal", "t2", "uniform", "spiky", "zeros"]),
+       scale=st.sampled_from([1e-4, 1.0, 300.0]))
+def test_fitted_q4_0_is_q4_0_and_never_worse_than_gguf_py(seed, dist, scale):
+    # cflow's own Q4_0 (quant.encode: the writer, convert, export): plain Q4_0 blocks that gguf-py decodes, each with at
+    # most the squared error of gguf-py's own quantizer on the same block, and less overall
+    rng = np.random.default_rng(seed)
+    shape = (6, 128)
+    x = {"normal": lambda: rng.standard_normal(shape), "t2": lambda: rng.standard_t(2, shape),
+         "uniform": lambda: rng.uniform(-1, 1, shape), "zeros": lambda: np.zeros(shape),
+         "spiky": lambda: rng.standard_normal(shape) * (rng.random(shape) < 0.05) * 20}[dist]()
+    x = (x * scale).astype(np.float32)
+    x[0, :32] = 0.0  # a block of zeros stays zeros
+    ours = quant.encode(x, block_type("q4_0"))
+    ref = np.asarray(gguf_quantize(x, GGMLQuantizationType.Q4_0)).view(np.uint8).reshape(shape[0], -1)
+    assert ours.shape == ref.shape and ours.dtype == np.uint8
+    q = GGMLQuantizationType.Q4_0
+    e_ours = ((np.asarray(gguf_dequantize(ours, q)).reshape(shape) - x) ** 2).reshape(-1, 32).sum(1)
+    e_ref = ((np.asarray(gguf_dequantize(ref, q)).reshape(shape) - x) ** 2).reshape(-1, 32).sum(1)
+    assert np.all(e_ours <= e_ref * (1 + 1e-5) + 1e-30)
+    assert np.all(np.asarray(gguf_dequantize(ours, q)).reshape(shape)[0, :32] == 0)
+    if dist in ("normal", "uniform"):
+        assert e_ours.sum() < 0.95 * e_ref.sum()
 
 
 @settings(max_examples=30, deadline=None)
