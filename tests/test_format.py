@@ -77,6 +77,32 @@ def test_fitted_q4_0_is_q4_0_and_never_worse_than_gguf_py(seed, dist, scale):
         assert e_ours.sum() < 0.95 * e_ref.sum()
 
 
+def test_fitted_q4_0_is_the_same_on_any_number_of_threads():
+    # the native search splits the blocks over a pool of its own: each block's bytes are its own
+    from cflow._native import core
+
+    x = np.random.default_rng(3).standard_t(3, (300, 1024)).astype(np.float32)  # 9600 blocks: split
+    one = core.quantize_q4_0_fit(x, 1)
+    assert np.array_equal(one, core.quantize_q4_0_fit(x, 3))
+    assert np.array_equal(one, quant.encode(x, block_type("q4_0")))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        core.quantize_q4_0_fit(np.zeros((2, 48), np.float32), 1)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])
+def test_quantizing_nan_or_infinity_is_a_clear_error_and_writes_nothing(tmp_path, name):
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    x[2, 5] = np.nan if name != "q4_1" else np.inf
+    with pytest.raises(CflowFormatError, match="NaN or infinity"):
+        quant.encode(x, block_type(name))
+    out = tmp_path / "m.cflow"
+    with pytest.raises(CflowFormatError, match="tensor 'w'.*NaN or infinity"):
+        with CflowWriter(str(out), ModelConfig(arch="llama", vocab_size=8, d_model=64, n_layer=1, n_head=1,
+                                               n_kv_head=1, d_ff=64)) as w:
+            w.add_tensor("w", name, x)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
 @settings(max_examples=30, deadline=None)
 @given(name=st.sampled_from(TYPES), rows=st.integers(1, 300), nblk=st.integers(1, 5),
        tile=st.sampled_from([(128, 256), (64, 512), (32, 256), (16, 1024)]), interleave=st.sampled_from([1, 4, 16]),

@@ -108,6 +108,16 @@ void unpack_planes(const TileLayout& L, const uint8_t* src, uint8_t* dst, int nr
 // ---- multi-threaded drivers (split whole stripes over the pool) ----
 class ThreadPool;
 
+// Q4_0 with a fitted scale (the encoder of format/quant.py): n_blocks blocks of 32 floats at x
+// -> n_blocks GGUF Q4_0 blocks (18 bytes) at out, over the pool's threads. Per block the
+// candidate scales d = gguf's (extreme / -8), and for s = 7.0, 7.2 .. 9.0 the least-squares d of
+// the integers that put the extreme at -s; each rounded to fp16 and its integers refitted to
+// it (nearest, clipped to -8..7); the least squared error kept (the first of equals, so gguf's d
+// on ties). No block is worse than gguf's rounding of the same block.
+void quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, ThreadPool* pool);
+// The same on a pool of its own of `threads` threads (any caller thread may use it).
+void quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads);
+
 // y: (L.rows) = W x with the kernel gemv_fn(L.bt(), L.packing(), at, isa); x is prepared.
 void gemv(AType at, Isa isa, float* y, const void* x, const uint8_t* w, const TileLayout& L, ThreadPool* pool);
 

@@ -16,6 +16,8 @@ b1.58's absmean rounding per block, with the scale refit by least squares.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from cflow.errors import CflowFormatError, UnsupportedError
@@ -56,6 +58,8 @@ def encode(x: np.ndarray, bt: BlockType) -> np.ndarray:
         return x.astype("<f4").view(np.uint8)
     if bt.name == "f16":
         return x.astype("<f2").view(np.uint8)
+    if bt.name != "bf16" and not np.isfinite(x).all():
+        raise CflowFormatError(f"cannot quantize to {bt.name}: the values include NaN or infinity")
     if not can_encode(bt):
         raise UnsupportedError(
             f"cannot quantize floats to {bt.name} (gguf-py has no {bt.name} quantizer); "
@@ -74,49 +78,21 @@ def encode(x: np.ndarray, bt: BlockType) -> np.ndarray:
 # the extreme at -s (s = 7 .. 9 in steps of 0.2) and the least-squares d of each one's integers,
 # plus the plain d; each candidate rounded to fp16 first, its integers refitted to it, the one of
 # least squared error kept. The plain d is among them, so no block comes out worse than
-# gguf-py's. Same bytes, same decoder: any Q4_0 reader runs the result.
-Q4_0_FIT_STEPS = np.arange(7.0, 9.01, 0.2, dtype=np.float32)
+# gguf-py's. Same bytes, same decoder: any Q4_0 reader runs the result. The search runs in the
+# native core (csrc/kernels/quantize.cpp), on every core.
 
 
-def encode_q4_0_fit(x: np.ndarray, rows_at_once: int = 4096) -> np.ndarray:
+def encode_q4_0_fit(x: np.ndarray) -> np.ndarray:
     """float (R, C), C % 32 == 0 -> uint8 (R, C / 32 * 18): Q4_0 blocks of least squared error
     among the candidate scales above."""
+    from cflow._native import core
+
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise CflowFormatError(f"encode: expected a 2-D array, got shape {x.shape}")
     row_bytes(block_type("q4_0"), x.shape[1])
-    out = np.empty((x.shape[0], x.shape[1] // 32 * 18), dtype=np.uint8)
-    for r0 in range(0, x.shape[0], rows_at_once):
-        out[r0:r0 + rows_at_once] = _q4_0_fit_blocks(x[r0:r0 + rows_at_once].reshape(-1, 32)).reshape(
-            len(x[r0:r0 + rows_at_once]), -1)
-    return out
-
-
-def _q4_0_fit_blocks(b: np.ndarray) -> np.ndarray:
-    n = len(b)
-    ext = b[np.arange(n), np.abs(b).argmax(1)]  # the signed extreme of each block
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cands = [ext / -8.0]  # gguf-py's
-        for s in Q4_0_FIT_STEPS:
-            L = np.clip(np.rint(b * np.where(ext != 0, -s / ext, 0)[:, None]), -8, 7)
-            ll = (L * L).sum(1)
-            cands.append(np.where(ll > 0, (b * L).sum(1) / ll, 0))
-    best_err = np.full(n, np.inf, dtype=np.float32)
-    best_d = np.zeros(n, dtype=np.float16)
-    best_L = np.zeros(b.shape, dtype=np.float32)
-    for d in cands:
-        d16 = np.nan_to_num(d).astype(np.float16)
-        d32 = d16.astype(np.float32)[:, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            L = np.clip(np.rint(np.where(d32 != 0, b / d32, 0)), -8, 7)
-        err = ((b - d32 * L) ** 2).sum(1)
-        better = err < best_err
-        best_err[better], best_d[better], best_L[better] = err[better], d16[better], L[better]
-    q = (best_L + 8).astype(np.uint8)
-    blocks = np.empty((n, 18), dtype=np.uint8)
-    blocks[:, :2] = best_d.astype("<f2").view(np.uint8).reshape(n, 2)
-    blocks[:, 2:] = q[:, :16] | (q[:, 16:] << 4)
-    return blocks
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return core.quantize_q4_0_fit(x, threads)
 
 
 def decode(rows: np.ndarray, bt: BlockType, cols: int) -> np.ndarray:

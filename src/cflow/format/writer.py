@@ -183,6 +183,8 @@ class CflowWriter:
         part_list, stripe = _parts(name, rows, tile, parts, fuse, stripe_rows)
         if not encoded and not quant.can_encode(bt):
             quant.encode(rows_data[:0], bt)  # raises the UnsupportedError before anything is written
+        if not encoded and bt.name not in ("f32", "f16", "bf16") and not np.isfinite(rows_data).all():
+            raise CflowFormatError(f"tensor {name!r}: cannot quantize to {bt.name}: the values include NaN or infinity")
 
         self._enter_section(section)
         self._pad(TENSOR_ALIGN)
