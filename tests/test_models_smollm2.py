@@ -173,10 +173,17 @@ def test_bench_decode_vs_llama_cpp(gguf_path):
     from cflow.engine import Engine
     from cflow.llm import load_model
 
-    eng = Engine(load_model(str(gguf_path), quiet=True), threads=1, n_ctx=1024)
+    src = load_model(str(gguf_path), quiet=True)
+    eng = Engine(src, threads=1, n_ctx=1024)
+    exact = lambda: Engine(src, threads=1, n_ctx=1024, fast=False)  # noqa: E731
     rec = run(eng, name="smollm2-135m", threads=1, gguf=str(gguf_path), runs=2, tokens=4, prompt_len=32,
-              log=lambda *a: None)
+              agreement=16, exact=exact, log=lambda *a: None)
     vs = rec["vs"]["llama.cpp"]
+    # teacher-forced greedy picks: each engine against the other and against cflow's fp32 path
+    assert vs["agreement_positions"] == 16
+    for a in (vs["top1_agreement"], vs["top1_agreement_with_cflow_fp32"], rec["top1_agreement_with_fp32"]):
+        assert 0 <= a <= 1 and a * 16 == pytest.approx(round(a * 16))
+    assert rec["top1_agreement_with_fp32"] >= 0.9  # two int8 levels against exact arithmetic
     assert len(vs["decode_runs"]) == len(vs["prefill_runs"]) == len(vs["ratio_decode_runs"]) == 2
     assert vs["decode_tok_s"] > 0 and vs["prefill_tok_s"] > 0 and vs["decode_step_ms_median"] > 0
     assert vs["ratio_decode"] == pytest.approx(rec["decode_tok_s"] / vs["decode_tok_s"], rel=0.01)

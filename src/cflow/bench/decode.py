@@ -44,7 +44,8 @@ def add_arguments(p):
                         "against one (default 1: not measured)")
     p.add_argument("--agreement", type=int, default=0, metavar="N",
                    help="with --vs llama.cpp: feed the first N prompt tokens one at a time to both engines and "
-                        "report how often their greedy next tokens agree (default 0: not measured)")
+                        "report how often their greedy next tokens agree, and how often each picks what cflow's "
+                        "fp32 path picks on the same weights (default 0: not measured)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
 
 
@@ -222,8 +223,10 @@ def _resolve(model: str, gguf: str | None, quiet: bool):
 
 
 def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int = 5, tokens: int = 128,
-        prompt_len: int = 512, batch: int = 1, agreement: int = 0, log=print) -> dict:
-    """Measure `engine` (and llama.cpp on `gguf` when given); returns the --json record."""
+        prompt_len: int = 512, batch: int = 1, agreement: int = 0, exact=None, log=print) -> dict:
+    """Measure `engine` (and llama.cpp on `gguf` when given); returns the --json record.
+    exact: with agreement, a callable that opens the same model on cflow's fp32 path, the
+    reference both engines' greedy picks are also compared with (which of them flips the ties)."""
     from cflow.kernels import probe_read
 
     if engine.n_ctx < prompt_len + 1 or engine.n_ctx < 16 + tokens:
@@ -298,6 +301,11 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
             a, b = ours.teacher_argmax(seq), theirs.teacher_argmax(seq)
             rec["vs"]["llama.cpp"]["top1_agreement"] = round(sum(x == y for x, y in zip(a, b)) / len(seq), 4)
             rec["vs"]["llama.cpp"]["agreement_positions"] = len(seq)
+            if exact is not None:
+                ref = CflowRunner(exact()).teacher_argmax(seq)
+                same = lambda x: round(sum(p == q for p, q in zip(x, ref)) / len(seq), 4)  # noqa: E731
+                rec["top1_agreement_with_fp32"] = same(a)
+                rec["vs"]["llama.cpp"]["top1_agreement_with_cflow_fp32"] = same(b)
     return rec
 
 
@@ -329,6 +337,9 @@ def report(rec: dict) -> str:
         if "top1_agreement" in v:
             lines.append(f"  {k}: greedy next token the same at {100 * v['top1_agreement']:.1f}% of "
                          f"{v['agreement_positions']} teacher-forced positions")
+        if "top1_agreement_with_cflow_fp32" in v:
+            lines.append(f"  against cflow's fp32 path on the same weights: cflow {100 * rec['top1_agreement_with_fp32']:.1f}%, "
+                         f"{k} {100 * v['top1_agreement_with_cflow_fp32']:.1f}%")
     return "\n".join(lines)
 
 
@@ -343,10 +354,14 @@ def main(args) -> int:
         raise CflowError("--agreement must be between 0 and --prompt")
     if args.vs and not gguf:
         raise CflowError("--vs llama.cpp needs the model's GGUF: pass --gguf PATH")
-    eng = Engine(src, threads=args.threads, n_ctx=max(args.prompt + 1, 16 + args.tokens + 8, 1024),
-                 **activation_kwargs(args))
+    n_ctx = max(args.prompt + 1, 16 + args.tokens + 8, 1024)
+    kw = activation_kwargs(args)
+    eng = Engine(src, threads=args.threads, n_ctx=n_ctx, **kw)
+    exact = None
+    if args.agreement and kw.get("fast", True):
+        exact = lambda: Engine(src, threads=args.threads, n_ctx=n_ctx, fast=False)  # noqa: E731
     rec = run(eng, name=args.model, threads=args.threads, gguf=gguf if args.vs else None, runs=args.runs,
               tokens=args.tokens, prompt_len=args.prompt, batch=args.batch, agreement=args.agreement,
-              log=(lambda *a: None) if args.json else print)
+              exact=exact, log=(lambda *a: None) if args.json else print)
     print(json.dumps(rec) if args.json else report(rec))
     return 0
