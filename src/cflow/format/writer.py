@@ -183,8 +183,6 @@ class CflowWriter:
         part_list, stripe = _parts(name, rows, tile, parts, fuse, stripe_rows)
         if not encoded and not quant.can_encode(bt):
             quant.encode(rows_data[:0], bt)  # raises the UnsupportedError before anything is written
-        if not encoded and bt.name not in ("f32", "f16", "bf16") and not np.isfinite(rows_data).all():
-            raise CflowFormatError(f"tensor {name!r}: cannot quantize to {bt.name}: the values include NaN or infinity")
 
         self._enter_section(section)
         self._pad(TENSOR_ALIGN)
@@ -194,6 +192,10 @@ class CflowWriter:
         step = max(tile[0], CHUNK_BYTES // in_row // tile[0] * tile[0])
         for r0 in range(0, rows, step):  # chunks of whole stripes: each packs independently
             chunk = rows_data[r0:r0 + step]
+            if not encoded and bt.name not in ("f32", "f16", "bf16") and not np.isfinite(chunk).all():
+                # (the writer's exit then removes the file it had begun)
+                raise CflowFormatError(f"tensor {name!r}: cannot quantize to {bt.name}: the values include NaN or "
+                                       "infinity")
             enc = np.ascontiguousarray(chunk) if encoded else quant.encode(chunk, bt)
             self._write(pack_tiles(enc, bt, cols, tile, g, pack))
         t = Tensor(name, bt, tuple(shape), tile, g, section, offset, self._pos - offset, part_list,
