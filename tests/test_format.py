@@ -56,8 +56,9 @@ def test_gguf_py_quantizers_are_what_quant_says():
 @given(seed=st.integers(0, 2**32 - 1), dist=st.sampled_from(["normal", "t2", "uniform", "spiky", "zeros"]),
        scale=st.sampled_from([1e-4, 1.0, 300.0]))
 def test_fitted_q4_0_is_q4_0_and_never_worse_than_gguf_py(seed, dist, scale):
-    # cflow's own Q4_0 (quant.encode: the writer, convert, export): plain Q4_0 blocks that gguf-py decodes, each with at
-    # most the squared error of gguf-py's own quantizer on the same block, and less overall
+    # cflow's own Q4_0 (quant.encode: the writer, convert, export): plain Q4_0 blocks that gguf-py
+    # decodes, each with at most the squared error of gguf-py's own quantizer on the same block,
+    # and less overall
     rng = np.random.default_rng(seed)
     shape = (6, 128)
     x = {"normal": lambda: rng.standard_normal(shape), "t2": lambda: rng.standard_t(2, shape),

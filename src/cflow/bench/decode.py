@@ -338,7 +338,8 @@ def report(rec: dict) -> str:
             lines.append(f"  {k}: greedy next token the same at {100 * v['top1_agreement']:.1f}% of "
                          f"{v['agreement_positions']} teacher-forced positions")
         if "top1_agreement_with_cflow_fp32" in v:
-            lines.append(f"  against cflow's fp32 path on the same weights: cflow {100 * rec['top1_agreement_with_fp32']:.1f}%, "
+            lines.append(f"  against cflow's fp32 path on the same weights: "
+                         f"cflow {100 * rec['top1_agreement_with_fp32']:.1f}%, "
                          f"{k} {100 * v['top1_agreement_with_cflow_fp32']:.1f}%")
     return "\n".join(lines)
 
