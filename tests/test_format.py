@@ -39,12 +39,12 @@ def encoded_rows(name: str, rows: int, cols: int, rng) -> np.ndarray:
 
 
 def test_gguf_py_quantizers_are_what_quant_says():
-    # every encodable type is gguf-py's bytes, but Q4_0: cflow's fitted scale (tested below)
+    # every encodable type is gguf-py's bytes, but Q4_0 and Q4_1: cflow's fitted scales (below)
     x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
     for name in TYPES:
         bt = block_type(name)
-        if name == "q4_0":
-            assert np.array_equal(quant.encode(x, bt), quant.encode_q4_0_fit(x))
+        if name in quant.FITTED:
+            assert np.array_equal(quant.encode(x, bt), quant.encode_fit(x, name))
         elif quant.can_encode(bt):
             assert np.array_equal(quant.encode(x, bt), np.asarray(gguf_quantize(x, GGMLQuantizationType(bt.code))).view(np.uint8).reshape(2, -1))
         else:
@@ -53,41 +53,49 @@ def test_gguf_py_quantizers_are_what_quant_says():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), dist=st.sampled_from(["normal", "t2", "uniform", "spiky", "zeros"]),
-       scale=st.sampled_from([1e-4, 1.0, 300.0]))
-def test_fitted_q4_0_is_q4_0_and_never_worse_than_gguf_py(seed, dist, scale):
-    # cflow's own Q4_0 (quant.encode: the writer, convert, export): plain Q4_0 blocks that gguf-py
-    # decodes, each with at most the squared error of gguf-py's own quantizer on the same block,
-    # and less overall
+@given(seed=st.integers(0, 2**32 - 1), dist=st.sampled_from(["normal", "t2", "uniform", "spiky", "zeros", "shifted"]),
+       scale=st.sampled_from([1e-4, 1.0, 300.0]), name=st.sampled_from(["q4_0", "q4_1"]))
+def test_fitted_q4_is_plain_q4_and_never_worse_than_gguf_py(seed, dist, scale, name):
+    # cflow's own Q4_0 and Q4_1 (quant.encode: the writer, convert, export): plain blocks that
+    # gguf-py decodes, each with at most the squared error of gguf-py's own quantizer on the same
+    # block, and less overall
     rng = np.random.default_rng(seed)
     shape = (6, 128)
     x = {"normal": lambda: rng.standard_normal(shape), "t2": lambda: rng.standard_t(2, shape),
          "uniform": lambda: rng.uniform(-1, 1, shape), "zeros": lambda: np.zeros(shape),
-         "spiky": lambda: rng.standard_normal(shape) * (rng.random(shape) < 0.05) * 20}[dist]()
+         "spiky": lambda: rng.standard_normal(shape) * (rng.random(shape) < 0.05) * 20,
+         "shifted": lambda: rng.standard_normal(shape) + 3.0}[dist]()
     x = (x * scale).astype(np.float32)
     x[0, :32] = 0.0  # a block of zeros stays zeros
-    ours = quant.encode(x, block_type("q4_0"))
-    ref = np.asarray(gguf_quantize(x, GGMLQuantizationType.Q4_0)).view(np.uint8).reshape(shape[0], -1)
+    x[1, :32] = 0.5 * scale  # so does a constant block
+    q = GGMLQuantizationType.Q4_0 if name == "q4_0" else GGMLQuantizationType.Q4_1
+    ours = quant.encode(x, block_type(name))
+    ref = np.asarray(gguf_quantize(x, q)).view(np.uint8).reshape(shape[0], -1)
     assert ours.shape == ref.shape and ours.dtype == np.uint8
-    q = GGMLQuantizationType.Q4_0
-    e_ours = ((np.asarray(gguf_dequantize(ours, q)).reshape(shape) - x) ** 2).reshape(-1, 32).sum(1)
-    e_ref = ((np.asarray(gguf_dequantize(ref, q)).reshape(shape) - x) ** 2).reshape(-1, 32).sum(1)
+    got = np.asarray(gguf_dequantize(ours, q)).reshape(shape)
+    e_ours = ((got - x).astype(np.float64) ** 2).reshape(-1, 32).sum(1)
+    e_ref = ((np.asarray(gguf_dequantize(ref, q)).reshape(shape) - x).astype(np.float64) ** 2).reshape(-1, 32).sum(1)
     assert np.all(e_ours <= e_ref * (1 + 1e-5) + 1e-30)
-    assert np.all(np.asarray(gguf_dequantize(ours, q)).reshape(shape)[0, :32] == 0)
-    if dist in ("normal", "uniform"):
-        assert e_ours.sum() < 0.95 * e_ref.sum()
+    assert np.all(got[0, :32] == 0)
+    if name == "q4_1":  # a constant: d = 0 and m exact up to fp16
+        assert np.all(got[1, :32] == np.float16(0.5 * scale).astype(np.float32))
+    if dist in ("normal", "uniform", "shifted"):
+        assert e_ours.sum() < 0.97 * e_ref.sum()
 
 
-def test_fitted_q4_0_is_the_same_on_any_number_of_threads():
+@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+def test_fitted_q4_is_the_same_on_any_number_of_threads(name):
     # the native search splits the blocks over a pool of its own: each block's bytes are its own
     from cflow._native import core
 
     x = np.random.default_rng(3).standard_t(3, (300, 1024)).astype(np.float32)  # 9600 blocks: split
-    one = core.quantize_q4_0_fit(x, 1)
-    assert np.array_equal(one, core.quantize_q4_0_fit(x, 3))
-    assert np.array_equal(one, quant.encode(x, block_type("q4_0")))
+    one = core.quantize_fit(name, x, 1)
+    assert np.array_equal(one, core.quantize_fit(name, x, 3))
+    assert np.array_equal(one, quant.encode(x, block_type(name)))
     with pytest.raises(ValueError, match="multiple of 32"):
-        core.quantize_q4_0_fit(np.zeros((2, 48), np.float32), 1)
+        core.quantize_fit(name, np.zeros((2, 48), np.float32), 1)
+    with pytest.raises(ValueError, match="q4_0' or 'q4_1"):
+        core.quantize_fit("q5_0", x, 1)
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])

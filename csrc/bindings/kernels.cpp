@@ -90,22 +90,26 @@ ThreadPool* pool_of(int threads) {
 
 void bind_kernels(nb::module_& m) {
   m.def(
-      "quantize_q4_0_fit",
-      [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, int threads) {
-        const size_t rows = x.shape(0), cols = x.shape(1);
-        if (cols % 32) throw nb::value_error("quantize_q4_0_fit: columns must be a multiple of 32");
+      "quantize_fit",
+      [](const std::string& type, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
+         int threads) {
+        const bool q4_0 = type == "q4_0";
+        if (!q4_0 && type != "q4_1") throw nb::value_error("quantize_fit: type must be 'q4_0' or 'q4_1'");
+        const size_t rows = x.shape(0), cols = x.shape(1), bb = q4_0 ? 18 : 20;
+        if (cols % 32) throw nb::value_error("quantize_fit: columns must be a multiple of 32");
         if (threads < 1) throw nb::value_error("threads must be >= 1");
         const size_t nb_ = rows * (cols / 32);
-        uint8_t* p = new uint8_t[nb_ * 18 ? nb_ * 18 : 1];
+        uint8_t* p = new uint8_t[nb_ * bb ? nb_ * bb : 1];
         nb::capsule owner(p, [](void* q) noexcept { delete[] (uint8_t*)q; });
         {
           nb::gil_scoped_release nogil;
-          quantize_q4_0_fit(x.data(), (int64_t)nb_, p, threads);
+          (q4_0 ? quantize_q4_0_fit : quantize_q4_1_fit)(x.data(), (int64_t)nb_, p, threads);
         }
-        return nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>(p, {rows, cols / 32 * 18}, owner);
+        return nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>(p, {rows, cols / 32 * bb}, owner);
       },
-      nb::arg("x"), nb::arg("threads") = 1,
-      "float32 (R, C), C % 32 == 0 -> uint8 (R, C / 32 * 18): Q4_0 blocks with a fitted scale (kernels.h).");
+      nb::arg("type"), nb::arg("x"), nb::arg("threads") = 1,
+      "float32 (R, C), C % 32 == 0 -> uint8 (R, C / 32 * block bytes): Q4_0 or Q4_1 blocks with fitted "
+      "scales (kernels.h quantize_q4_0_fit, quantize_q4_1_fit).");
   m.def(
       "gemv",
       [](const std::string& wtype, Bytes tiles, VecF x, int rows, int cols, std::tuple<int, int> tile,

@@ -1,5 +1,5 @@
-// Weight quantizers of the writer (format/quant.py) that gguf-py's lack or do worse: Q4_0 with a
-// fitted scale (kernels.h quantize_q4_0_fit). Scalar code; sums in double, so the choice
+// Weight quantizers of the writer (format/quant.py) that do better than gguf-py's: Q4_0 and Q4_1
+// with fitted scales (kernels.h quantize_q4_0_fit, quantize_q4_1_fit). Scalar code; sums in double, so the choice
 // between candidates does not depend on the order of the additions.
 #include <algorithm>
 #include <cmath>
@@ -66,27 +66,89 @@ void q4_0_fit_block(const float* b, uint8_t* out) {
   }
 }
 
-}  // namespace
+// x ~ d * q + m, q in 0..15: the q nearest (x - m) / d, clipped. 1.5 * 2^23 rounds as in
+// nearest_q4 (v held inside -1..16 first).
+inline float nearest_u4(float v) {
+  v = v < -1.f ? -1.f : v > 16.f ? 16.f : v;
+  const float magic = 12582912.f;
+  const float r = (v + magic) - magic;
+  return r < 0.f ? 0.f : r > 15.f ? 15.f : r;
+}
 
-void quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, ThreadPool* pool) {
+// Squared error of block b under fp16 (d, m) with each q nearest; q written to L when given.
+double q4_1_error(const float* b, float d, float m, float* L) {
+  const float inv = d != 0.f ? 1.f / d : 0.f;
+  double e4[4] = {0, 0, 0, 0};
+  for (int i = 0; i < 32; ++i) {
+    const float q = nearest_u4((b[i] - m) * inv);
+    if (L) L[i] = q;
+    const double e = (double)b[i] - ((double)d * q + (double)m);
+    e4[i % 4] += e * e;
+  }
+  return (e4[0] + e4[1]) + (e4[2] + e4[3]);
+}
+
+// One Q4_1 block: b -> 20 bytes (fp16 d, fp16 m, 16 bytes of nibbles). Candidates: gguf's (d =
+// (max - min) / 15, m = min), and for the grids that spread the block's range over 14.0, 14.1
+// .. 16.0 steps, the least-squares (d, m) of that grid's integers (the regression of x on q);
+// each rounded to fp16 and its integers refitted, the least squared error kept.
+void q4_1_fit_block(const float* b, uint8_t* out) {
+  float lo = b[0], hi = b[0];
+  for (int i = 1; i < 32; ++i) lo = b[i] < lo ? b[i] : lo, hi = b[i] > hi ? b[i] : hi;
+  float cd[22], cm[22];
+  int nc = 0;
+  cd[nc] = (hi - lo) / 15.f, cm[nc++] = lo;  // gguf's
+  if (hi > lo)
+    for (int k = 0; k <= 20; ++k) {
+      const float is = (14.f + 0.1f * k) / (hi - lo);
+      double sl = 0, sll = 0, sx = 0, slx = 0;
+      for (int i = 0; i < 32; ++i) {
+        const float q = nearest_u4((b[i] - lo) * is);
+        sl += q, sll += (double)q * q, sx += b[i], slx += (double)q * b[i];
+      }
+      const double den = 32 * sll - sl * sl;
+      if (den <= 0) continue;
+      const double d = (32 * slx - sl * sx) / den;
+      cd[nc] = (float)d, cm[nc++] = (float)((sx - d * sl) / 32);
+    }
+  double best = INFINITY;
+  fp16_t bd = 0, bm = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (!std::isfinite(cd[c]) || !std::isfinite(cm[c]) || cd[c] < 0) continue;
+    const fp16_t hd = f32_to_fp16(cd[c]), hm = f32_to_fp16(cm[c]);
+    const float d = fp16_to_f32(hd), m = fp16_to_f32(hm);
+    if (!std::isfinite(d) || !std::isfinite(m)) continue;
+    const double err = q4_1_error(b, d, m, nullptr);
+    if (err < best) best = err, bd = hd, bm = hm;
+  }
+  float L[32];
+  q4_1_error(b, fp16_to_f32(bd), fp16_to_f32(bm), L);
+  std::memcpy(out, &bd, 2);  // little-endian hosts only (as the format)
+  std::memcpy(out + 2, &bm, 2);
+  for (int j = 0; j < 16; ++j) out[4 + j] = (uint8_t)((int)L[j] | ((int)L[j + 16] << 4));
+}
+
+// Blocks [0, n) of x through fit (32 floats -> bb bytes each), pieces of kGrain over the pool.
+template <class Fit>
+void fit_blocks(Fit fit, int bb, const float* x, int64_t n_blocks, uint8_t* out, int threads) {
   constexpr int64_t kGrain = 4096;  // blocks per piece of work
   const int64_t pieces = (n_blocks + kGrain - 1) / kGrain;
   auto run = [&](int64_t p0, int64_t p1) {
-    for (int64_t b = p0 * kGrain, e = std::min(n_blocks, p1 * kGrain); b < e; ++b)
-      q4_0_fit_block(x + b * 32, out + b * 18);
+    for (int64_t b = p0 * kGrain, e = std::min(n_blocks, p1 * kGrain); b < e; ++b) fit(x + b * 32, out + b * bb);
   };
-  if (!pool || pieces < 2) return run(0, pieces);
-  pool->parallel_for((int)pieces, 1, [&](int p0, int p1) { run(p0, p1); });
+  if (threads < 2 || pieces < 2) return run(0, pieces);
+  ThreadPool pool(threads);  // a pool of its own: the call may come from any Python thread
+  pool.parallel_for((int)pieces, 1, [&](int p0, int p1) { run(p0, p1); });
+}
+
+}  // namespace
+
+void quantize_q4_1_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads) {
+  fit_blocks(q4_1_fit_block, 20, x, n_blocks, out, threads);
 }
 
 void quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads) {
-  // a pool of its own: the call may come from any Python thread, beside engines and other callers
-  if (threads > 1 && n_blocks >= 2 * 4096) {
-    ThreadPool pool(threads);
-    quantize_q4_0_fit(x, n_blocks, out, &pool);
-  } else {
-    quantize_q4_0_fit(x, n_blocks, out, (ThreadPool*)nullptr);
-  }
+  fit_blocks(q4_0_fit_block, 18, x, n_blocks, out, threads);
 }
 
 }  // namespace cflow

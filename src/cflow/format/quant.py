@@ -49,7 +49,7 @@ def row_bytes(bt: BlockType, cols: int) -> int:
 
 def encode(x: np.ndarray, bt: BlockType) -> np.ndarray:
     """float (R, C) -> uint8 (R, row_bytes(C)): GGUF's row encoding of block type `bt`, by
-    gguf-py's quantizers except Q4_0, whose scale is fitted (encode_q4_0_fit)."""
+    gguf-py's quantizers except Q4_0 and Q4_1, whose scales are fitted (encode_fit)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise CflowFormatError(f"encode: expected a 2-D array, got shape {x.shape}")
@@ -65,34 +65,37 @@ def encode(x: np.ndarray, bt: BlockType) -> np.ndarray:
             f"cannot quantize floats to {bt.name} (gguf-py has no {bt.name} quantizer); "
             f"pass GGUF-encoded row blocks as uint8 (R, C/{bt.block_elems}*{bt.block_bytes})"
         )
-    if bt.name == "q4_0":
-        return encode_q4_0_fit(x)
+    if bt.name in FITTED:
+        return encode_fit(x, bt.name)
     from gguf.quants import quantize
 
     return np.ascontiguousarray(quantize(x, _qtype(bt))).view(np.uint8).reshape(x.shape[0], -1)
 
 
-# Q4_0 with a fitted scale: gguf-py's (and llama.cpp's, without an importance matrix) Q4_0 takes
-# d = (the block's signed extreme) / -8, which maps that one value exactly and leaves the other 31
-# on a coarser grid than they need. encode_q4_0_fit tries, per block of 32, the scales that put
-# the extreme at -s (s = 7 .. 9 in steps of 0.2) and the least-squares d of each one's integers,
-# plus the plain d; each candidate rounded to fp16 first, its integers refitted to it, the one of
-# least squared error kept. The plain d is among them, so no block comes out worse than
-# gguf-py's. Same bytes, same decoder: any Q4_0 reader runs the result. The search runs in the
-# native core (csrc/kernels/quantize.cpp), on every core.
+# Q4_0 and Q4_1 with fitted scales. gguf-py's (and llama.cpp's, without an importance matrix)
+# Q4_0 takes d = (the block's signed extreme) / -8, which maps that one value exactly and leaves
+# the other 31 on a coarser grid than they need; its Q4_1 spreads min .. max over 15 steps, which
+# maps the two extremes exactly. encode_fit tries other grids per block of 32: Q4_0 the scales
+# that put the extreme at -s (s = 7 .. 9 in steps of 0.2), Q4_1 the grids of 14 .. 16 steps over
+# the range (in steps of 0.1), and for each the least-squares scale (Q4_1: scale and offset) of
+# its integers; every candidate rounded to fp16 first, its integers refitted to it, the one of
+# least squared error kept. gguf-py's own choice is among them, so no block comes out worse. Same
+# bytes, same decoder: any reader runs the result. The search runs in the native core
+# (csrc/kernels/quantize.cpp), on every core.
+FITTED = ("q4_0", "q4_1")
 
 
-def encode_q4_0_fit(x: np.ndarray) -> np.ndarray:
-    """float (R, C), C % 32 == 0 -> uint8 (R, C / 32 * 18): Q4_0 blocks of least squared error
-    among the candidate scales above."""
+def encode_fit(x: np.ndarray, type_name: str) -> np.ndarray:
+    """float (R, C), C % 32 == 0 -> uint8 (R, C / 32 * block bytes): blocks of `type_name` (q4_0
+    or q4_1) of least squared error among the candidates above."""
     from cflow._native import core
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise CflowFormatError(f"encode: expected a 2-D array, got shape {x.shape}")
-    row_bytes(block_type("q4_0"), x.shape[1])
+    row_bytes(block_type(type_name), x.shape[1])
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return core.quantize_q4_0_fit(x, threads)
+    return core.quantize_fit(type_name, x, threads)
 
 
 def decode(rows: np.ndarray, bt: BlockType, cols: int) -> np.ndarray:
