@@ -242,7 +242,10 @@ def test_version_1_files_still_open():
         t = tensor(h, "tok_embd")
         del t["pack"]
         t["interleave"] = 1
-    h = open_bytes(assemble(edited(v1), version=1))
+    # the edit relabels planes-packed bytes as whole blocks: they decode to garbage (NaN scales
+    # among them), which is not what this test is about
+    with np.errstate(invalid="ignore", over="ignore"):
+        h = open_bytes(assemble(edited(v1), version=1))
     assert h["version"] == 1
 
 
