@@ -65,7 +65,7 @@ def test_fitted_q4_is_plain_q4_and_never_worse_than_gguf_py(seed, dist, scale, n
          "uniform": lambda: rng.uniform(-1, 1, shape), "zeros": lambda: np.zeros(shape),
          "spiky": lambda: rng.standard_normal(shape) * (rng.random(shape) < 0.05) * 20,
          "shifted": lambda: rng.standard_normal(shape) + 3.0}[dist]()
-    x = (x * scale).astype(np.float32)
+    x = (np.clip(x, -1000, 1000) * scale).astype(np.float32)  # within the fp16 scales' reach
     x[0, :32] = 0.0  # a block of zeros stays zeros
     x[1, :32] = 0.5 * scale  # so does a constant block
     q = GGMLQuantizationType.Q4_0 if name == "q4_0" else GGMLQuantizationType.Q4_1
@@ -96,6 +96,17 @@ def test_fitted_q4_is_the_same_on_any_number_of_threads(name):
         core.quantize_fit(name, np.zeros((2, 48), np.float32), 1)
     with pytest.raises(ValueError, match="q4_0' or 'q4_1"):
         core.quantize_fit("q5_0", x, 1)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+def test_values_beyond_the_fp16_scale_are_a_clear_error(name):
+    # Q4_0's scale is |extreme| / 8, Q4_1's the range / 15: an fp16 holds at most 65504
+    x = np.zeros((2, 64), np.float32)
+    x[1, 40] = 3e6
+    with pytest.raises(CflowFormatError, match=f"1 block.*too large for {name}'s fp16 scale"):
+        quant.encode(x, block_type(name))
+    x[1, 40] = 3e5 if name == "q4_0" else 6e5  # within reach: encodes
+    assert quant.encode(x, block_type(name)).shape == (2, quant.row_bytes(block_type(name), 64))
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])

@@ -101,10 +101,14 @@ void bind_kernels(nb::module_& m) {
         const size_t nb_ = rows * (cols / 32);
         uint8_t* p = new uint8_t[nb_ * bb ? nb_ * bb : 1];
         nb::capsule owner(p, [](void* q) noexcept { delete[] (uint8_t*)q; });
+        int64_t refused;
         {
           nb::gil_scoped_release nogil;
-          (q4_0 ? quantize_q4_0_fit : quantize_q4_1_fit)(x.data(), (int64_t)nb_, p, threads);
+          refused = (q4_0 ? quantize_q4_0_fit : quantize_q4_1_fit)(x.data(), (int64_t)nb_, p, threads);
         }
+        if (refused)  // (the capsule frees p)
+          throw nb::value_error((std::to_string(refused) + " block(s) of 32 hold values too large for " + type +
+                                 "'s fp16 scale").c_str());
         return nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>(p, {rows, cols / 32 * bb}, owner);
       },
       nb::arg("type"), nb::arg("x"), nb::arg("threads") = 1,

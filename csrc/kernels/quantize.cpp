@@ -2,6 +2,7 @@
 // with fitted scales (kernels.h quantize_q4_0_fit, quantize_q4_1_fit). Scalar code; sums in double, so the choice
 // between candidates does not depend on the order of the additions.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -24,7 +25,8 @@ inline float nearest_q4(float v) {
 }
 
 // One block of 32: b -> 18 bytes (fp16 d, then 16 bytes of nibbles, element j low and j + 16 high).
-void q4_0_fit_block(const float* b, uint8_t* out) {
+// False when no candidate scale is a finite fp16 (values beyond 8 * 65504): the block is zeros.
+bool q4_0_fit_block(const float* b, uint8_t* out) {
   int im = 0;
   for (int i = 1; i < 32; ++i)
     if (std::fabs(b[i]) > std::fabs(b[im])) im = i;
@@ -64,6 +66,7 @@ void q4_0_fit_block(const float* b, uint8_t* out) {
     const int lo = (int)nearest_q4(b[j] * best_inv) + 8, hi = (int)nearest_q4(b[j + 16] * best_inv) + 8;
     out[2 + j] = (uint8_t)(lo | (hi << 4));
   }
+  return best < INFINITY;
 }
 
 // x ~ d * q + m, q in 0..15: the q nearest (x - m) / d, clipped. 1.5 * 2^23 rounds as in
@@ -91,8 +94,9 @@ double q4_1_error(const float* b, float d, float m, float* L) {
 // One Q4_1 block: b -> 20 bytes (fp16 d, fp16 m, 16 bytes of nibbles). Candidates: gguf's (d =
 // (max - min) / 15, m = min), and for the grids that spread the block's range over 14.0, 14.1
 // .. 16.0 steps, the least-squares (d, m) of that grid's integers (the regression of x on q);
-// each rounded to fp16 and its integers refitted, the least squared error kept.
-void q4_1_fit_block(const float* b, uint8_t* out) {
+// each rounded to fp16 and its integers refitted, the least squared error kept. False when no
+// candidate is a finite fp16 pair (a range or a minimum beyond 65504 and 15 * 65504).
+bool q4_1_fit_block(const float* b, uint8_t* out) {
   float lo = b[0], hi = b[0];
   for (int i = 1; i < 32; ++i) lo = b[i] < lo ? b[i] : lo, hi = b[i] > hi ? b[i] : hi;
   float cd[22], cm[22];
@@ -126,29 +130,38 @@ void q4_1_fit_block(const float* b, uint8_t* out) {
   std::memcpy(out, &bd, 2);  // little-endian hosts only (as the format)
   std::memcpy(out + 2, &bm, 2);
   for (int j = 0; j < 16; ++j) out[4 + j] = (uint8_t)((int)L[j] | ((int)L[j + 16] << 4));
+  return best < INFINITY;
 }
 
-// Blocks [0, n) of x through fit (32 floats -> bb bytes each), pieces of kGrain over the pool.
+// Blocks [0, n) of x through fit (32 floats -> bb bytes each), pieces of kGrain over the pool;
+// returns how many blocks fit refused.
 template <class Fit>
-void fit_blocks(Fit fit, int bb, const float* x, int64_t n_blocks, uint8_t* out, int threads) {
+int64_t fit_blocks(Fit fit, int bb, const float* x, int64_t n_blocks, uint8_t* out, int threads) {
   constexpr int64_t kGrain = 4096;  // blocks per piece of work
   const int64_t pieces = (n_blocks + kGrain - 1) / kGrain;
+  std::atomic<int64_t> refused{0};
   auto run = [&](int64_t p0, int64_t p1) {
-    for (int64_t b = p0 * kGrain, e = std::min(n_blocks, p1 * kGrain); b < e; ++b) fit(x + b * 32, out + b * bb);
+    int64_t r = 0;
+    for (int64_t b = p0 * kGrain, e = std::min(n_blocks, p1 * kGrain); b < e; ++b) r += !fit(x + b * 32, out + b * bb);
+    refused += r;
   };
-  if (threads < 2 || pieces < 2) return run(0, pieces);
-  ThreadPool pool(threads);  // a pool of its own: the call may come from any Python thread
-  pool.parallel_for((int)pieces, 1, [&](int p0, int p1) { run(p0, p1); });
+  if (threads < 2 || pieces < 2) {
+    run(0, pieces);
+  } else {
+    ThreadPool pool(threads);  // a pool of its own: the call may come from any Python thread
+    pool.parallel_for((int)pieces, 1, [&](int p0, int p1) { run(p0, p1); });
+  }
+  return refused.load();
 }
 
 }  // namespace
 
-void quantize_q4_1_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads) {
-  fit_blocks(q4_1_fit_block, 20, x, n_blocks, out, threads);
+int64_t quantize_q4_1_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads) {
+  return fit_blocks(q4_1_fit_block, 20, x, n_blocks, out, threads);
 }
 
-void quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads) {
-  fit_blocks(q4_0_fit_block, 18, x, n_blocks, out, threads);
+int64_t quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads) {
+  return fit_blocks(q4_0_fit_block, 18, x, n_blocks, out, threads);
 }
 
 }  // namespace cflow

@@ -114,10 +114,11 @@ class ThreadPool;
 // s = 7.0, 7.2 .. 9.0 the least-squares d of the integers that put the extreme at -s; each
 // rounded to fp16 and its integers refitted to it (nearest, clipped to -8..7); the least squared
 // error kept (the first of equals, so gguf's d on ties). No block is worse than gguf's rounding.
-void quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads);
+// Returns the number of blocks whose values no finite fp16 scale covers (written as zeros).
+int64_t quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads);
 // Q4_1 likewise (20-byte blocks, x ~ d q + m): gguf's (d, m) = ((max - min) / 15, min), and the
 // least-squares (d, m) of the grids that spread the range over 14.0 .. 16.0 steps.
-void quantize_q4_1_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads);
+int64_t quantize_q4_1_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads);
 
 // y: (L.rows) = W x with the kernel gemv_fn(L.bt(), L.packing(), at, isa); x is prepared.
 void gemv(AType at, Isa isa, float* y, const void* x, const uint8_t* w, const TileLayout& L, ThreadPool* pool);

@@ -95,7 +95,10 @@ def encode_fit(x: np.ndarray, type_name: str) -> np.ndarray:
         raise CflowFormatError(f"encode: expected a 2-D array, got shape {x.shape}")
     row_bytes(block_type(type_name), x.shape[1])
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return core.quantize_fit(type_name, x, threads)
+    try:
+        return core.quantize_fit(type_name, x, threads)
+    except ValueError as e:  # values beyond what the type's fp16 scale can cover
+        raise CflowFormatError(f"cannot quantize to {type_name}: {e}") from None
 
 
 def decode(rows: np.ndarray, bt: BlockType, cols: int) -> np.ndarray:
