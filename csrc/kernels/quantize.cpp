@@ -1,6 +1,6 @@
 // Weight quantizers of the writer (format/quant.py) that do better than gguf-py's: Q4_0 and Q4_1
-// with fitted scales (kernels.h quantize_q4_0_fit, quantize_q4_1_fit). Scalar code; sums in double, so the choice
-// between candidates does not depend on the order of the additions.
+// with fitted scales (kernels.h quantize_q4_0_fit, quantize_q4_1_fit). Scalar code; sums in
+// double, so the choice between candidates does not depend on the order of the additions.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -15,16 +15,36 @@ namespace {
 
 constexpr int kSteps = 11;  // s = 7.0, 7.2 .. 9.0: where the block's extreme lands
 
-// The integer nearest v (ties to even), clipped to -8..7: v is first held inside -9..8, where
-// adding and subtracting 1.5 * 2^23 rounds to an integer exactly as rint does (no libm call).
-inline float nearest_q4(float v) {
-  v = v < -9.f ? -9.f : v > 8.f ? 8.f : v;  // comparisons, not fmin/fmax (libm calls here)
-  const float magic = 12582912.f;            // IEEE arithmetic: (v + m) - m is not folded to v
+// The integer nearest v (ties to even), clipped to lo..hi: v is first held inside lo - 1 ..
+// hi + 1, where adding and subtracting 1.5 * 2^23 rounds to an integer exactly as rint does.
+// Comparisons, not fmin/fmax (libm calls here, without -ffast-math).
+inline float nearest(float v, float lo, float hi) {
+  v = v < lo - 1.f ? lo - 1.f : v > hi + 1.f ? hi + 1.f : v;
+  const float magic = 12582912.f;  // IEEE arithmetic: (v + m) - m is not folded to v
   const float r = (v + magic) - magic;
-  return r < -8.f ? -8.f : r > 7.f ? 7.f : r;
+  return r < lo ? lo : r > hi ? hi : r;
 }
 
-// One block of 32: b -> 18 bytes (fp16 d, then 16 bytes of nibbles, element j low and j + 16 high).
+// Squared error of block b as d * q + m with each q the integer in lo..hi nearest (x - m) / d
+// (a zero d gives every q 0 clipped to lo..hi); the q written to L when given. Sums in double.
+double fit_error(const float* b, float d, float m, float lo, float hi, float* L) {
+  const float inv = d != 0.f ? 1.f / d : 0.f;
+  double e4[4] = {0, 0, 0, 0};
+  for (int i = 0; i < 32; ++i) {
+    const float q = nearest((b[i] - m) * inv, lo, hi);
+    if (L) L[i] = q;
+    const double e = (double)b[i] - ((double)d * q + (double)m);
+    e4[i % 4] += e * e;
+  }
+  return (e4[0] + e4[1]) + (e4[2] + e4[3]);
+}
+
+// Block b as nibbles: element j low, j + 16 high, each q + bias.
+void put_nibbles(const float* L, int bias, uint8_t* out) {
+  for (int j = 0; j < 16; ++j) out[j] = (uint8_t)(((int)L[j] + bias) | (((int)L[j + 16] + bias) << 4));
+}
+
+// One block of 32: b -> 18 bytes (fp16 d, then 16 bytes of nibbles).
 // False when no candidate scale is a finite fp16 (values beyond 8 * 65504): the block is zeros.
 bool q4_0_fit_block(const float* b, uint8_t* out) {
   int im = 0;
@@ -37,7 +57,7 @@ bool q4_0_fit_block(const float* b, uint8_t* out) {
     const float s = (float)(7.0 + 0.2 * k), f = ext != 0.f ? -s / ext : 0.f;
     double ll = 0, bl4[4] = {0, 0, 0, 0};
     for (int i = 0; i < 32; ++i) {
-      const float L = nearest_q4(b[i] * f);
+      const float L = nearest(b[i] * f, -8.f, 7.f);
       ll += (double)L * L;  // small integers: exact in any order
       bl4[i % 4] += (double)b[i] * L;
     }
@@ -46,49 +66,19 @@ bool q4_0_fit_block(const float* b, uint8_t* out) {
   }
   double best = INFINITY;
   fp16_t best_h = 0;
-  float best_inv = 0.f;
   for (float c : cand) {
     if (!std::isfinite(c)) continue;
     const fp16_t h = f32_to_fp16(c);
     const float d = fp16_to_f32(h);
     if (!std::isfinite(d)) continue;
-    const float inv = d != 0.f ? 1.f / d : 0.f;  // a zero d gives every weight 0
-    double e4[4] = {0, 0, 0, 0};
-    for (int i = 0; i < 32; ++i) {
-      const double e = (double)b[i] - (double)d * nearest_q4(b[i] * inv);
-      e4[i % 4] += e * e;
-    }
-    const double err = (e4[0] + e4[1]) + (e4[2] + e4[3]);
-    if (err < best) best = err, best_h = h, best_inv = inv;
+    const double err = fit_error(b, d, 0.f, -8.f, 7.f, nullptr);
+    if (err < best) best = err, best_h = h;
   }
+  float L[32];
+  fit_error(b, fp16_to_f32(best_h), 0.f, -8.f, 7.f, L);
   std::memcpy(out, &best_h, 2);  // little-endian hosts only (as the format)
-  for (int j = 0; j < 16; ++j) {
-    const int lo = (int)nearest_q4(b[j] * best_inv) + 8, hi = (int)nearest_q4(b[j + 16] * best_inv) + 8;
-    out[2 + j] = (uint8_t)(lo | (hi << 4));
-  }
+  put_nibbles(L, 8, out + 2);
   return best < INFINITY;
-}
-
-// x ~ d * q + m, q in 0..15: the q nearest (x - m) / d, clipped. 1.5 * 2^23 rounds as in
-// nearest_q4 (v held inside -1..16 first).
-inline float nearest_u4(float v) {
-  v = v < -1.f ? -1.f : v > 16.f ? 16.f : v;
-  const float magic = 12582912.f;
-  const float r = (v + magic) - magic;
-  return r < 0.f ? 0.f : r > 15.f ? 15.f : r;
-}
-
-// Squared error of block b under fp16 (d, m) with each q nearest; q written to L when given.
-double q4_1_error(const float* b, float d, float m, float* L) {
-  const float inv = d != 0.f ? 1.f / d : 0.f;
-  double e4[4] = {0, 0, 0, 0};
-  for (int i = 0; i < 32; ++i) {
-    const float q = nearest_u4((b[i] - m) * inv);
-    if (L) L[i] = q;
-    const double e = (double)b[i] - ((double)d * q + (double)m);
-    e4[i % 4] += e * e;
-  }
-  return (e4[0] + e4[1]) + (e4[2] + e4[3]);
 }
 
 // One Q4_1 block: b -> 20 bytes (fp16 d, fp16 m, 16 bytes of nibbles). Candidates: gguf's (d =
@@ -107,7 +97,7 @@ bool q4_1_fit_block(const float* b, uint8_t* out) {
       const float is = (14.f + 0.1f * k) / (hi - lo);
       double sl = 0, sll = 0, sx = 0, slx = 0;
       for (int i = 0; i < 32; ++i) {
-        const float q = nearest_u4((b[i] - lo) * is);
+        const float q = nearest((b[i] - lo) * is, 0.f, 15.f);
         sl += q, sll += (double)q * q, sx += b[i], slx += (double)q * b[i];
       }
       const double den = 32 * sll - sl * sl;
@@ -122,14 +112,14 @@ bool q4_1_fit_block(const float* b, uint8_t* out) {
     const fp16_t hd = f32_to_fp16(cd[c]), hm = f32_to_fp16(cm[c]);
     const float d = fp16_to_f32(hd), m = fp16_to_f32(hm);
     if (!std::isfinite(d) || !std::isfinite(m)) continue;
-    const double err = q4_1_error(b, d, m, nullptr);
+    const double err = fit_error(b, d, m, 0.f, 15.f, nullptr);
     if (err < best) best = err, bd = hd, bm = hm;
   }
   float L[32];
-  q4_1_error(b, fp16_to_f32(bd), fp16_to_f32(bm), L);
+  fit_error(b, fp16_to_f32(bd), fp16_to_f32(bm), 0.f, 15.f, L);
   std::memcpy(out, &bd, 2);  // little-endian hosts only (as the format)
   std::memcpy(out + 2, &bm, 2);
-  for (int j = 0; j < 16; ++j) out[4 + j] = (uint8_t)((int)L[j] | ((int)L[j + 16] << 4));
+  put_nibbles(L, 0, out + 4);
   return best < INFINITY;
 }
 

@@ -71,8 +71,8 @@ def dequantize(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> np.n
 
 def quantize(type_name: str, w: np.ndarray) -> np.ndarray:
     """float array (rows, cols) -> data for Tensor(type_name) (row blocks for quantized types):
-    format.quant.encode's (Q4_0 with a fitted scale per block, never a larger error than
-    gguf-py's; the other types gguf-py's quantizers)."""
+    format.quant.encode's (Q4_0 and Q4_1 with fitted scales per block, never a larger error
+    than gguf-py's; the other types gguf-py's quantizers)."""
     if type_name in FLOAT_TYPES:
         return np.ascontiguousarray(w, dtype=FLOAT_TYPES[type_name])
     from cflow.format.quant import encode

@@ -16,8 +16,6 @@ b1.58's absmean rounding per block, with the scale refit by least squares.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from cflow.errors import CflowFormatError, UnsupportedError
@@ -81,7 +79,7 @@ def encode(x: np.ndarray, bt: BlockType) -> np.ndarray:
 # its integers; every candidate rounded to fp16 first, its integers refitted to it, the one of
 # least squared error kept. gguf-py's own choice is among them, so no block comes out worse. Same
 # bytes, same decoder: any reader runs the result. The search runs in the native core
-# (csrc/kernels/quantize.cpp), on every core.
+# (csrc/kernels/quantize.cpp) on default_threads() threads (CFLOW_THREADS, else every core).
 FITTED = ("q4_0", "q4_1")
 
 
@@ -89,14 +87,14 @@ def encode_fit(x: np.ndarray, type_name: str) -> np.ndarray:
     """float (R, C), C % 32 == 0 -> uint8 (R, C / 32 * block bytes): blocks of `type_name` (q4_0
     or q4_1) of least squared error among the candidates above."""
     from cflow._native import core
+    from cflow.engine import default_threads
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise CflowFormatError(f"encode: expected a 2-D array, got shape {x.shape}")
     row_bytes(block_type(type_name), x.shape[1])
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        return core.quantize_fit(type_name, x, threads)
+        return core.quantize_fit(type_name, x, default_threads())
     except ValueError as e:  # values beyond what the type's fp16 scale can cover
         raise CflowFormatError(f"cannot quantize to {type_name}: {e}") from None
 

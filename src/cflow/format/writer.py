@@ -192,11 +192,10 @@ class CflowWriter:
         step = max(tile[0], CHUNK_BYTES // in_row // tile[0] * tile[0])
         for r0 in range(0, rows, step):  # chunks of whole stripes: each packs independently
             chunk = rows_data[r0:r0 + step]
-            if not encoded and bt.name not in ("f32", "f16", "bf16") and not np.isfinite(chunk).all():
-                # (the writer's exit then removes the file it had begun)
-                raise CflowFormatError(f"tensor {name!r}: cannot quantize to {bt.name}: the values include NaN or "
-                                       "infinity")
-            enc = np.ascontiguousarray(chunk) if encoded else quant.encode(chunk, bt)
+            try:
+                enc = np.ascontiguousarray(chunk) if encoded else quant.encode(chunk, bt)
+            except CflowFormatError as e:  # values it cannot encode; the writer's exit removes the file
+                raise CflowFormatError(f"tensor {name!r}: {e}") from None
             self._write(pack_tiles(enc, bt, cols, tile, g, pack))
         t = Tensor(name, bt, tuple(shape), tile, g, section, offset, self._pos - offset, part_list,
                    fuse if part_list else None, stripe, pack)
