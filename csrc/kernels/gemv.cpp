@@ -1,5 +1,6 @@
 // Block-type lookups, tile layouts, activation quantization, the kernel tables' dispatch and the
 // threaded GEMV drivers.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -100,21 +101,46 @@ float quantize_block(const float* x, int8_t* q) {
   for (int j = 0; j < N; ++j) q[j] = to_q8(x[j] * id);
   return d;
 }
+
+
+// o.s and the lane sums l of a block whose d and qs are set.
+void finish_q8a(block_q8a& o, q8a_sums& l) {
+  int sum = 0;
+  for (int k = 0; k < 8; ++k) {
+    l.lsum8[k] = o.qs[4 * k] + o.qs[4 * k + 1] + o.qs[4 * k + 2] + o.qs[4 * k + 3];
+    sum += l.lsum8[k];
+  }
+  for (int k = 0; k < 4; ++k) l.lsum4[k] = l.lsum8[k] + l.lsum8[k + 4];
+  o.s = o.d * (float)sum;
+}
 }  // namespace
 
 void quantize_q8a(block_q8a* xq, const float* x, int cols) {
   q8a_sums* ls = q8a_sums_of(xq, cols);
   for (int b = 0; b < cols / QK; ++b, x += QK) {
-    block_q8a& o = xq[b];
-    q8a_sums& l = ls[b];
-    o.d = quantize_block<QK>(x, o.qs);
-    int sum = 0;
-    for (int k = 0; k < 8; ++k) {
-      l.lsum8[k] = o.qs[4 * k] + o.qs[4 * k + 1] + o.qs[4 * k + 2] + o.qs[4 * k + 3];
-      sum += l.lsum8[k];
+    xq[b].d = quantize_block<QK>(x, xq[b].qs);
+    finish_q8a(xq[b], ls[b]);
+  }
+}
+
+void quantize_q8a_level2(block_q8a* out, block_q8a* l1, const float* x, int cols) {
+  q8a_sums *ls = q8a_sums_of(out, cols), *ls1 = q8a_sums_of(l1, cols);
+  for (int b = 0; b < cols / QK; ++b, x += QK) {
+    block_q8a& o = out[b];
+    // d / 256 is exact while it stays a normal float. A block below that (d < 2^-118: every
+    // |x| < 2^-111) is zero in both levels, so that the levels' ratio holds everywhere.
+    if (!(l1[b].d >= 0x1p-118f)) {
+      std::memset(l1[b].qs, 0, QK);
+      l1[b].d = 0.0f;
+      finish_q8a(l1[b], ls1[b]);
     }
-    for (int k = 0; k < 4; ++k) l.lsum4[k] = l.lsum8[k] + l.lsum8[k + 4];
-    o.s = o.d * (float)sum;
+    o.d = l1[b].d * 0x1p-8f;
+    const float id = o.d > 0.0f ? 1.0f / o.d : 0.0f;
+    for (int j = 0; j < QK; ++j) {
+      const float r = std::fma(-l1[b].d, (float)l1[b].qs[j], x[j]);  // one rounding, as the SIMD fnmadd
+      o.qs[j] = (int8_t)std::clamp((int)to_q8(r * id), -127, 127);
+    }
+    finish_q8a(o, ls[b]);
   }
 }
 
@@ -169,11 +195,15 @@ void quantize_act(ActBlock ab, void* xa, const float* x, int cols, int levels) {
   };
   level(xa, x);
   if (levels < 2) return;
+  void* xa2 = (uint8_t*)xa + act_row_bytes(ab, cols);
+  if (ab == ActBlock::Q8a) {
+    best_table().quantize_q8a_level2((block_q8a*)xa2, (block_q8a*)xa, x, cols);
+    return;
+  }
   thread_local std::vector<float> r;
   r.resize((size_t)cols);
-  if (ab == ActBlock::Q8K) residual((const block_q8_K*)xa, x, cols, r.data());
-  else residual((const block_q8a*)xa, x, cols, r.data());
-  level((uint8_t*)xa + act_row_bytes(ab, cols), r.data());
+  residual((const block_q8_K*)xa, x, cols, r.data());
+  level(xa2, r.data());
 }
 
 void prepare_act(BlockType bt, AType at, void* xa, const float* x, int cols) {

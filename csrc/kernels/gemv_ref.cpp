@@ -335,6 +335,7 @@ void fill_ref(KernelTable& t) {
   set_ref<BlockType::TQ2_0>(t);
   t.gemm_f32 = gemm_f32;
   t.quantize_q8a = quantize_q8a;
+  t.quantize_q8a_level2 = quantize_q8a_level2;
   t.quantize_q8K = quantize_q8_K;
 }
 

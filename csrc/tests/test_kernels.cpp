@@ -180,6 +180,63 @@ bool compare_isa(BlockType wt, AType at, Isa isa, int rows, int cols, const Tili
 }
 }  // namespace
 
+// Two-level int8 activations (quantize_act): level 2 at exactly d1 / 256 per block, so that the
+// AVX-512 kernels may sum the levels' integers as 256 S + T; level 1 + level 2 within d1 / 512 of
+// x; a block of near-zero activations (d1 / 256 not a normal float) zero in both levels; and the
+// kernels of every ISA on such a row still agree with the scalar one.
+TEST(two_level_activations_keep_their_scale_ratio) {
+  const int cols = 256;
+  auto x = random_x(cols);
+  for (int j = 64; j < 96; ++j) x[j] *= 1e-36f;  // block 2: |x| < 2^-111
+  std::vector<uint8_t> xa(act_bytes(BlockType::Q4_0, AType::Q8x2, cols));
+  prepare_act(BlockType::Q4_0, AType::Q8x2, xa.data(), x.data(), cols);
+  const block_q8a* l1 = (const block_q8a*)xa.data();
+  const block_q8a* l2 = (const block_q8a*)(xa.data() + q8a_row_bytes(cols));
+  bool ok = true;
+  for (int b = 0; b < cols / QK; ++b) {
+    ok &= l2[b].d == l1[b].d / 256.0f;
+    for (int j = 0; j < QK; ++j) {
+      ok &= std::abs((int)l2[b].qs[j]) <= 127;
+      const float v = l1[b].d * l1[b].qs[j] + l2[b].d * l2[b].qs[j];
+      ok &= std::fabs(v - x[b * QK + j]) <= l1[b].d / 512.0f * 1.0001f + (b == 2 ? 1e-33f : 0.0f);
+    }
+  }
+  ok &= l1[2].d == 0.0f && l2[2].d == 0.0f;
+  CHECK(ok);
+  // every table's level 2 gives the reference's bytes (from level-1 bytes that are the same)
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa)) continue;
+    std::vector<uint8_t> a1(q8a_row_bytes(cols)), b1, a2(q8a_row_bytes(cols)), b2(a2.size());
+    ref::quantize_q8a((block_q8a*)a1.data(), x.data(), cols);
+    b1 = a1;
+    ref::quantize_q8a_level2((block_q8a*)a2.data(), (block_q8a*)a1.data(), x.data(), cols);
+    kernel_table(isa).quantize_q8a_level2((block_q8a*)b2.data(), (block_q8a*)b1.data(), x.data(), cols);
+    const bool same = a1 == b1 && a2 == b2;
+    if (!same) std::fprintf(stderr, "level 2 bytes differ: %s\n", isa_name(isa));
+    CHECK(same);
+  }
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa)) continue;
+    for (BlockType wt : {BlockType::Q4_0, BlockType::Q4_1, BlockType::Q5_0, BlockType::Q5_1, BlockType::Q8_0})
+      for (Pack pk : {Pack::Blocks, Pack::Planes}) {
+        const int rows = 48;
+        const Tiling ts{32, 256, 16, pk};
+        auto rm = random_rows(wt, rows, cols);
+        const auto tiled = pack(wt, rm, rows, cols, ts);
+        const TileLayout L = layout(wt, rows, cols, ts);
+        std::vector<double> yn, sc;
+        naive(wt, rm, rows, cols, x, yn, sc);
+        std::vector<float> y(rows), yr(rows);
+        gemv_fn(wt, pk, AType::Q8x2, Isa::Scalar)(yr.data(), xa.data(), tiled.data(), L, 0, rows);
+        gemv_fn(wt, pk, AType::Q8x2, isa)(y.data(), xa.data(), tiled.data(), L, 0, rows);
+        bool same = true;
+        for (int r = 0; r < rows; ++r) same &= std::fabs(y[r] - yr[r]) <= 1e-5 * sc[r] + 1e-30;
+        if (!same) std::fprintf(stderr, "two levels, a near-zero block: %s %s %s\n", block_name(wt), pack_name(pk), isa_name(isa));
+        CHECK(same);
+      }
+  }
+}
+
 TEST(simd_paths_match_scalar_on_ragged_shapes) {
   std::uniform_int_distribution<int> ri(1, 300);
   for (Isa isa : {Isa::Avx2, Isa::Avx512}) {

@@ -37,7 +37,8 @@ struct QActs {
 // Bytes of the prepared activation for (bt, at): cols*4 for F32, else the int8 rows.
 size_t act_bytes(BlockType bt, AType at, int cols);
 // x (cols) -> `levels` (1 or 2) rows of int8 blocks of kind ab at xa: level 1 quantizes x,
-// level 2 the residual x - level 1 (the part of x level 1 misses).
+// level 2 the residual x - level 1 (the part of x level 1 misses): block_q8a rows at the scale
+// d1 / 256 (ref::quantize_q8a_level2), block_q8_K rows at their own.
 void quantize_act(ActBlock ab, void* xa, const float* x, int cols, int levels);
 // Prepare x for (bt, at): F32 copies x; Q8 / Q8x2 quantize it (one or two levels).
 void prepare_act(BlockType bt, AType at, void* xa, const float* x, int cols);
@@ -61,6 +62,8 @@ struct KernelTable {
   GemmQ8Fn gemm_q8[kNumBlockTypes][2];  // [block_index][Pack]; nullptr: the ISA below
   GemmF32Fn gemm_f32;                   // every type and pack (rows dequantized once)
   void (*quantize_q8a)(block_q8a* out, const float* x, int cols);  // one row (and its sums)
+  // level 2 of a two-level row from x and its level 1 (ref::quantize_q8a_level2)
+  void (*quantize_q8a_level2)(block_q8a* out, block_q8a* l1, const float* x, int cols);
   void (*quantize_q8K)(block_q8_K* out, const float* x, int cols);  // one row of the K-quants' activations
 };
 // The table of one ISA; `isa` must be supported by this CPU (isa_supported).
@@ -96,6 +99,13 @@ bool gemv_batch_beats_gemm(Isa isa);
 // Scalar references outside the table.
 namespace ref {
 void quantize_q8a(block_q8a* xq, const float* x, int cols);     // a row and its sums; cols % 32 == 0
+// Level 2 of a two-level row: the residual r = x - d1 q1 (one fused multiply-add) at the
+// fixed scale d2 = d1 / 256 per block (|r| <= d1 / 2, so |r / d2| <= 128, clamped to 127), and
+// its sums; a block of l1 whose d1 / 256 would not be a normal float (|x| < 2^-111) is zeroed in
+// both. The fixed ratio lets a kernel combine the levels' exact integer dot products as
+// 256 S + T before one conversion to float (x86/avx512/planes_finish.h); kernels that scale each
+// level by its own d need nothing of it. The SIMD tables' version gives the same bytes.
+void quantize_q8a_level2(block_q8a* out, block_q8a* l1, const float* x, int cols);
 void quantize_q8_K(block_q8_K* xq, const float* x, int cols);   // cols % 256 == 0
 // Dequantize n_blocks consecutive blocks of bt into out (n_blocks * block_elems floats).
 void dequantize(BlockType bt, const uint8_t* blocks, int n_blocks, float* out);

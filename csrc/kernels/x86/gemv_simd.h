@@ -601,6 +601,42 @@ inline void quantize_q8a_v(block_q8a* out, const float* x, int cols) {
   }
 }
 
+// Level 2 of a two-level row, byte for byte ref::quantize_q8a_level2: per block r = x - d1 q1
+// (one fma, std::fma there), q2 = r * (1 / (d1 / 256)) rounded to nearest even (cvtps), packed
+// with saturation and clamped to -127.
+inline void quantize_q8a_level2_v(block_q8a* out, block_q8a* l1, const float* x, int cols) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1), lo = _mm256_set1_epi8(-127);
+  q8a_sums *ls = q8a_sums_of(out, cols), *ls1 = q8a_sums_of(l1, cols);
+  for (int b = 0; b < cols / QK; ++b, x += QK) {
+    block_q8a& a = l1[b];
+    if (!(a.d >= 0x1p-118f)) {  // near zero (or NaN): both levels zero, as the reference
+      std::memset(a.qs, 0, QK);
+      std::memset(&ls1[b], 0, sizeof(q8a_sums));
+      a.d = a.s = 0.0f;
+    }
+    block_q8a& o = out[b];
+    const float d2 = a.d * 0x1p-8f, id = d2 > 0.0f ? 1.0f / d2 : 0.0f;
+    const __m256 vd = _mm256_set1_ps(a.d), vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(a.qs + 8 * k))));
+      const __m256 r = _mm256_fnmadd_ps(vd, q1, _mm256_loadu_ps(x + 8 * k));
+      q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(r, vid));
+    }
+    // packs interleave 128-bit lanes: (q0 q1) -> words 0-3 of q0, 0-3 of q1, 4-7 of q0, 4-7 of q1
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    q8 = _mm256_max_epi8(q8, lo);
+    _mm256_storeu_si256((__m256i*)o.qs, q8);
+    const __m256i l8 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q8), ones16);
+    const __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(l8), _mm256_extracti128_si256(l8, 1));
+    _mm256_storeu_si256((__m256i*)ls[b].lsum8, l8);
+    _mm_storeu_si128((__m128i*)ls[b].lsum4, l4);
+    o.d = d2;
+    o.s = d2 * (float)hsum_i32(l4);
+  }
+}
+
 // Activations -> one row of block_q8_K (the K-quants' activations), bit for bit the reference's
 // (ref::quantize_q8_K: max |x| / 127, round to nearest even) at 256 bits: both ISAs run it.
 inline void quantize_q8K_v(block_q8_K* out, const float* x, int cols) {
@@ -651,5 +687,6 @@ inline void fill_table(KernelTable& t) {
   set_gemv_f32<gemv_tern_f32<BlkTQ2_0>>(t, BlockType::TQ2_0);
   set_gemv_q8<gemv_tern_q8<KTQ2_0>>(t, BlockType::TQ2_0);
   t.quantize_q8a = quantize_q8a_v;
+  t.quantize_q8a_level2 = quantize_q8a_level2_v;
   t.quantize_q8K = quantize_q8K_v;
 }

@@ -600,47 +600,104 @@ struct TokenActs {
   }
 };
 
-// K tokens T0 .. T0+K-1 of A on one unpacked chunk u: their integer dot products as K (two: 2K)
-// independent vpdpbusd chains, so that the chains' latencies overlap, then each token's
+// The activations of a pass in the order its dot products read them (PassActs::make, once per
+// call): per column block cb, slice j (4 bytes), token t and level l one int32 at
+// q[((cb * 8 + j) * NT + t) * L + l], and per (cb, t) the scalars of the float part. One pointer
+// per block then reaches every broadcast at a constant offset (an embedded {1to16} operand of
+// vpdpbusd); read through per-token pointers (TokenActs) the same loop spent two to three scalar
+// loads and address computations per vpdpbusd, about a third of its time.
+struct PassScale {
+  int32_t start, start2;  // the accumulators' exact start values, -kZero * sum(x) per level
+  float d, s;             // planes_finish's da and s
+};
+
+template <BlockType WT, bool TWO, int NT>
+struct PassActs {
+  static constexpr int L = TWO ? 2 : 1, kQ = 8 * NT * L;  // int32 slices per column block
+  const int32_t* q;
+  const PassScale* sc;
+  static size_t bytes(int nb) { return (size_t)nb * (kQ * sizeof(int32_t) + NT * sizeof(PassScale)); }
+  // buf: bytes(cols / 32), 64-byte aligned.
+  PassActs(const uint8_t* xv, size_t ab, int cols, void* buf) {
+    const int nb = cols / QK;
+    int32_t* qo = (int32_t*)buf;
+    PassScale* so = (PassScale*)(qo + (size_t)nb * kQ);
+    q = qo, sc = so;
+    const TokenActs<block_q8a, NT> x(xv, ab, cols);
+    auto start = [](const q8a_sums& l) {
+      return -PlanesKind<WT>::kZero * (l.lsum4[0] + l.lsum4[1] + l.lsum4[2] + l.lsum4[3]);
+    };
+    for (int cb = 0; cb < nb; ++cb)
+      for (int t = 0; t < NT; ++t) {
+        const block_q8a& a = x.x[t][cb];
+        const block_q8a* a2 = x.x2[t] + cb;
+        for (int j = 0; j < 8; ++j) {
+          std::memcpy(qo + ((size_t)(cb * 8 + j) * NT + t) * L, a.qs + 4 * j, 4);
+          if (TWO) std::memcpy(qo + ((size_t)(cb * 8 + j) * NT + t) * L + 1, a2->qs + 4 * j, 4);
+        }
+        so[cb * NT + t] = {start(x.xs[t][cb]), TWO ? start(x.xs2[t][cb]) : 0, TWO ? a2->d : a.d,
+                           TWO ? a.s + a2->s : a.s};
+      }
+  }
+};
+
+// A thread's scratch for PassActs, grown as needed, 64-byte aligned.
+inline void* pass_scratch(size_t n) {
+  struct Buf {
+    void* p = nullptr;
+    size_t n = 0;
+    ~Buf() { std::free(p); }
+  };
+  thread_local Buf b;
+  if (b.n < n) {
+    std::free(b.p);
+    b.n = (n + 4095) & ~(size_t)4095;
+    b.p = std::aligned_alloc(64, b.n);
+    if (!b.p) throw std::bad_alloc();
+  }
+  return b.p;
+}
+
+// K tokens T0 .. T0+K-1 of the pass on one unpacked chunk u: their integer dot products as K
+// (two: 2K) independent vpdpbusd chains, so that the chains' latencies overlap, then each token's
 // planes_finish, as planes_dot runs it.
-template <BlockType WT, bool TWO, int K, class A>
-inline void planes_dots(const uint8_t* c, const __m512i (&u)[8], const A& x, int T0, int cb, __m512* acc) {
-  auto start = [](const q8a_sums& l) {
-    return _mm512_set1_epi32(-PlanesKind<WT>::kZero * (l.lsum4[0] + l.lsum4[1] + l.lsum4[2] + l.lsum4[3]));
-  };
-  auto slice = [](const block_q8a& a, int j) {
-    int32_t v;
-    std::memcpy(&v, a.qs + 4 * j, 4);
-    return _mm512_set1_epi32(v);
-  };
+template <BlockType WT, bool TWO, int NT, int K>
+inline void planes_dots(const uint8_t* c, const __m512i (&u)[8], const int32_t* q, const PassScale* sc, int T0,
+                        __m512* acc) {
+  constexpr int L = TWO ? 2 : 1;
   __m512i S[K], T[K];
   for (int k = 0; k < K; ++k) {
-    S[k] = start(x.xs[T0 + k][cb]);
-    T[k] = TWO ? start(x.xs2[T0 + k][cb]) : S[k];
+    S[k] = _mm512_set1_epi32(sc[T0 + k].start);
+    T[k] = TWO ? _mm512_set1_epi32(sc[T0 + k].start2) : S[k];
   }
   for (int j = 0; j < 8; ++j)
     for (int k = 0; k < K; ++k) {
-      S[k] = _mm512_dpbusd_epi32(S[k], u[j], slice(x.x[T0 + k][cb], j));
-      if (TWO) T[k] = _mm512_dpbusd_epi32(T[k], u[j], slice(x.x2[T0 + k][cb], j));
+      const int32_t* e = q + (j * NT + T0 + k) * L;
+      S[k] = _mm512_dpbusd_epi32(S[k], u[j], _mm512_set1_epi32(e[0]));
+      if (TWO) T[k] = _mm512_dpbusd_epi32(T[k], u[j], _mm512_set1_epi32(e[1]));
     }
-  for (int k = 0; k < K; ++k)
-    acc[k] = planes_finish<WT, TWO>(c, S[k], T[k], x.x[T0 + k][cb], TWO ? x.x2[T0 + k] + cb : nullptr, acc[k]);
+  for (int k = 0; k < K; ++k) {
+    const PassScale& z = sc[T0 + k];
+    acc[k] = planes_finish<WT, TWO>(c, S[k], T[k], z.d, z.s, acc[k]);
+  }
 }
 
 // planes_dots over tokens T0 .. NT-1, KMAX at a time.
-template <BlockType WT, bool TWO, int NT, int KMAX, int T0 = 0, class A>
-inline void planes_dots_all(const uint8_t* c, const __m512i (&u)[8], const A& x, int cb, __m512* acc) {
+template <BlockType WT, bool TWO, int NT, int KMAX, int T0 = 0>
+inline void planes_dots_all(const uint8_t* c, const __m512i (&u)[8], const int32_t* q, const PassScale* sc,
+                            __m512* acc) {
   if constexpr (T0 < NT) {
     constexpr int K = NT - T0 < KMAX ? NT - T0 : KMAX;
-    planes_dots<WT, TWO, K>(c, u, x, T0, cb, acc + T0);
-    planes_dots_all<WT, TWO, NT, KMAX, T0 + K>(c, u, x, cb, acc);
+    planes_dots<WT, TWO, NT, K>(c, u, q, sc, T0, acc + T0);
+    planes_dots_all<WT, TWO, NT, KMAX, T0 + K>(c, u, q, sc, acc);
   }
 }
 
 template <BlockType WT, bool TWO, int NT>
 void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8_t* w, const TileLayout& L,
                    int row_begin, int row_end) {
-  const TokenActs<block_q8a, NT> x(xv, ab, L.cols);
+  using P = PassActs<WT, TWO, NT>;
+  const P x(xv, ab, L.cols, pass_scratch(P::bytes(L.cols / QK)));
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m512 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
@@ -648,7 +705,7 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8_
       const uint8_t* c = chunk(b);
       __m512i u[8];
       planes_unpack<WT>(c, u);
-      planes_dots_all<WT, TWO, NT, 4>(c, u, x, cb0 + b, acc);
+      planes_dots_all<WT, TWO, NT, 4>(c, u, x.q + (size_t)(cb0 + b) * P::kQ, x.sc + (size_t)(cb0 + b) * NT, acc);
     }
     for (int t = 0; t < NT; ++t) planes_store(y + (size_t)t * ldy + r, gg, acc[t]);
   });

@@ -6,23 +6,28 @@
 //
 // One chunk c (cflow/planes.h) of 16 rows: S holds row i's exact integer dot product with the
 // activation block a in lane i (the weight offset included: Q4_0 (q - 8), Q8_0 signed); T the
-// same with the second level a2 (TWO: AType::Q8x2). Returns acc + d_w * (d_a S + d_a2 T)
-// (+ m_w * (s_a + s_a2) for Q4_1).
+// same with the second level a2 (TWO: AType::Q8x2), whose scale d_a2 is d_a / 256
+// (quantize_act). Returns acc + d_w * d_a * S, two levels acc + d_w * d_a2 * (256 S + T)
+// (+ m_w * s for Q4_1 and Q5_1, s = s_a (+ s_a2)): the two levels meet as exact integers
+// (|256 S| < 2^28 for every type), so a two-level block costs one conversion and one
+// multiply-add, as one level does, where scaling each level apart took two of each; in a batched
+// step of 8 two-level tokens that float part was a third of the time.
+// The activation enters as two scalars, the scale da of the integer sum (d_a, two levels d_a2)
+// and s, which the block form below takes from the blocks and the batched kernel precomputes.
+template <BlockType WT, bool TWO>
+inline __m512 planes_finish(const uint8_t* c, __m512i S, __m512i T, float da, float s, __m512 acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
+  const __m512i I = TWO ? _mm512_add_epi32(_mm512_slli_epi32(S, 8), T) : S;
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(da)), _mm512_cvtepi32_ps(I), acc);
+  if (PlanesKind<WT>::kHasM)
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))), _mm512_set1_ps(s), acc);
+  return acc;
+}
+
 template <BlockType WT, bool TWO>
 inline __m512 planes_finish(const uint8_t* c, __m512i S, __m512i T, const block_q8a& a, const block_q8a* a2,
                             __m512 acc) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
-  if (TWO) {
-    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T), _mm512_set1_ps(a2->d),
-                                     _mm512_mul_ps(_mm512_cvtepi32_ps(S), _mm512_set1_ps(a.d)));
-    acc = _mm512_fmadd_ps(d, f, acc);
-  } else {
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(S), acc);
-  }
-  if (PlanesKind<WT>::kHasM)
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))),
-                          _mm512_set1_ps(TWO ? a.s + a2->s : a.s), acc);
-  return acc;
+  return planes_finish<WT, TWO>(c, S, T, TWO ? a2->d : a.d, TWO ? a.s + a2->s : a.s, acc);
 }
 
 // y[0 .. gg) += acc[0 .. gg): a group's outputs, the rows past gg (a widened group) dropped.
