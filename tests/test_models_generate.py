@@ -71,13 +71,15 @@ def test_sampling_on_candidates_is_the_whole_vocabulary_distribution(temperature
     assert np.allclose(p / p.sum(), full[ids] / full.sum(), rtol=1e-9, atol=0)
 
 
-@pytest.mark.parametrize("scale,top_k", [(0.01, 40), (40.0, 40), (4.0, 5000)])
-def test_top_k_keeps_the_k_largest_and_their_ties(scale, top_k):
-    # whether the k largest lie near the maximum (narrow or wide logits, small or large k) or not,
-    # and with many equal values (rounded logits), the kept set is top_k_filter's
+@pytest.mark.parametrize("scale,top_k,lead", [(0.01, 40, 0), (40.0, 40, 0), (4.0, 5000, 0), (4.0, 40, 3)])
+def test_top_k_keeps_the_k_largest_and_their_ties(scale, top_k, lead):
+    # whether the k largest lie near the maximum (narrow or wide logits, small or large k, a few
+    # tokens far above the rest as in a real model's logits) or not, and with many equal values
+    # (rounded logits), the kept set is top_k_filter's
     from cflow.sampling import _top_k_top_p, softmax
 
     x = np.round(np.random.default_rng(7).standard_normal(50000) * scale).astype(np.float32)
+    x[[5, 17000, 49999][:lead]] += 60.0
     full = top_k_filter(softmax(x.astype(np.float64)), top_k)
     ids, _ = _top_k_top_p(x, 1.0, top_k, 1.0)
     assert ids.tolist() == np.flatnonzero(full).tolist()

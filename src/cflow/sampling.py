@@ -146,16 +146,16 @@ TOP_P_SHORTLIST = 256
 
 
 def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
-    """The ids top_k_filter keeps (the k largest of x and any ties of the k-th), in id order. They
-    are searched among the values within a margin of the maximum first: when at least k values are
-    there, the k largest are among them, and a comparison over the vocabulary costs a tenth of a
-    selection over it (argpartition of 50k logits: 0.4 ms, a twentieth of a batched step)."""
-    top = x.max()
-    for margin in (8.0, 32.0):
-        near = np.flatnonzero(x >= top - margin)
-        if near.size >= k:
-            break
-    else:
+    """The ids top_k_filter keeps (the k largest of x and any ties of the k-th), in id order,
+    without a selection over the whole vocabulary (argpartition of Qwen's 152k logits: 0.9 ms, a
+    tenth of a server step). Cut x into k runs: each run's maximum is some value of x, so at least
+    k values reach the smallest of those maxima, and the k largest are among them; one comparison
+    over the vocabulary finds them, a selection among them the k-th. (A fixed margin below the
+    maximum found a handful of Qwen's logits at 8 and nearly all of them at 32.)"""
+    n = x.size // k * k
+    bound = x[:n].reshape(k, -1).max(axis=1).min()
+    near = np.flatnonzero(x >= bound)
+    if near.size < k:  # NaN logits: no bound holds
         near = np.arange(x.size)
     kth = np.partition(x[near], near.size - k)[near.size - k]
     return near[x[near] >= kth]
@@ -183,8 +183,7 @@ def _top_k_top_p(x: np.ndarray, temperature: float, top_k: int, top_p: float) ->
     np.exp(z, out=z)
     z /= z.sum()
     if top_p < 1.0 and v > TOP_P_SHORTLIST:
-        short = np.argpartition(z, v - TOP_P_SHORTLIST)[v - TOP_P_SHORTLIST:]
-        ids = np.flatnonzero(z >= z[short].min())  # the shortlist, ties of its last value too, in id order
+        ids = _top_k_ids(z, TOP_P_SHORTLIST)  # the shortlist, ties of its last value too, in id order
         order = np.argsort(-z[ids], kind="stable")
         cum = np.cumsum(z[ids][order])
         if cum[-1] >= top_p:  # the top-p set ends inside: the same cut as top_p_filter's
