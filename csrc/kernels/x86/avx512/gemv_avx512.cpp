@@ -711,28 +711,50 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8_
   });
 }
 
-// K tokens T0 .. T0+K-1 of A on group q's unpacked slices: kplanes_group's sums, K (two: 2K)
-// chains side by side.
-template <BlockType WT, bool TWO, int K, class A>
-inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, const A& x, int T0, int cb, __m512i* I,
-                           __m512i* I2) {
+// The K-quants' activations of a pass in loop order (KPassActs::make, once per call), as
+// PassActs: per super-block cb, slice i (4 bytes, 64 of them), token t and level l one int32 at
+// q[((cb * 64 + i) * NT + t) * L + l]; per (cb, sub-block s, t, l) the sub-block's start value
+// -kZero * (its sum of x) at st[((cb * kNumSub + s) * NT + t) * L + l].
+template <BlockType WT, bool TWO, int NT>
+struct KPassActs {
   using Q = KPlanesKind<WT>;
-  auto slice = [](const block_q8_K& a, int at) {
-    int32_t v;
-    std::memcpy(&v, a.qs + at, 4);
-    return _mm512_set1_epi32(v);
-  };
+  static constexpr int L = TWO ? 2 : 1, kQ = 64 * NT * L, kS = Q::kNumSub * NT * L;
+  const int32_t *q, *st;
+  static size_t bytes(int nb) { return (size_t)nb * (kQ + kS) * sizeof(int32_t); }
+  KPassActs(const TokenActs<block_q8_K, NT>& x, int nb, void* buf) {
+    int32_t* qo = (int32_t*)buf;
+    int32_t* so = qo + (size_t)nb * kQ;
+    q = qo, st = so;
+    for (int cb = 0; cb < nb; ++cb)
+      for (int t = 0; t < NT; ++t)
+        for (int l = 0; l < L; ++l) {
+          const block_q8_K& a = l ? x.x2[t][cb] : x.x[t][cb];
+          for (int i = 0; i < 64; ++i) std::memcpy(qo + ((size_t)(cb * 64 + i) * NT + t) * L + l, a.qs + 4 * i, 4);
+          for (int sb = 0; sb < Q::kNumSub; ++sb)
+            so[((size_t)(cb * Q::kNumSub + sb) * NT + t) * L + l] = -Q::kZero * Q::asum(a, sb);
+        }
+  }
+};
+
+// K tokens T0 .. T0+K-1 of the pass on group q's unpacked slices: kplanes_group's sums, K (two:
+// 2K) chains side by side. q4 and st: the pass's slices and start values of this super-block.
+template <BlockType WT, bool TWO, int NT, int K>
+inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* q4, const int32_t* st,
+                           int T0, __m512i* I, __m512i* I2) {
+  using Q = KPlanesKind<WT>;
+  constexpr int L = TWO ? 2 : 1;
   for (int r = 0; r < Q::kSubs; ++r) {
     const int s = Q::sub(q, r);
     __m512i D[K], T[K];
     for (int k = 0; k < K; ++k) {
-      D[k] = _mm512_set1_epi32(-Q::kZero * Q::asum(x.x[T0 + k][cb], s));
-      T[k] = TWO ? _mm512_set1_epi32(-Q::kZero * Q::asum(x.x2[T0 + k][cb], s)) : D[k];
+      D[k] = _mm512_set1_epi32(st[(s * NT + T0 + k) * L]);
+      T[k] = TWO ? _mm512_set1_epi32(st[(s * NT + T0 + k) * L + 1]) : D[k];
     }
     for (int j = 0; j < Q::kSlices; ++j)
       for (int k = 0; k < K; ++k) {
-        D[k] = _mm512_dpbusd_epi32(D[k], u[r * Q::kSlices + j], slice(x.x[T0 + k][cb], Q::kSubW * s + 4 * j));
-        if (TWO) T[k] = _mm512_dpbusd_epi32(T[k], u[r * Q::kSlices + j], slice(x.x2[T0 + k][cb], Q::kSubW * s + 4 * j));
+        const int32_t* e = q4 + ((Q::kSubW / 4 * s + j) * NT + T0 + k) * L;
+        D[k] = _mm512_dpbusd_epi32(D[k], u[r * Q::kSlices + j], _mm512_set1_epi32(e[0]));
+        if (TWO) T[k] = _mm512_dpbusd_epi32(T[k], u[r * Q::kSlices + j], _mm512_set1_epi32(e[1]));
       }
     const __m512i sc = kplanes_scale<WT>(c, s);
     for (int k = 0; k < K; ++k) {
@@ -742,13 +764,13 @@ inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, cons
   }
 }
 
-template <BlockType WT, bool TWO, int NT, int KMAX, int T0 = 0, class A>
-inline void kplanes_groups_all(const uint8_t* c, const __m512i (&u)[16], int q, const A& x, int cb, __m512i* I,
-                               __m512i* I2) {
+template <BlockType WT, bool TWO, int NT, int KMAX, int T0 = 0>
+inline void kplanes_groups_all(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* q4, const int32_t* st,
+                               __m512i* I, __m512i* I2) {
   if constexpr (T0 < NT) {
     constexpr int K = NT - T0 < KMAX ? NT - T0 : KMAX;
-    kplanes_groups<WT, TWO, K>(c, u, q, x, T0, cb, I + T0, I2 + T0);
-    kplanes_groups_all<WT, TWO, NT, KMAX, T0 + K>(c, u, q, x, cb, I, I2);
+    kplanes_groups<WT, TWO, NT, K>(c, u, q, q4, st, T0, I + T0, I2 + T0);
+    kplanes_groups_all<WT, TWO, NT, KMAX, T0 + K>(c, u, q, q4, st, I, I2);
   }
 }
 
@@ -762,19 +784,22 @@ constexpr int kGroupTokens = WT == BlockType::Q6_K ? 4 : 2;
 template <BlockType WT, bool TWO, int NT>
 void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8_t* w, const TileLayout& L,
                     int row_begin, int row_end) {
+  using P = KPassActs<WT, TWO, NT>;
   const TokenActs<block_q8_K, NT> x(xv, ab, L.cols);
+  const P pa(x, L.cols / QK_K, pass_scratch(P::bytes(L.cols / QK_K)));
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m512 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) {
       const uint8_t* c = chunk(b);
       const int cb = cb0 + b;
+      const int32_t *q4 = pa.q + (size_t)cb * P::kQ, *st = pa.st + (size_t)cb * P::kS;
       __m512i I[NT], I2[NT];
       for (int t = 0; t < NT; ++t) I[t] = I2[t] = _mm512_setzero_si512();
       for (int q = 0; q < 4; ++q) {
         __m512i u[16];
         kplanes_unpack<WT>(c, q, u);
-        kplanes_groups_all<WT, TWO, NT, kGroupTokens<WT>>(c, u, q, x, cb, I, I2);
+        kplanes_groups_all<WT, TWO, NT, kGroupTokens<WT>>(c, u, q, q4, st, I, I2);
       }
       for (int t = 0; t < NT; ++t) {
         __m512i M, M2;
