@@ -102,7 +102,6 @@ float quantize_block(const float* x, int8_t* q) {
   return d;
 }
 
-
 // o.s and the lane sums l of a block whose d and qs are set.
 void finish_q8a(block_q8a& o, q8a_sums& l) {
   int sum = 0;

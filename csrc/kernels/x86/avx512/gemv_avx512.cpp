@@ -14,6 +14,8 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <new>
 #include <type_traits>
 
 #include "../../isa_kernels.h"
@@ -600,12 +602,12 @@ struct TokenActs {
   }
 };
 
-// The activations of a pass in the order its dot products read them (PassActs::make, once per
-// call): per column block cb, slice j (4 bytes), token t and level l one int32 at
+// The activations of a pass in the order its dot products read them (built once per call):
+// per column block cb, slice j (4 bytes), token t and level l one int32 at
 // q[((cb * 8 + j) * NT + t) * L + l], and per (cb, t) the scalars of the float part. One pointer
-// per block then reaches every broadcast at a constant offset (an embedded {1to16} operand of
-// vpdpbusd); read through per-token pointers (TokenActs) the same loop spent two to three scalar
-// loads and address computations per vpdpbusd, about a third of its time.
+// per block then reaches every broadcast as one load at a constant offset; read through
+// per-token pointers (TokenActs), the compiled loop spent about two scalar loads and address
+// computations beside each vpdpbusd.
 struct PassScale {
   int32_t start, start2;  // the accumulators' exact start values, -kZero * sum(x) per level
   float d, s;             // planes_finish's da and s
@@ -711,7 +713,7 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8_
   });
 }
 
-// The K-quants' activations of a pass in loop order (KPassActs::make, once per call), as
+// The K-quants' activations of a pass in loop order (built once per call), as
 // PassActs: per super-block cb, slice i (4 bytes, 64 of them), token t and level l one int32 at
 // q[((cb * 64 + i) * NT + t) * L + l]; per (cb, sub-block s, t, l) the sub-block's start value
 // -kZero * (its sum of x) at st[((cb * kNumSub + s) * NT + t) * L + l].
