@@ -129,31 +129,39 @@ inline __m256i planes_half_dot(const __m256i (&u)[8], const Slices& xb, const q8
   return s;
 }
 
-// Rows 8h .. 8h+7: acc + (d_w d_a) s (+ m_w s_a for Q4_1), the float part of one level.
-template <BlockType WT>
-inline __m256 planes_half_finish(const uint8_t* c, int h, __m256i s, const block_q8a& a, __m256 acc) {
+// Rows 8h .. 8h+7: the float part of a block, as planes_finish at 512 bits: acc + d_w d_a s, or
+// with two levels (s2 the second's, whose scale is d_a / 256) acc + d_w d_a2 (256 s + s2): the
+// levels meet as exact integers and take one conversion and one multiply-add; plus m_w s_a (s_a
+// + s_a2) for Q4_1 and Q5_1.
+template <BlockType WT, bool TWO>
+inline __m256 planes_half_finish(const uint8_t* c, int h, __m256i s, __m256i s2, const block_q8a& a,
+                                 const block_q8a* a2, __m256 acc) {
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
-  acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d)), _mm256_cvtepi32_ps(s), acc);
+  const __m256i I = TWO ? _mm256_add_epi32(_mm256_slli_epi32(s, 8), s2) : s;
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(TWO ? a2->d : a.d)), _mm256_cvtepi32_ps(I), acc);
   if (PlanesKind<WT>::kHasM)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h))), _mm256_set1_ps(a.s), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h))),
+                          _mm256_set1_ps(TWO ? a.s + a2->s : a.s), acc);
   return acc;
 }
 
-template <BlockType WT>
-inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, __m256& acc0, __m256& acc1) {
-  const Slices xb(a);
-  __m256i s[2];
+// One chunk against one or two levels (a2, la2: the second's block and sums): each half unpacked
+// once, dotted with every level.
+template <BlockType WT, bool TWO>
+inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
+                         const q8a_sums* la2, __m256& acc0, __m256& acc1) {
+  __m256* acc[2] = {&acc0, &acc1};
   for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h+7
     __m256i u[8];
     planes_unpack<WT>(c, h, u);
-    s[h] = planes_half_dot<WT>(u, xb, la);
+    const __m256i s = planes_half_dot<WT>(u, Slices(a), la);
+    const __m256i s2 = TWO ? planes_half_dot<WT>(u, Slices(*a2), *la2) : s;
+    *acc[h] = planes_half_finish<WT, TWO>(c, h, s, s2, a, a2, *acc[h]);
   }
-  acc0 = planes_half_finish<WT>(c, 0, s[0], a, acc0);
-  acc1 = planes_half_finish<WT>(c, 1, s[1], a, acc1);
 }
 
 // TWO (AType::Q8x2): x holds the first level's cols/32 blocks, then the second's; both are
-// dotted with each chunk while it is in L1.
+// dotted with each chunk while it is in registers.
 template <BlockType WT, bool TWO>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   const block_q8a* x = (const block_q8a*)xv;
@@ -161,11 +169,8 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
   const q8a_sums *xs = q8a_sums_of(x, L.cols), *xs2 = q8a_sums_of(x2, L.cols);
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
-      const uint8_t* c = chunk(b);
-      planes_block<WT>(c, x[cb0 + b], xs[cb0 + b], acc0, acc1);
-      if (TWO) planes_block<WT>(c, x2[cb0 + b], xs2[cb0 + b], acc0, acc1);
-    }
+    for (int b = 0; b < nb; ++b)
+      planes_block<WT, TWO>(chunk(b), x[cb0 + b], xs[cb0 + b], x2 + cb0 + b, xs2 + cb0 + b, acc0, acc1);
     add_group(y + r, gg, acc0, acc1);
   });
 }
@@ -270,10 +275,11 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, cons
     for (int h = 0; h < 2; ++h) {
       __m256i u[8];
       planes_unpack<WT>(c, h, u);
-      for (int t = 0; t < nt; ++t)
-        for (int l = 0; l < LV; ++l)
-          acc[t][h] = planes_half_finish<WT>(c, h, planes_half_dot<WT>(u, Slices(x[t][l][cb]), xs[t][l][cb]),
-                                             x[t][l][cb], acc[t][h]);
+      for (int t = 0; t < nt; ++t) {
+        const __m256i s = planes_half_dot<WT>(u, Slices(x[t][0][cb]), xs[t][0][cb]);
+        const __m256i s2 = TWO ? planes_half_dot<WT>(u, Slices(x[t][LV - 1][cb]), xs[t][LV - 1][cb]) : s;
+        acc[t][h] = planes_half_finish<WT, TWO>(c, h, s, s2, x[t][0][cb], x[t][LV - 1] + cb, acc[t][h]);
+      }
     }
   });
 }
