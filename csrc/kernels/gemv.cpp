@@ -169,10 +169,10 @@ size_t act_row_bytes(ActBlock ab, int cols) {
   return q8a_row_bytes(cols);
 }
 
-// r = x - (the values of the int8 row b): what one level misses.
-template <class B>
-void residual(const B* b, const float* x, int cols, float* r) {
-  constexpr int n = sizeof(b->qs);
+// r = x - (the values of the int8 row b): what one level of the K-quants' activations misses
+// (block_q8a rows form theirs in quantize_q8a_level2).
+void residual(const block_q8_K* b, const float* x, int cols, float* r) {
+  constexpr int n = QK_K;
   for (int k = 0; k < cols / n; ++k, x += n, r += n) {  // block by block: a loop the compiler vectorizes
     const float d = b[k].d;
     const int8_t* q = b[k].qs;

@@ -584,20 +584,24 @@ void gemv_elem(float* y, const void* xv, const uint8_t* w, const TileLayout& L, 
              });
 }
 
+// A block_q8a whose quants q (the bytes of o.qs) are set: its scale d, s = d * sum(q) and the
+// lane sums l.
+inline void finish_q8a_v(block_q8a& o, q8a_sums& l, __m256i q, float d) {
+  const __m256i l8 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+  const __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(l8), _mm256_extracti128_si256(l8, 1));
+  _mm256_storeu_si256((__m256i*)l.lsum8, l8);
+  _mm_storeu_si128((__m128i*)l.lsum4, l4);
+  o.d = d;
+  o.s = d * (float)hsum_i32(l4);
+}
+
 // Activations -> one row of block_q8a, rounding to nearest even as the reference: the ISA's
 // quantize_block(x, o) writes o.qs and returns d; the lane sums and s follow from the bytes.
 inline void quantize_q8a_v(block_q8a* out, const float* x, int cols) {
-  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   q8a_sums* ls = q8a_sums_of(out, cols);
   for (int b = 0; b < cols / QK; ++b) {
-    block_q8a& o = out[b];
-    const float d = quantize_block(x + (size_t)b * QK, o);
-    const __m256i l8 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, load32(o.qs)), ones16);
-    const __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(l8), _mm256_extracti128_si256(l8, 1));
-    _mm256_storeu_si256((__m256i*)ls[b].lsum8, l8);
-    _mm_storeu_si128((__m128i*)ls[b].lsum4, l4);
-    o.d = d;
-    o.s = d * (float)hsum_i32(l4);
+    const float d = quantize_block(x + (size_t)b * QK, out[b]);
+    finish_q8a_v(out[b], ls[b], load32(out[b].qs), d);
   }
 }
 
@@ -605,7 +609,7 @@ inline void quantize_q8a_v(block_q8a* out, const float* x, int cols) {
 // (one fma, std::fma there), q2 = r * (1 / (d1 / 256)) rounded to nearest even (cvtps), packed
 // with saturation and clamped to -127.
 inline void quantize_q8a_level2_v(block_q8a* out, block_q8a* l1, const float* x, int cols) {
-  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1), lo = _mm256_set1_epi8(-127);
+  const __m256i lo = _mm256_set1_epi8(-127);
   q8a_sums *ls = q8a_sums_of(out, cols), *ls1 = q8a_sums_of(l1, cols);
   for (int b = 0; b < cols / QK; ++b, x += QK) {
     block_q8a& a = l1[b];
@@ -628,12 +632,7 @@ inline void quantize_q8a_level2_v(block_q8a* out, block_q8a* l1, const float* x,
     __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     q8 = _mm256_max_epi8(q8, lo);
     _mm256_storeu_si256((__m256i*)o.qs, q8);
-    const __m256i l8 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q8), ones16);
-    const __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(l8), _mm256_extracti128_si256(l8, 1));
-    _mm256_storeu_si256((__m256i*)ls[b].lsum8, l8);
-    _mm_storeu_si128((__m128i*)ls[b].lsum4, l4);
-    o.d = d2;
-    o.s = d2 * (float)hsum_i32(l4);
+    finish_q8a_v(o, ls[b], q8, d2);
   }
 }
 

@@ -739,9 +739,9 @@ struct KPassActs {
 };
 
 // K tokens T0 .. T0+K-1 of the pass on group q's unpacked slices: kplanes_group's sums, K (two:
-// 2K) chains side by side. q4 and st: the pass's slices and start values of this super-block.
+// 2K) chains side by side. sl and st: the pass's slices and start values of this super-block.
 template <BlockType WT, bool TWO, int NT, int K>
-inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* q4, const int32_t* st,
+inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* sl, const int32_t* st,
                            int T0, __m512i* I, __m512i* I2) {
   using Q = KPlanesKind<WT>;
   constexpr int L = TWO ? 2 : 1;
@@ -754,7 +754,7 @@ inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, cons
     }
     for (int j = 0; j < Q::kSlices; ++j)
       for (int k = 0; k < K; ++k) {
-        const int32_t* e = q4 + ((Q::kSubW / 4 * s + j) * NT + T0 + k) * L;
+        const int32_t* e = sl + ((Q::kSubW / 4 * s + j) * NT + T0 + k) * L;
         D[k] = _mm512_dpbusd_epi32(D[k], u[r * Q::kSlices + j], _mm512_set1_epi32(e[0]));
         if (TWO) T[k] = _mm512_dpbusd_epi32(T[k], u[r * Q::kSlices + j], _mm512_set1_epi32(e[1]));
       }
@@ -767,12 +767,12 @@ inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, cons
 }
 
 template <BlockType WT, bool TWO, int NT, int KMAX, int T0 = 0>
-inline void kplanes_groups_all(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* q4, const int32_t* st,
+inline void kplanes_groups_all(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* sl, const int32_t* st,
                                __m512i* I, __m512i* I2) {
   if constexpr (T0 < NT) {
     constexpr int K = NT - T0 < KMAX ? NT - T0 : KMAX;
-    kplanes_groups<WT, TWO, NT, K>(c, u, q, q4, st, T0, I + T0, I2 + T0);
-    kplanes_groups_all<WT, TWO, NT, KMAX, T0 + K>(c, u, q, q4, st, I, I2);
+    kplanes_groups<WT, TWO, NT, K>(c, u, q, sl, st, T0, I + T0, I2 + T0);
+    kplanes_groups_all<WT, TWO, NT, KMAX, T0 + K>(c, u, q, sl, st, I, I2);
   }
 }
 
@@ -795,13 +795,13 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8
     for (int b = 0; b < nb; ++b) {
       const uint8_t* c = chunk(b);
       const int cb = cb0 + b;
-      const int32_t *q4 = pa.q + (size_t)cb * P::kQ, *st = pa.st + (size_t)cb * P::kS;
+      const int32_t *sl = pa.q + (size_t)cb * P::kQ, *st = pa.st + (size_t)cb * P::kS;
       __m512i I[NT], I2[NT];
       for (int t = 0; t < NT; ++t) I[t] = I2[t] = _mm512_setzero_si512();
       for (int q = 0; q < 4; ++q) {
         __m512i u[16];
         kplanes_unpack<WT>(c, q, u);
-        kplanes_groups_all<WT, TWO, NT, kGroupTokens<WT>>(c, u, q, q4, st, I, I2);
+        kplanes_groups_all<WT, TWO, NT, kGroupTokens<WT>>(c, u, q, sl, st, I, I2);
       }
       for (int t = 0; t < NT; ++t) {
         __m512i M, M2;
