@@ -469,7 +469,7 @@ void gemv_tq2_batch(float* y, int ldy, const void* xv, int m, const uint8_t* w, 
 
 // 4 bytes at p in every lane by one broadcast load: from a loaded int the compiler's set1 went
 // through a general register (a move, a shift and a register broadcast per two slices), and the
-// planes GEMV's two-level blocks ran up to a fifth slower for it (L2-resident, Zen 4)
+// planes GEMV's two-level blocks ran 2-11% slower for it (docs/KERNELS.md)
 inline __m512i bcast4(const uint8_t* p) {
   __m512i b;
   __asm__("vpbroadcastd %1, %0" : "=v"(b) : "m"(*(const int32_t*)p));
