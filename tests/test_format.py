@@ -430,3 +430,28 @@ def test_documented_block_layouts_match_gguf(name):
     blocks = rows.reshape(-1, bt.block_bytes)
     got = np.concatenate([np.float32(documented_dequantize(name, blk.tobytes())) for blk in blocks])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+def test_importance_weighted_fit(name):
+    # weights of one change nothing; real weights trade the error of light columns for that of
+    # heavy ones, never worse in the weighted error than gguf-py's rounding (one of the candidates)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((200, 256)).astype(np.float32)
+    bt = block_type(name)
+    plain = quant.encode(x, bt)
+    assert np.array_equal(plain, quant.encode(x, bt, np.ones(256, np.float32)))
+    imp = np.exp(rng.standard_normal(256) * 1.5).astype(np.float32)  # heavy-tailed, as activations are
+    weighted = quant.encode(x, bt, imp)
+    ref = np.asarray(gguf_quantize(x, GGMLQuantizationType(bt.code))).view(np.uint8).reshape(200, -1)
+
+    def werr(rows):
+        return (((quant.decode(rows, bt, 256) - x) ** 2) * imp).reshape(200, 8, 32).sum(-1)
+
+    assert np.all(werr(weighted) <= werr(ref) * (1 + 1e-6) + 1e-12)
+    assert werr(weighted).sum() < 0.9 * werr(plain).sum()
+    for bad, msg in [(np.ones(255, np.float32), "255 values for 256 columns"),
+                     (np.zeros(256, np.float32), "positive and finite"),
+                     (np.full(256, np.nan, np.float32), "positive and finite")]:
+        with pytest.raises(CflowFormatError, match=msg):
+            quant.encode(x, bt, bad)

@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -92,28 +93,40 @@ void bind_kernels(nb::module_& m) {
   m.def(
       "quantize_fit",
       [](const std::string& type, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
-         int threads) {
+         int threads, std::optional<nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>> importance) {
         const bool q4_0 = type == "q4_0";
         if (!q4_0 && type != "q4_1") throw nb::value_error("quantize_fit: type must be 'q4_0' or 'q4_1'");
         const size_t rows = x.shape(0), cols = x.shape(1), bb = q4_0 ? 18 : 20;
         if (cols % 32) throw nb::value_error("quantize_fit: columns must be a multiple of 32");
         if (threads < 1) throw nb::value_error("threads must be >= 1");
+        const float* imp = nullptr;
+        if (importance) {
+          if (importance->shape(0) != cols)
+            throw nb::value_error(("quantize_fit: importance has " + std::to_string(importance->shape(0)) +
+                                   " values for " + std::to_string(cols) + " columns").c_str());
+          imp = importance->data();
+          for (size_t j = 0; j < cols; ++j)
+            if (!(imp[j] > 0.f) || !std::isfinite(imp[j]))
+              throw nb::value_error("quantize_fit: importance values must be positive and finite");
+        }
         const size_t nb_ = rows * (cols / 32);
         uint8_t* p = new uint8_t[nb_ * bb ? nb_ * bb : 1];
         nb::capsule owner(p, [](void* q) noexcept { delete[] (uint8_t*)q; });
         int64_t refused;
         {
           nb::gil_scoped_release nogil;
-          refused = (q4_0 ? quantize_q4_0_fit : quantize_q4_1_fit)(x.data(), (int64_t)nb_, p, threads);
+          refused = (q4_0 ? quantize_q4_0_fit : quantize_q4_1_fit)(x.data(), (int64_t)nb_, p, threads, imp,
+                                                                   (int64_t)(cols / 32));
         }
         if (refused)  // (the capsule frees p)
           throw nb::value_error((std::to_string(refused) + " block(s) of 32 hold values too large for " + type +
                                  "'s fp16 scale").c_str());
         return nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>(p, {rows, cols / 32 * bb}, owner);
       },
-      nb::arg("type"), nb::arg("x"), nb::arg("threads") = 1,
+      nb::arg("type"), nb::arg("x"), nb::arg("threads") = 1, nb::arg("importance") = nb::none(),
       "float32 (R, C), C % 32 == 0 -> uint8 (R, C / 32 * block bytes): Q4_0 or Q4_1 blocks with fitted "
-      "scales (kernels.h quantize_q4_0_fit, quantize_q4_1_fit).");
+      "scales (kernels.h quantize_q4_0_fit, quantize_q4_1_fit); importance: float32 (C,) > 0, the "
+      "weight of each column's squared error.");
   m.def(
       "gemv",
       [](const std::string& wtype, Bytes tiles, VecF x, int rows, int cols, std::tuple<int, int> tile,

@@ -1,6 +1,8 @@
 // Weight quantizers of the writer (format/quant.py) that do better than gguf-py's: Q4_0 and Q4_1
 // with fitted scales (kernels.h quantize_q4_0_fit, quantize_q4_1_fit). Scalar code; sums in
 // double, so the choice between candidates does not depend on the order of the additions.
+// Errors and least-squares fits are weighted by an importance per column when one is given (a
+// block's 32 weights w); without one every w is 1, and the products by 1 change no sum.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -25,16 +27,16 @@ inline float nearest(float v, float lo, float hi) {
   return r < lo ? lo : r > hi ? hi : r;
 }
 
-// Squared error of block b as d * q + m with each q the integer in lo..hi nearest (x - m) / d
+// Squared error (weighted by w) of block b as d * q + m with each q the integer in lo..hi nearest (x - m) / d
 // (a zero d gives every q 0 clipped to lo..hi); the q written to L when given. Sums in double.
-double fit_error(const float* b, float d, float m, float lo, float hi, float* L) {
+double fit_error(const float* b, const float* w, float d, float m, float lo, float hi, float* L) {
   const float inv = d != 0.f ? 1.f / d : 0.f;
   double e4[4] = {0, 0, 0, 0};
   for (int i = 0; i < 32; ++i) {
     const float q = nearest((b[i] - m) * inv, lo, hi);
     if (L) L[i] = q;
     const double e = (double)b[i] - ((double)d * q + (double)m);
-    e4[i % 4] += e * e;
+    e4[i % 4] += (double)w[i] * e * e;
   }
   return (e4[0] + e4[1]) + (e4[2] + e4[3]);
 }
@@ -46,7 +48,7 @@ void put_nibbles(const float* L, int bias, uint8_t* out) {
 
 // One block of 32: b -> 18 bytes (fp16 d, then 16 bytes of nibbles).
 // False when no candidate scale is a finite fp16 (values beyond 8 * 65504): the block is zeros.
-bool q4_0_fit_block(const float* b, uint8_t* out) {
+bool q4_0_fit_block(const float* b, const float* w, uint8_t* out) {
   int im = 0;
   for (int i = 1; i < 32; ++i)
     if (std::fabs(b[i]) > std::fabs(b[im])) im = i;
@@ -55,12 +57,13 @@ bool q4_0_fit_block(const float* b, uint8_t* out) {
   cand[0] = ext / -8.f;  // gguf's
   for (int k = 0; k < kSteps; ++k) {
     const float s = (float)(7.0 + 0.2 * k), f = ext != 0.f ? -s / ext : 0.f;
-    double ll = 0, bl4[4] = {0, 0, 0, 0};
+    double ll4[4] = {0, 0, 0, 0}, bl4[4] = {0, 0, 0, 0};
     for (int i = 0; i < 32; ++i) {
       const float L = nearest(b[i] * f, -8.f, 7.f);
-      ll += (double)L * L;  // small integers: exact in any order
-      bl4[i % 4] += (double)b[i] * L;
+      ll4[i % 4] += (double)w[i] * L * L;
+      bl4[i % 4] += (double)w[i] * b[i] * L;
     }
+    const double ll = (ll4[0] + ll4[1]) + (ll4[2] + ll4[3]);
     const double bl = (bl4[0] + bl4[1]) + (bl4[2] + bl4[3]);
     cand[1 + k] = ll > 0 ? (float)(bl / ll) : 0.f;
   }
@@ -71,11 +74,11 @@ bool q4_0_fit_block(const float* b, uint8_t* out) {
     const fp16_t h = f32_to_fp16(c);
     const float d = fp16_to_f32(h);
     if (!std::isfinite(d)) continue;
-    const double err = fit_error(b, d, 0.f, -8.f, 7.f, nullptr);
+    const double err = fit_error(b, w, d, 0.f, -8.f, 7.f, nullptr);
     if (err < best) best = err, best_h = h;
   }
   float L[32];
-  fit_error(b, fp16_to_f32(best_h), 0.f, -8.f, 7.f, L);
+  fit_error(b, w, fp16_to_f32(best_h), 0.f, -8.f, 7.f, L);
   std::memcpy(out, &best_h, 2);  // little-endian hosts only (as the format)
   put_nibbles(L, 8, out + 2);
   return best < INFINITY;
@@ -86,7 +89,7 @@ bool q4_0_fit_block(const float* b, uint8_t* out) {
 // .. 16.0 steps, the least-squares (d, m) of that grid's integers (the regression of x on q);
 // each rounded to fp16 and its integers refitted, the least squared error kept. False when no
 // candidate is a finite fp16 pair (a range or a minimum beyond 65504 and 15 * 65504).
-bool q4_1_fit_block(const float* b, uint8_t* out) {
+bool q4_1_fit_block(const float* b, const float* w, uint8_t* out) {
   float lo = b[0], hi = b[0];
   for (int i = 1; i < 32; ++i) lo = b[i] < lo ? b[i] : lo, hi = b[i] > hi ? b[i] : hi;
   float cd[22], cm[22];
@@ -95,15 +98,16 @@ bool q4_1_fit_block(const float* b, uint8_t* out) {
   if (hi > lo)
     for (int k = 0; k <= 20; ++k) {
       const float is = (14.f + 0.1f * k) / (hi - lo);
-      double sl = 0, sll = 0, sx = 0, slx = 0;
+      double sw = 0, sl = 0, sll = 0, sx = 0, slx = 0;
       for (int i = 0; i < 32; ++i) {
         const float q = nearest((b[i] - lo) * is, 0.f, 15.f);
-        sl += q, sll += (double)q * q, sx += b[i], slx += (double)q * b[i];
+        sw += w[i], sl += (double)w[i] * q, sll += (double)w[i] * q * q, sx += (double)w[i] * b[i],
+            slx += (double)w[i] * q * b[i];
       }
-      const double den = 32 * sll - sl * sl;
+      const double den = sw * sll - sl * sl;
       if (den <= 0) continue;
-      const double d = (32 * slx - sl * sx) / den;
-      cd[nc] = (float)d, cm[nc++] = (float)((sx - d * sl) / 32);
+      const double d = (sw * slx - sl * sx) / den;
+      cd[nc] = (float)d, cm[nc++] = (float)((sx - d * sl) / sw);
     }
   double best = INFINITY;
   fp16_t bd = 0, bm = 0;
@@ -112,11 +116,11 @@ bool q4_1_fit_block(const float* b, uint8_t* out) {
     const fp16_t hd = f32_to_fp16(cd[c]), hm = f32_to_fp16(cm[c]);
     const float d = fp16_to_f32(hd), m = fp16_to_f32(hm);
     if (!std::isfinite(d) || !std::isfinite(m)) continue;
-    const double err = fit_error(b, d, m, 0.f, 15.f, nullptr);
+    const double err = fit_error(b, w, d, m, 0.f, 15.f, nullptr);
     if (err < best) best = err, bd = hd, bm = hm;
   }
   float L[32];
-  fit_error(b, fp16_to_f32(bd), fp16_to_f32(bm), 0.f, 15.f, L);
+  fit_error(b, w, fp16_to_f32(bd), fp16_to_f32(bm), 0.f, 15.f, L);
   std::memcpy(out, &bd, 2);  // little-endian hosts only (as the format)
   std::memcpy(out + 2, &bm, 2);
   put_nibbles(L, 0, out + 4);
@@ -124,15 +128,22 @@ bool q4_1_fit_block(const float* b, uint8_t* out) {
 }
 
 // Blocks [0, n) of x through fit (32 floats -> bb bytes each), pieces of kGrain over the pool;
-// returns how many blocks fit refused.
+// block b weighted by importance[(b % row_blocks) * 32 ..] (a row's columns), or by ones.
+// Returns how many blocks fit refused.
 template <class Fit>
-int64_t fit_blocks(Fit fit, int bb, const float* x, int64_t n_blocks, uint8_t* out, int threads) {
+int64_t fit_blocks(Fit fit, int bb, const float* x, int64_t n_blocks, uint8_t* out, int threads,
+                   const float* importance, int64_t row_blocks) {
   constexpr int64_t kGrain = 4096;  // blocks per piece of work
+  static const float kOnes[32] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                  1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   const int64_t pieces = (n_blocks + kGrain - 1) / kGrain;
   std::atomic<int64_t> refused{0};
   auto run = [&](int64_t p0, int64_t p1) {
     int64_t r = 0;
-    for (int64_t b = p0 * kGrain, e = std::min(n_blocks, p1 * kGrain); b < e; ++b) r += !fit(x + b * 32, out + b * bb);
+    for (int64_t b = p0 * kGrain, e = std::min(n_blocks, p1 * kGrain); b < e; ++b) {
+      const float* w = importance ? importance + (b % row_blocks) * 32 : kOnes;
+      r += !fit(x + b * 32, w, out + b * bb);
+    }
     refused += r;
   };
   if (threads < 2 || pieces < 2) {
@@ -146,12 +157,14 @@ int64_t fit_blocks(Fit fit, int bb, const float* x, int64_t n_blocks, uint8_t* o
 
 }  // namespace
 
-int64_t quantize_q4_1_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads) {
-  return fit_blocks(q4_1_fit_block, 20, x, n_blocks, out, threads);
+int64_t quantize_q4_1_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads, const float* importance,
+                          int64_t row_blocks) {
+  return fit_blocks(q4_1_fit_block, 20, x, n_blocks, out, threads, importance, row_blocks);
 }
 
-int64_t quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads) {
-  return fit_blocks(q4_0_fit_block, 18, x, n_blocks, out, threads);
+int64_t quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads, const float* importance,
+                          int64_t row_blocks) {
+  return fit_blocks(q4_0_fit_block, 18, x, n_blocks, out, threads, importance, row_blocks);
 }
 
 }  // namespace cflow

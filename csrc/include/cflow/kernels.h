@@ -125,10 +125,16 @@ class ThreadPool;
 // rounded to fp16 and its integers refitted to it (nearest, clipped to -8..7); the least squared
 // error kept (the first of equals, so gguf's d on ties). No block is worse than gguf's rounding.
 // Returns the number of blocks whose values no finite fp16 scale covers (written as zeros).
-int64_t quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads);
+// importance (optional): one positive weight per column of a row of row_blocks blocks (x is rows
+// of row_blocks * 32 floats); the squared errors and the least-squares fits are then weighted by
+// it (llama.cpp's importance matrix: the mean square of the column's activations), so the
+// columns that meet large activations are kept closer.
+int64_t quantize_q4_0_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads,
+                          const float* importance = nullptr, int64_t row_blocks = 1);
 // Q4_1 likewise (20-byte blocks, x ~ d q + m): gguf's (d, m) = ((max - min) / 15, min), and the
 // least-squares (d, m) of the grids that spread the range over 14.0 .. 16.0 steps.
-int64_t quantize_q4_1_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads);
+int64_t quantize_q4_1_fit(const float* x, int64_t n_blocks, uint8_t* out, int threads,
+                          const float* importance = nullptr, int64_t row_blocks = 1);
 
 // y: (L.rows) = W x with the kernel gemv_fn(L.bt(), L.packing(), at, isa); x is prepared.
 void gemv(AType at, Isa isa, float* y, const void* x, const uint8_t* w, const TileLayout& L, ThreadPool* pool);

@@ -45,9 +45,10 @@ def row_bytes(bt: BlockType, cols: int) -> int:
     return cols // bt.block_elems * bt.block_bytes
 
 
-def encode(x: np.ndarray, bt: BlockType) -> np.ndarray:
+def encode(x: np.ndarray, bt: BlockType, importance: np.ndarray | None = None) -> np.ndarray:
     """float (R, C) -> uint8 (R, row_bytes(C)): GGUF's row encoding of block type `bt`, by
-    gguf-py's quantizers except Q4_0 and Q4_1, whose scales are fitted (encode_fit)."""
+    gguf-py's quantizers except Q4_0 and Q4_1, whose scales are fitted (encode_fit, which takes
+    `importance`, a weight per column; the other types' quantizers have no use for one)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise CflowFormatError(f"encode: expected a 2-D array, got shape {x.shape}")
@@ -64,7 +65,7 @@ def encode(x: np.ndarray, bt: BlockType) -> np.ndarray:
             f"pass GGUF-encoded row blocks as uint8 (R, C/{bt.block_elems}*{bt.block_bytes})"
         )
     if bt.name in FITTED:
-        return encode_fit(x, bt.name)
+        return encode_fit(x, bt.name, importance)
     from gguf.quants import quantize
 
     return np.ascontiguousarray(quantize(x, _qtype(bt))).view(np.uint8).reshape(x.shape[0], -1)
@@ -80,12 +81,16 @@ def encode(x: np.ndarray, bt: BlockType) -> np.ndarray:
 # least squared error kept. gguf-py's own choice is among them, so no block comes out worse. Same
 # bytes, same decoder: any reader runs the result. The search runs in the native core
 # (csrc/kernels/quantize.cpp) on default_threads() threads (CFLOW_THREADS, else every core).
+# With an importance per column (float (C,) > 0; llama.cpp's importance matrix: the mean square of
+# the activations that column meets, models/calibrate.py) the squared errors and the fits are
+# weighted by it: a matrix's output error is sum_j x_j (w_j - q_j), so the columns that meet
+# large activations matter most.
 FITTED = ("q4_0", "q4_1")
 
 
-def encode_fit(x: np.ndarray, type_name: str) -> np.ndarray:
+def encode_fit(x: np.ndarray, type_name: str, importance: np.ndarray | None = None) -> np.ndarray:
     """float (R, C), C % 32 == 0 -> uint8 (R, C / 32 * block bytes): blocks of `type_name` (q4_0
-    or q4_1) of least squared error among the candidates above."""
+    or q4_1) of least (importance-weighted) squared error among the candidates above."""
     from cflow._native import core
     from cflow.engine import default_threads
 
@@ -93,8 +98,12 @@ def encode_fit(x: np.ndarray, type_name: str) -> np.ndarray:
     if x.ndim != 2:
         raise CflowFormatError(f"encode: expected a 2-D array, got shape {x.shape}")
     row_bytes(block_type(type_name), x.shape[1])
+    if importance is not None:
+        importance = np.ascontiguousarray(importance, dtype=np.float32)
+        if importance.ndim != 1:
+            raise CflowFormatError(f"importance: expected one value per column, got shape {importance.shape}")
     try:
-        return core.quantize_fit(type_name, x, default_threads())
+        return core.quantize_fit(type_name, x, default_threads(), importance)
     except ValueError as e:  # values beyond what the type's fp16 scale can cover
         raise CflowFormatError(f"cannot quantize to {type_name}: {e}") from None
 
