@@ -4,7 +4,9 @@
 
 For each run folder runs/exp/<preset>-s<seed> with a ckpt.pt: exports the checkpoint with fp32
 weights and with 4-bit matrices (--q4 q4_0 and/or q4_1; Q8_0 embedding and head, as `cflow
-export --type q4_0` writes them), then feeds the same held-out tokens (the start of the held-out
+export --type q4_0` writes them; fitted with the importance of their columns measured on the
+first --calibrate tokens of the training split, as `cflow export --calibrate` does, or unweighted
+with --calibrate 0), then feeds the same held-out tokens (the start of the held-out
 split, `--positions` of them in windows of the model's max_seq_len; in each window the first half
 is one prefill, the rest one decode step at a time) to
 - the torch model (cflow.models.pnt, fp32): the reference;
@@ -26,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from cflow.engine import Engine  # noqa: E402
+from cflow.models.calibrate import windows_of  # noqa: E402
 from cflow.models.export import export_checkpoint  # noqa: E402
 from cflow.models.pnt import PNT  # noqa: E402
 from cflow.train import checkpoint, data, tokenizer  # noqa: E402
@@ -44,9 +47,10 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--q4", nargs="+", default=["q4_0", "q4_1"], help="4-bit block types of the matrices")
+    ap.add_argument("--calibrate", type=int, default=8192, help="calibration tokens from the training split (0: none)")
     a = ap.parse_args()
     root = Path(a.root)
-    _, test = data.split(data.read_texts(a.data))
+    train, test = data.split(data.read_texts(a.data))
     tok = tokenizer.load(str(root / "tokenizer.json"))
     print("| arch | positions | fp32 file: rel. error, sequential / pipeline | same argmax | "
           + " | ".join(f"{q}: top-1 vs fp32 | {q}: rel. error" for q in a.q4) + " |")
@@ -79,7 +83,8 @@ def main() -> None:
                 same.append((got.argmax(-1) == ref.argmax(-1)).mean())
             for q in a.q4:
                 path = f"{d}/{q}.cflow"
-                export_checkpoint(str(run / "ckpt.pt"), path, wtype=q, etype="q8_0")
+                cal = windows_of(ck["tokenizer"], train, a.calibrate, w) if a.calibrate else None
+                export_checkpoint(str(run / "ckpt.pt"), path, wtype=q, etype="q8_0", calibration=cal)
                 eng = Engine(path, threads=a.threads)
                 got = np.concatenate([logits_of(eng, x, len(x) // 2) for x in windows])
                 cells.append(f"{100 * (got.argmax(-1) == ref.argmax(-1)).mean():.1f}% | "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cflow.errors import CflowError
+from cflow.format.quant import FITTED
 from cflow.format.writer import CflowWriter
 from cflow.models.pnt import ternarized
 from cflow.train import checkpoint
@@ -54,18 +56,29 @@ def tensor_map(sd: dict, cfg) -> tuple[list, dict]:
     return out, experts
 
 
-def _spec(kind, data, wtype, etype):
+def _spec(kind, data, wtype, etype, calib=None):
     """add_tensor's arguments: norms (and the router) f32, matrices in the layout convert writes
-    (the planes pack where the type has one: the fast decode GEMV's)."""
+    (the planes pack where the type has one: the fast decode GEMV's). With a calibration
+    (calibrate.Calib) the fitted 4-bit types are written by GPTQ where its second moments were
+    kept, else fitted with its per-column importance."""
     from cflow.convert.write import tensor_layout
+    from cflow.models.calibrate import gptq_encode
 
     if kind == "norm":
         return dict(type="f32", data=np.ascontiguousarray(data))
-    if kind == "embd":
-        return dict(type=etype, data=data, **tensor_layout(etype, 2, cols=data.shape[1]))
-    if kind == "mat":
-        return dict(type=wtype, data=data, **tensor_layout(wtype, 2, cols=data.shape[1]))
-    return dict(type=wtype, data=data, fuse=kind, **tensor_layout(wtype, 2, cols=data[0][1].shape[1]))
+    typ = etype if kind == "embd" else wtype
+    fused = kind in ("stack", "stripe")
+    cols = data[0][1].shape[1] if fused else data.shape[1]
+    spec = dict(type=typ, **tensor_layout(typ, 2, cols=cols))
+    if fused:
+        spec["fuse"] = kind
+    if calib is not None and typ in FITTED:
+        if calib.hessian is not None:
+            data = ([(n, gptq_encode(a, calib, typ)) for n, a in data] if fused else gptq_encode(data, calib, typ))
+        else:
+            spec["importance"] = calib.diag
+    spec["data"] = data
+    return spec
 
 
 def export_dense(ck: dict, path: str, wtype: str, etype: str) -> int:
@@ -96,21 +109,34 @@ def export_dense(ck: dict, path: str, wtype: str, etype: str) -> int:
     return len(out.tensors)
 
 
-def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q8_0") -> int:
-    """Write `path`; returns the number of tensors written."""
+def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q8_0",
+                      calibration: list[list[int]] | None = None) -> int:
+    """Write `path`; returns the number of tensors written. calibration: token windows (lists of
+    ids) over which the model's activations are measured, so that Q4_0 and Q4_1 weights are
+    written by GPTQ against them (calibrate.py); None: each block fitted on its own."""
     ck = checkpoint.load(ckpt)
     cfg = ck["config"]
     if cfg.arch != "pnt":
+        if calibration is not None:
+            raise CflowError("calibration applies to pipeline-native checkpoints (cflow train --preset ...)")
         return export_dense(ck, path, wtype, etype)
     ternary = bool(ck["train_args"].get("ternary", False))
     sd = ternarized(ck["model"]) if ternary else ck["model"]  # what a ternary QAT model computed with
     dense, experts = tensor_map(sd, cfg)
+    calib = {}
+    if calibration is not None and (wtype in FITTED or etype in FITTED):
+        from cflow.models.calibrate import measure
+        from cflow.models.pnt import PNT
+
+        model = PNT(cfg, ternary=ternary).eval()
+        model.load_state_dict(ck["model"])
+        calib = measure(model, calibration)
     n = 0
     meta = {"source": "cflow train", "step": ck["step"], "ternary_qat": ternary}
     with CflowWriter(path, cfg, tokenizer_json=ck["tokenizer"], special_tokens={"eos": "<|endoftext|>"},
                      metadata=meta) as w:
         for name, kind, data in dense:
-            s = _spec(kind, data, wtype, etype)
+            s = _spec(kind, data, wtype, etype, calib.get(name))
             typ, data = s.pop("type"), s.pop("data")
             if "fuse" in s:
                 w.add_fused(name, typ, data, s.pop("fuse"), **s)
@@ -118,7 +144,8 @@ def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q
                 w.add_tensor(name, typ, data, **s)
             n += 1
         for (l, e), ts in experts.items():
-            w.add_expert(l, e, {name: _spec(kind, data, wtype, etype) for name, (kind, data) in ts.items()})
+            w.add_expert(l, e, {name: _spec(kind, data, wtype, etype, calib.get(name))
+                                for name, (kind, data) in ts.items()})
             n += len(ts)
     return n
 
