@@ -13,9 +13,9 @@ def add_arguments(p):
                    help="block type of tok_embd and output (default: --type for f32/f16/bf16, else q8_0: "
                         "the head kept finer than 4-bit matrices, as llama.cpp's quantize does)")
     p.add_argument("--calibrate", metavar="DATA", default=None,
-                   help="text to measure the model's activations on (a corpus file as `cflow train --data` "
-                        "takes): q4_0 and q4_1 weights are then fitted with each column weighted by the mean "
-                        "square of its activations (llama.cpp's importance matrix)")
+                   help="text to run the model on first (a corpus file as `cflow train --data` takes): q4_0 "
+                        "and q4_1 matrices are then written by GPTQ against the activations it measured, which "
+                        "keeps the error of their products, not of their weights, small (docs/ARCHITECTURES.md)")
     p.add_argument("--calibrate-tokens", type=int, default=8192,
                    help="tokens of --calibrate to run (default %(default)s)")
 

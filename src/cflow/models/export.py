@@ -118,7 +118,7 @@ def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q
     cfg = ck["config"]
     if cfg.arch != "pnt":
         if calibration is not None:
-            raise CflowError("calibration applies to pipeline-native checkpoints (cflow train --preset ...)")
+            raise CflowError(f"calibration applies to pipeline-native checkpoints; this one is {cfg.arch!r}")
         return export_dense(ck, path, wtype, etype)
     ternary = bool(ck["train_args"].get("ternary", False))
     sd = ternarized(ck["model"]) if ternary else ck["model"]  # what a ternary QAT model computed with
