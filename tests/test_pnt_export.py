@@ -90,14 +90,28 @@ def test_gptq_beats_the_blockwise_fit_on_correlated_inputs(name):
         gptq_encode(W[:, :96], calib, name)
 
 
-def test_export_calibrated(tmp_path, ckpt, capsys):
+def llama_ckpt(tmp_path):
+    from cflow.models.dense import Dense
+
+    torch.manual_seed(0)
+    cfg = preset("llama", vocab_size=320, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, max_seq_len=64)
+    m = Dense(cfg).eval()
+    tok = tokenizer.train_bpe(["once upon a time there was a cat"] * 5, 320)
+    path = tmp_path / "llama.pt"
+    checkpoint.save(path, model_state=m.state_dict(), optim_state=None, step=3, cfg=cfg,
+                    tokenizer_json=tok.to_str(), train_args={})
+    return path, m
+
+
+@pytest.mark.parametrize("arch", ["pnt", "llama"])
+def test_export_calibrated(tmp_path, ckpt, capsys, arch):
     # `cflow export --calibrate`: the 4-bit matrices written by GPTQ against the model's own
     # activations on the text; its logits on such text closer to the fp32 model's than without
     from cflow.engine import Engine
     from cflow.models.calibrate import windows_of
     from cflow.train.data import EOT
 
-    path, m = ckpt
+    path, m = ckpt if arch == "pnt" else llama_ckpt(tmp_path)
     words = "once upon a time there was a cat who sat on a mat and a dog who ran in the sun".split()
     rng = np.random.default_rng(1)
     text = tmp_path / "cal.txt"
@@ -109,6 +123,7 @@ def test_export_calibrated(tmp_path, ckpt, capsys):
     assert "q4_0 matrices, q8_0 embedding and head, calibrated on 1000 tokens" in capsys.readouterr().out
     with CflowFile(cal) as f:
         assert f.tensor("blk.0.attn_qkv").type.name == "q4_0" and f.tensor("output").type.name == "q8_0"
+        assert f.tensor("blk.1.ffn_down").type.name == "q4_0"
     ck = checkpoint.load(path)
     ids = windows_of(ck["tokenizer"], [text.read_text().split(EOT)[-1]], 64, 64)[0]  # text of the kind it met
     with torch.no_grad():

@@ -38,7 +38,7 @@ def _owner(model, w: torch.Tensor) -> tuple[str, int | None] | None:
     return None
 
 
-def _tensor_name(pname: str, expert: int | None) -> str | None:
+def pnt_name(pname: str, expert: int | None) -> str | None:
     """The export's tensor name of a PNT parameter (models/export.py tensor_map)."""
     parts = pname.split(".")
     if parts[0] != "layers":
@@ -63,11 +63,20 @@ class Calib:
     tokens: int
 
 
-def measure(model, windows: list[list[int]], max_hessian_bytes: int = 1 << 30) -> dict[str, Calib]:
+def dense_name(pname: str, expert: int | None) -> str | None:
+    """The engine's tensor name of a llama-shaped model's matrix (models/dense.py Dense.tensors)."""
+    return "blk." + pname[len("layers."):] if pname.startswith("layers.") and expert is None else None
+
+
+def measure(model, windows: list[list[int]], max_hessian_bytes: int = 1 << 30, names=None) -> dict[str, Calib]:
     """{export tensor name: Calib} over every token of `windows` (lists of token ids, each at most
     the model's max_seq_len). The second moments x x^T are kept per matrix while their total stays
-    within max_hessian_bytes (float64), in the order first met; the rest keep the diagonal only."""
-    from cflow.models import pnt
+    within max_hessian_bytes (float64), in the order first met; the rest keep the diagonal only.
+    names: (parameter name, expert or None) -> tensor name; default the PNT export's
+    (pnt_name), dense_name for the llama-shaped models."""
+    from cflow.models import dense, pnt
+
+    names_of = names or pnt_name
 
     if not windows or not any(windows):
         raise CflowError("calibration needs at least one token")
@@ -91,26 +100,26 @@ def measure(model, windows: list[list[int]], max_hessian_bytes: int = 1 << 30) -
         s[2] += x.shape[0]
 
     plain = pnt.linear
-    names: dict[tuple[int, tuple], tuple[str, int | None] | None] = {}
+    owners: dict[tuple[int, tuple], tuple[str, int | None] | None] = {}
 
     def recording(x, w, ternary=False):
         key = (w.data_ptr(), tuple(w.shape))
-        if key not in names:
-            names[key] = _owner(model, w)
-        owner = names[key]
+        if key not in owners:
+            owners[key] = _owner(model, w)
+        owner = owners[key]
         if owner is not None:
-            add(_tensor_name(*owner), x)
+            add(names_of(*owner), x)
         return plain(x, w, ternary)
 
     hook = model.output_norm.register_forward_hook(lambda m, i, out: add("output", out))
-    pnt.linear = recording
+    pnt.linear = dense.linear = recording  # both models' matrix products (dense imports pnt's)
     try:
         with torch.no_grad():
             for ids in windows:
                 if ids:
                     model(torch.tensor([ids]))
     finally:
-        pnt.linear = plain
+        pnt.linear = dense.linear = plain
         hook.remove()
     out = {}
     for name, (sq, xx, n) in sums.items():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from cflow.errors import CflowError
 from cflow.format.quant import FITTED
 from cflow.format.writer import CflowWriter
 from cflow.models.pnt import ternarized
@@ -81,17 +80,29 @@ def _spec(kind, data, wtype, etype, calib=None):
     return spec
 
 
-def export_dense(ck: dict, path: str, wtype: str, etype: str) -> int:
+def export_dense(ck: dict, path: str, wtype: str, etype: str, calibration: list[list[int]] | None = None) -> int:
     """A llama-shaped checkpoint (models/dense.py) through the converter's writer: the layers'
     matrices in wtype (a ternary type stores a ternary-trained model's values exactly), the
-    embedding table and the head in etype; returns the number of tensors written."""
+    embedding table and the head in etype; with a calibration, Q4_0 / Q4_1 matrices by GPTQ
+    (calibrate.py). Returns the number of tensors written."""
     from cflow.convert import Checkpoint, Tensor, quantize, requantize
     from cflow.convert.write import write_cflow
+    from cflow.models.calibrate import dense_name, gptq_encode, measure
     from cflow.models.dense import Dense
 
     cfg = ck["config"]
     model = Dense(cfg, ternary=bool(ck["train_args"].get("ternary", False)))
     model.load_state_dict(ck["model"])
+    calib = {}
+    if calibration is not None and (wtype in FITTED or etype in FITTED):
+        calib = measure(model.eval(), calibration, names=dense_name)
+
+    def encode(name: str, typ: str, a: np.ndarray) -> np.ndarray:
+        c = calib.get(name)
+        if c is not None and c.hessian is not None and typ in FITTED:
+            return gptq_encode(a, c, typ)
+        return quantize(typ, a) if c is None or typ not in FITTED else quantize_importance(typ, a, c.diag)
+
     tensors = {}
     for name, t in model.tensors().items():
         a = t.numpy()
@@ -99,14 +110,27 @@ def export_dense(ck: dict, path: str, wtype: str, etype: str) -> int:
         if name.endswith("attn_qkv"):
             b = name[:-len("attn_qkv")]
             parts = [(b + "attn_q", cfg.q_dim), (b + "attn_k", cfg.kv_dim), (b + "attn_v", cfg.kv_dim)]
-        tensors[name] = Tensor("f32", a.shape, a, parts)
+        if name in calib and wtype in FITTED and a.ndim == 2 and name.startswith("blk."):
+            tensors[name] = Tensor(wtype, a.shape, encode(name, wtype, a), parts)  # requantize keeps it
+        else:
+            tensors[name] = Tensor("f32", a.shape, a, parts)
     meta = {"source": "cflow train", "step": ck["step"], "ternary_qat": model.ternary}
     out = requantize(Checkpoint(cfg, tensors, tokenizer_json=ck["tokenizer"], special_tokens={"eos": "<|endoftext|>"},
                                 metadata=meta), wtype)
     for name in ("tok_embd", "output"):
-        out.tensors[name] = Tensor(etype, tensors[name].shape, quantize(etype, tensors[name].data))
+        a = tensors[name].data
+        out.tensors[name] = Tensor(etype, tensors[name].shape, encode(name, etype, a) if name == "output" else
+                                   quantize(etype, a))
     write_cflow(out, path, progress=False)
     return len(out.tensors)
+
+
+def quantize_importance(typ: str, a: np.ndarray, importance: np.ndarray) -> np.ndarray:
+    """Rows of a fitted 4-bit type, each column's error weighted by `importance`."""
+    from cflow.format.quant import encode
+    from cflow.format.tiles import block_type
+
+    return encode(a, block_type(typ), importance)
 
 
 def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q8_0",
@@ -117,9 +141,7 @@ def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q
     ck = checkpoint.load(ckpt)
     cfg = ck["config"]
     if cfg.arch != "pnt":
-        if calibration is not None:
-            raise CflowError(f"calibration applies to pipeline-native checkpoints; this one is {cfg.arch!r}")
-        return export_dense(ck, path, wtype, etype)
+        return export_dense(ck, path, wtype, etype, calibration)
     ternary = bool(ck["train_args"].get("ternary", False))
     sd = ternarized(ck["model"]) if ternary else ck["model"]  # what a ternary QAT model computed with
     dense, experts = tensor_map(sd, cfg)
