@@ -1,5 +1,6 @@
 """Quantization that knows the model's activations: measured on calibration text by running the
-PyTorch PNT model (cflow.models.pnt), used by the export's 4-bit writers (format/quant.py).
+PyTorch model (cflow.models.pnt, or the llama-shaped baselines of models/dense.py), used by the
+export's 4-bit writers (format/quant.py).
 
 A matrix W applied to activations x makes the output error (W - Q) x. measure() records, per
 matrix, the mean of x x^T over the calibration tokens (every product of pnt's `linear`, and the
@@ -12,8 +13,9 @@ by -19% to +6%.
 
 Keys are the export's tensor names (models/export.py tensor_map): "blk.0.attn_qkv",
 "blk.0.ffn_gate_up", "blk.0.exp.3.ffn_down", "output", ... (the fused QKV and gate+up parts
-share their input, so one measurement serves them all). A matrix no token reached (an expert
-never routed) has no entry and is quantized unweighted.
+share their input, so one measurement serves them all; a matrix that several layers share, as
+arch5's, gathers the inputs of every use). A matrix no token reached (an expert never routed)
+has no entry and is quantized unweighted.
 """
 
 from __future__ import annotations
