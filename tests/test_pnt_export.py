@@ -134,6 +134,8 @@ def test_export_calibrated(tmp_path, ckpt, capsys, arch):
         got = eng.forward(eng.new_state(), ids, all_logits=True)
         errs.append(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     assert errs[1] < errs[0]
+    assert main(["export", str(path), "-o", str(tmp_path / "q8.cflow"), "--type", "q8_0", "--calibrate", str(text)]) == 0
+    assert "--calibrate not used: only q4_0 and q4_1" in capsys.readouterr().err
     for args, msg in [(["--calibrate", str(tmp_path / "none.txt")], "data file not found"),
                       (["--calibrate", str(text), "--calibrate-tokens", "0"], "must be positive")]:
         out = tmp_path / "bad.cflow"

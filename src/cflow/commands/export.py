@@ -1,5 +1,7 @@
 """`cflow export`: write a training checkpoint as a `.cflow` file for the native engine."""
 
+import sys
+
 HELP = "export a pipeline-native training checkpoint to the .cflow tile format"
 
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -22,11 +24,15 @@ def add_arguments(p):
 
 def main(args) -> int:
     from cflow.errors import CflowError
+    from cflow.format.quant import FITTED
     from cflow.models.export import export_checkpoint
 
     etype = args.embd_type or (args.type if args.type in FLOAT_TYPES else "q8_0")
     windows = None
-    if args.calibrate is not None:
+    if args.calibrate is not None and not {args.type, etype} & set(FITTED):
+        print(f"note: --calibrate not used: only q4_0 and q4_1 are written against it, not {args.type}"
+              + (f" or {etype}" if etype != args.type else ""), file=sys.stderr)
+    elif args.calibrate is not None:
         from cflow.models.calibrate import windows_of
         from cflow.train import checkpoint, data
 
