@@ -152,7 +152,7 @@ class CflowWriter:
     def add_tensor(self, name: str, type: str, data, *, shape: tuple[int, ...] | None = None,
                    tile: tuple[int, int] | None = None, interleave: int | None = None, section: str = "weights",
                    parts: list | None = None, fuse: str | None = None, stripe_rows: int | None = None,
-                   pack: str = "blocks", importance=None) -> Tensor:
+                   pack: str = "blocks") -> Tensor:
         """Tile and write one tensor; returns its index entry.
 
         data: float array (R, C) or (n,), encoded here into block type `type` (see
@@ -160,8 +160,7 @@ class CflowWriter:
         gives the logical shape where it cannot be inferred, e.g. a 1-D tensor).
         parts/fuse/stripe_rows describe a fused tensor whose rows are already in fused order
         (add_fused builds one from its parts). pack: "blocks", or "planes" for q4_0/q4_1/q5_0/q5_1/q8_0/
-        q4_k/q5_k/q6_k with interleave <= 16 (docs/FORMAT.md 5.1). importance: float (C,), a
-        weight per column for the fitted quantizers of float data (quant.encode_fit).
+        q4_k/q5_k/q6_k with interleave <= 16 (docs/FORMAT.md 5.1).
         """
         self._check_open()
         if not isinstance(name, str) or not name or len(name) > 512:
@@ -194,7 +193,7 @@ class CflowWriter:
         for r0 in range(0, rows, step):  # chunks of whole stripes: each packs independently
             chunk = rows_data[r0:r0 + step]
             try:
-                enc = np.ascontiguousarray(chunk) if encoded else quant.encode(chunk, bt, importance)
+                enc = np.ascontiguousarray(chunk) if encoded else quant.encode(chunk, bt)
             except CflowFormatError as e:  # values it cannot encode; the writer's exit removes the file
                 raise CflowFormatError(f"tensor {name!r}: {e}") from None
             self._write(pack_tiles(enc, bt, cols, tile, g, pack))

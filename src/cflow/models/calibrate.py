@@ -186,6 +186,18 @@ def gptq_encode(w: np.ndarray, calib: Calib, type_name: str, damp: float = 0.01)
     return out.reshape(R, -1)
 
 
+def encode(w: np.ndarray, type_name: str, calib: Calib | None) -> np.ndarray:
+    """float (R, C) -> uint8 rows of `type_name` (a fitted 4-bit type, quant.FITTED): by GPTQ where
+    the calibration kept the second moments, else fitted with its diagonal as the importance, or
+    unweighted without a calibration."""
+    from cflow.format.quant import encode as encode_rows
+    from cflow.format.tiles import block_type
+
+    if calib is not None and calib.hessian is not None:
+        return gptq_encode(w, calib, type_name)
+    return encode_rows(w, block_type(type_name), None if calib is None else calib.diag)
+
+
 def windows_of(tokenizer_json: str, texts, n_tokens: int, window: int) -> list[list[int]]:
     """The first n_tokens ids of `texts` (each text's ids in turn), cut into windows of `window`."""
     from tokenizers import Tokenizer

@@ -58,10 +58,9 @@ def tensor_map(sd: dict, cfg) -> tuple[list, dict]:
 def _spec(kind, data, wtype, etype, calib=None):
     """add_tensor's arguments: norms (and the router) f32, matrices in the layout convert writes
     (the planes pack where the type has one: the fast decode GEMV's). With a calibration
-    (calibrate.Calib) the fitted 4-bit types are written by GPTQ where its second moments were
-    kept, else fitted with its per-column importance."""
+    (calibrate.Calib) a fitted 4-bit type's rows are encoded here, against it (calibrate.encode)."""
     from cflow.convert.write import tensor_layout
-    from cflow.models.calibrate import gptq_encode
+    from cflow.models.calibrate import encode
 
     if kind == "norm":
         return dict(type="f32", data=np.ascontiguousarray(data))
@@ -72,10 +71,7 @@ def _spec(kind, data, wtype, etype, calib=None):
     if fused:
         spec["fuse"] = kind
     if calib is not None and typ in FITTED:
-        if calib.hessian is not None:
-            data = ([(n, gptq_encode(a, calib, typ)) for n, a in data] if fused else gptq_encode(data, calib, typ))
-        else:
-            spec["importance"] = calib.diag
+        data = [(n, encode(a, typ, calib)) for n, a in data] if fused else encode(data, typ, calib)
     spec["data"] = data
     return spec
 
@@ -83,11 +79,11 @@ def _spec(kind, data, wtype, etype, calib=None):
 def export_dense(ck: dict, path: str, wtype: str, etype: str, calibration: list[list[int]] | None = None) -> int:
     """A llama-shaped checkpoint (models/dense.py) through the converter's writer: the layers'
     matrices in wtype (a ternary type stores a ternary-trained model's values exactly), the
-    embedding table and the head in etype; with a calibration, Q4_0 / Q4_1 matrices by GPTQ
-    (calibrate.py). Returns the number of tensors written."""
+    embedding table and the head in etype; with calibration windows, Q4_0 / Q4_1 matrices against
+    the activations measured on them (calibrate.py). Returns the number of tensors written."""
     from cflow.convert import Checkpoint, Tensor, quantize, requantize
     from cflow.convert.write import write_cflow
-    from cflow.models.calibrate import dense_name, gptq_encode, measure
+    from cflow.models.calibrate import dense_name, encode, measure
     from cflow.models.dense import Dense
 
     cfg = ck["config"]
@@ -96,13 +92,6 @@ def export_dense(ck: dict, path: str, wtype: str, etype: str, calibration: list[
     calib = {}
     if calibration is not None and (wtype in FITTED or etype in FITTED):
         calib = measure(model.eval(), calibration, names=dense_name)
-
-    def encode(name: str, typ: str, a: np.ndarray) -> np.ndarray:
-        c = calib.get(name)
-        if c is not None and c.hessian is not None and typ in FITTED:
-            return gptq_encode(a, c, typ)
-        return quantize(typ, a) if c is None or typ not in FITTED else quantize_importance(typ, a, c.diag)
-
     tensors = {}
     for name, t in model.tensors().items():
         a = t.numpy()
@@ -110,8 +99,8 @@ def export_dense(ck: dict, path: str, wtype: str, etype: str, calibration: list[
         if name.endswith("attn_qkv"):
             b = name[:-len("attn_qkv")]
             parts = [(b + "attn_q", cfg.q_dim), (b + "attn_k", cfg.kv_dim), (b + "attn_v", cfg.kv_dim)]
-        if name in calib and wtype in FITTED and a.ndim == 2 and name.startswith("blk."):
-            tensors[name] = Tensor(wtype, a.shape, encode(name, wtype, a), parts)  # requantize keeps it
+        if name in calib and wtype in FITTED and name.startswith("blk."):  # requantize keeps it
+            tensors[name] = Tensor(wtype, a.shape, encode(a, wtype, calib[name]), parts)
         else:
             tensors[name] = Tensor("f32", a.shape, a, parts)
     meta = {"source": "cflow train", "step": ck["step"], "ternary_qat": model.ternary}
@@ -119,25 +108,18 @@ def export_dense(ck: dict, path: str, wtype: str, etype: str, calibration: list[
                                 metadata=meta), wtype)
     for name in ("tok_embd", "output"):
         a = tensors[name].data
-        out.tensors[name] = Tensor(etype, tensors[name].shape, encode(name, etype, a) if name == "output" else
+        head = name == "output" and name in calib and etype in FITTED
+        out.tensors[name] = Tensor(etype, tensors[name].shape, encode(a, etype, calib[name]) if head else
                                    quantize(etype, a))
     write_cflow(out, path, progress=False)
     return len(out.tensors)
 
 
-def quantize_importance(typ: str, a: np.ndarray, importance: np.ndarray) -> np.ndarray:
-    """Rows of a fitted 4-bit type, each column's error weighted by `importance`."""
-    from cflow.format.quant import encode
-    from cflow.format.tiles import block_type
-
-    return encode(a, block_type(typ), importance)
-
-
 def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q8_0",
                       calibration: list[list[int]] | None = None) -> int:
     """Write `path`; returns the number of tensors written. calibration: token windows (lists of
-    ids) over which the model's activations are measured, so that Q4_0 and Q4_1 weights are
-    written by GPTQ against them (calibrate.py); None: each block fitted on its own."""
+    ids, calibrate.windows_of) the model runs first, so that Q4_0 and Q4_1 weights are written by
+    GPTQ against the activations measured (calibrate.py); None: each block fitted on its own."""
     ck = checkpoint.load(ckpt)
     cfg = ck["config"]
     if cfg.arch != "pnt":
