@@ -467,128 +467,27 @@ void gemv_tq2_batch(float* y, int ldy, const void* xv, int m, const uint8_t* w, 
   }
 }
 
-// 4 bytes at p in every lane by one broadcast load: from a loaded int the compiler's set1 went
-// through a general register (a move, a shift and a register broadcast per two slices), and the
-// planes GEMV's two-level blocks ran 2-11% slower for it (docs/KERNELS.md)
-inline __m512i bcast4(const uint8_t* p) {
-  __m512i b;
-  __asm__("vpbroadcastd %1, %0" : "=v"(b) : "m"(*(const int32_t*)p));
-  return b;
-}
-
-// ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, int8 activations (cflow/planes.h) ----
-// One interleave group of 16 rows is one zmm of int32 lanes, lane i = row i. Per column block:
-// the 16 scales are one fp16 load; each 64-byte plane holds slice k (4 quant bytes) of every
-// row, and one vpdpbusd against the 4 activation bytes of slice k, broadcast, adds every row's
-// partial dot product. No shuffles. The weights are unsigned (planes_unpack.h), their offsets
-// enter the int32 accumulator exactly, as its start value -kZero * sum(x): Q4_0 -8 * sum(x),
-// Q5_0 -16 * sum(x), Q8_0 (weights made unsigned by ^ 0x80) -128 * sum(x); Q4_1 and Q5_1 add
-// m * d_x * sum(x) in float.
-// A group of fewer rows is widened to 16 (planes_widen).
-// TWO (AType::Q8x2): a second int8 activation (the residual level, a2) is dotted with the same
-// unpacked planes, so the second level costs arithmetic, not a second pass over the weights.
-template <BlockType WT, bool TWO>
-inline __m512 planes_dot(const uint8_t* c, const __m512i (&u)[8], const block_q8a& a, const q8a_sums& la,
-                         const block_q8a* a2, const q8a_sums* la2, __m512 acc) {
-  auto start = [](const q8a_sums& l) {  // the exact integer offset term
-    return _mm512_set1_epi32(-PlanesKind<WT>::kZero * (l.lsum4[0] + l.lsum4[1] + l.lsum4[2] + l.lsum4[3]));
-  };
-  const uint8_t* xw = (const uint8_t*)a.qs;
-  const uint8_t* xw2 = TWO ? (const uint8_t*)a2->qs : xw;
-  __m512i s0 = start(la), s1 = _mm512_setzero_si512();
-  __m512i t0 = TWO ? start(*la2) : s1, t1 = s1;
-  for (int j = 0; j < 8; j += 2) {  // slice j of the 16 rows meets the activation's slice j
-    s0 = _mm512_dpbusd_epi32(s0, u[j], bcast4(xw + 4 * j));
-    s1 = _mm512_dpbusd_epi32(s1, u[j + 1], bcast4(xw + 4 * j + 4));
-    if (TWO) {
-      t0 = _mm512_dpbusd_epi32(t0, u[j], bcast4(xw2 + 4 * j));
-      t1 = _mm512_dpbusd_epi32(t1, u[j + 1], bcast4(xw2 + 4 * j + 4));
-    }
-  }
-  return planes_finish<WT, TWO>(c, _mm512_add_epi32(s0, s1), _mm512_add_epi32(t0, t1), a, a2, acc);
-}
-
-template <BlockType WT, bool TWO>
-inline __m512 planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
-                           const q8a_sums* la2, __m512 acc) {
-  __m512i u[8];
-  planes_unpack<WT>(c, u);
-  return planes_dot<WT, TWO>(c, u, a, la, a2, la2, acc);
-}
-
-// TWO: x holds the cols/32 blocks of the first level, then those of the second (AType::Q8x2).
-template <BlockType WT, bool TWO>
-void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
-  const block_q8a* x = (const block_q8a*)xv;
-  const block_q8a* x2 = (const block_q8a*)((const uint8_t*)xv + q8a_row_bytes(L.cols));
-  const q8a_sums *xs = q8a_sums_of(x, L.cols), *xs2 = q8a_sums_of(x2, L.cols);
-  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int b = 0; b < nb; ++b) acc = planes_block<WT, TWO>(chunk(b), x[cb0 + b], xs[cb0 + b], x2 + cb0 + b, xs2 + cb0 + b, acc);
-    planes_store(y + r, gg, acc);
-  });
-}
-
-// ---- planes-packed Q4_K / Q5_K / Q6_K, q8_K activations (kplanes.h) ----
-// Per super-block of a 16-row group: M from the mins (Q4_K), then per group of 16 slices each
-// sub-block's D_s, started at -kZero * (its sum of x), by one vpdpbusd per slice against the 4
-// activation bytes broadcast, times the sub-block's 16 row scales (vpmulld), into I; then
-// kplanes_finish. TWO: the second level meets the same unpacked slices (one pass).
-// Group q's share of I (and I2) from its unpacked slices u.
-template <BlockType WT, bool TWO>
-inline void kplanes_group(const uint8_t* c, const __m512i (&u)[16], int q, const block_q8_K& a, const block_q8_K* a2,
-                          __m512i& I, __m512i& I2) {
-  using K = KPlanesKind<WT>;
-  for (int r = 0; r < K::kSubs; ++r) {
-    const int s = K::sub(q, r);
-    __m512i D = _mm512_set1_epi32(-K::kZero * K::asum(a, s));
-    __m512i T = TWO ? _mm512_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
-    for (int j = 0; j < K::kSlices; ++j) {
-      int32_t x4, x24;
-      std::memcpy(&x4, a.qs + K::kSubW * s + 4 * j, 4);
-      D = _mm512_dpbusd_epi32(D, u[r * K::kSlices + j], _mm512_set1_epi32(x4));
-      if (TWO) {
-        std::memcpy(&x24, a2->qs + K::kSubW * s + 4 * j, 4);
-        T = _mm512_dpbusd_epi32(T, u[r * K::kSlices + j], _mm512_set1_epi32(x24));
-      }
-    }
-    const __m512i sc = kplanes_scale<WT>(c, s);
-    I = _mm512_add_epi32(I, _mm512_mullo_epi32(D, sc));
-    if (TWO) I2 = _mm512_add_epi32(I2, _mm512_mullo_epi32(T, sc));
-  }
-}
-
-template <BlockType WT, bool TWO>
-inline __m512 kplanes_block(const uint8_t* c, const block_q8_K& a, const block_q8_K* a2, __m512 acc) {
-  __m512i I = _mm512_setzero_si512(), I2 = I, M, M2;
-  kplanes_mins<WT, TWO>(c, a, a2, M, M2);
-  for (int q = 0; q < 4; ++q) {
-    __m512i u[16];
-    planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
-    kplanes_unpack<WT>(c, q, u);
-    kplanes_group<WT, TWO>(c, u, q, a, a2, I, I2);
-  }
-  return kplanes_finish<WT, TWO>(c, I, M, I2, M2, a, a2, acc);
-}
-
-// TWO: x holds the cols/256 block_q8_K of the first level, then those of the second.
-template <BlockType WT, bool TWO>
-void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
-  const block_q8_K* x = (const block_q8_K*)xv;
-  const block_q8_K* x2 = x + L.cols / QK_K;
-  walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int b = 0; b < nb; ++b) acc = kplanes_block<WT, TWO>(chunk(b), x[cb0 + b], x2 + cb0 + b, acc);
-    planes_store(y + r, gg, acc);
-  });
-}
-
-// ---- the batched GEMV (kernels.h GemvBatchFn) without AMX ----
-// Up to kVnniGroup tokens per pass over a thread's rows: each chunk (or K-quant group) is
-// unpacked once and met by every token's activations in turn, through the GEMV's own
-// planes_dot / kplanes_group and float finish, in the GEMV's block order: a token's result is
-// bit for bit the GEMV's. What the pass saves is the weight traffic and the unpacking of every
-// token after the first; the dot products stay one token's each.
+// ---- planes-packed GEMVs: one token (GemvFn) or a pass of up to 8 (GemvBatchFn, without AMX) ----
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 with block_q8a activations (cflow/planes.h): one interleave
+// group of 16 rows is one zmm of int32 lanes, lane i = row i. Per column block: the 16 scales are
+// one fp16 load; each 64-byte plane holds slice k (4 quant bytes) of every row, and one vpdpbusd
+// against the 4 activation bytes of slice k, broadcast, adds every row's partial dot product. No
+// shuffles. The weights are unsigned (planes_unpack.h), their offsets enter the int32 accumulator
+// exactly, as its start value -kZero * sum(x): Q4_0 -8 * sum(x), Q5_0 -16 * sum(x), Q8_0 (weights
+// made unsigned by ^ 0x80) -128 * sum(x); Q4_1 and Q5_1 add m * d_x * sum(x) in float
+// (planes_finish). A group of fewer rows is widened to 16 (planes_widen).
+// Q4_K / Q5_K / Q6_K with block_q8_K activations (kplanes.h): per super-block of a 16-row group,
+// M from the mins (Q4_K), then per group of 16 slices each sub-block's D_s, started at -kZero *
+// (its sum of x), by one vpdpbusd per slice against the 4 activation bytes broadcast, times the
+// sub-block's 16 row scales (vpmulld), into I; then kplanes_finish.
+// TWO (AType::Q8x2): the second int8 level of the activation meets the same unpacked slices, so
+// it costs arithmetic, not a second pass over the weights.
+// A pass over a thread's rows serves up to kVnniGroup tokens: each chunk (or K-quant group) is
+// unpacked once and met by every token's activations in turn, in one block order, so a token's
+// result is bit for bit the same in any pass. What a pass of several saves is the weight traffic
+// and the unpacking of every token after the first; the dot products stay one token's each. The
+// one-token GEMV is the pass of one: its activations laid out in loop order (PassActs) made it
+// 4-40% faster in L2 than a kernel that read them from the blocks (docs/KERNELS.md).
 constexpr int kVnniGroup = 8;
 static_assert(kVnniGroup >= kBatchGroupMin, "kernels.h promises this many tokens per pass");
 
@@ -670,7 +569,7 @@ inline void* pass_scratch(size_t n) {
 
 // K tokens T0 .. T0+K-1 of the pass on one unpacked chunk u: their integer dot products as K
 // (two: 2K) independent vpdpbusd chains, so that the chains' latencies overlap, then each token's
-// planes_finish, as planes_dot runs it.
+// planes_finish.
 template <BlockType WT, bool TWO, int NT, int K>
 inline void planes_dots(const uint8_t* c, const __m512i (&u)[8], const int32_t* q, const PassScale* sc, int T0,
                         __m512* acc) {
@@ -746,8 +645,8 @@ struct KPassActs {
   }
 };
 
-// K tokens T0 .. T0+K-1 of the pass on group q's unpacked slices: kplanes_group's sums, K (two:
-// 2K) chains side by side. sl and st: the pass's slices and start values of this super-block.
+// K tokens T0 .. T0+K-1 of the pass on group q's unpacked slices: each sub-block's D_s times its
+// row scales, summed into I (two: I2), K (two: 2K) chains side by side. sl and st: the pass's slices and start values of this super-block.
 template <BlockType WT, bool TWO, int NT, int K>
 inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* sl, const int32_t* st,
                            int T0, __m512i* I, __m512i* I2) {
@@ -808,6 +707,7 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8
       for (int t = 0; t < NT; ++t) I[t] = I2[t] = _mm512_setzero_si512();
       for (int q = 0; q < 4; ++q) {
         __m512i u[16];
+        planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
         kplanes_unpack<WT>(c, q, u);
         kplanes_groups_all<WT, TWO, NT, kGroupTokens<WT>>(c, u, q, sl, st, I, I2);
       }
@@ -819,6 +719,20 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8
     }
     for (int t = 0; t < NT; ++t) planes_store(y + (size_t)t * ldy + r, gg, acc[t]);
   });
+}
+
+// The one-token GEMVs of fill_planes_table (planes_simd.h): the pass of one token. TWO: x holds
+// the first level's blocks (cols/32 block_q8a, or cols/256 block_q8_K), then the second's.
+template <BlockType WT, bool TWO>
+void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
+  planes_tokens<WT, TWO, 1>(y, 0, (const uint8_t*)xv, act_bytes(WT, TWO ? AType::Q8x2 : AType::Q8, L.cols), w, L,
+                            row_begin, row_end);
+}
+
+template <BlockType WT, bool TWO>
+void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
+  kplanes_tokens<WT, TWO, 1>(y, 0, (const uint8_t*)xv, act_bytes(WT, TWO ? AType::Q8x2 : AType::Q8, L.cols), w, L,
+                             row_begin, row_end);
 }
 
 template <BlockType WT, bool TWO>
