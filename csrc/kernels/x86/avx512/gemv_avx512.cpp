@@ -574,20 +574,26 @@ template <BlockType WT, bool TWO, int NT, int K>
 inline void planes_dots(const uint8_t* c, const __m512i (&u)[8], const int32_t* q, const PassScale* sc, int T0,
                         __m512* acc) {
   constexpr int L = TWO ? 2 : 1;
-  __m512i S[K], T[K];
-  for (int k = 0; k < K; ++k) {
-    S[k] = _mm512_set1_epi32(sc[T0 + k].start);
-    T[k] = TWO ? _mm512_set1_epi32(sc[T0 + k].start2) : S[k];
-  }
+  constexpr int C = K == 1 ? 4 : K == 2 ? 2 : 1;  // chains per token and level: 4 or more in all
+  __m512i S[K][C], T[K][C];
+  for (int k = 0; k < K; ++k)
+    for (int i = 0; i < C; ++i) {
+      S[k][i] = i ? _mm512_setzero_si512() : _mm512_set1_epi32(sc[T0 + k].start);
+      T[k][i] = TWO && !i ? _mm512_set1_epi32(sc[T0 + k].start2) : _mm512_setzero_si512();
+    }
   for (int j = 0; j < 8; ++j)
     for (int k = 0; k < K; ++k) {
       const int32_t* e = q + (j * NT + T0 + k) * L;
-      S[k] = _mm512_dpbusd_epi32(S[k], u[j], _mm512_set1_epi32(e[0]));
-      if (TWO) T[k] = _mm512_dpbusd_epi32(T[k], u[j], _mm512_set1_epi32(e[1]));
+      S[k][j % C] = _mm512_dpbusd_epi32(S[k][j % C], u[j], _mm512_set1_epi32(e[0]));
+      if (TWO) T[k][j % C] = _mm512_dpbusd_epi32(T[k][j % C], u[j], _mm512_set1_epi32(e[1]));
     }
-  for (int k = 0; k < K; ++k) {
+  for (int k = 0; k < K; ++k) {  // integer sums: exact in any grouping
+    for (int i = 1; i < C; ++i) {
+      S[k][0] = _mm512_add_epi32(S[k][0], S[k][i]);
+      if (TWO) T[k][0] = _mm512_add_epi32(T[k][0], T[k][i]);
+    }
     const PassScale& z = sc[T0 + k];
-    acc[k] = planes_finish<WT, TWO>(c, S[k], T[k], z.d, z.s, acc[k]);
+    acc[k] = planes_finish<WT, TWO>(c, S[k][0], T[k][0], z.d, z.s, acc[k]);
   }
 }
 
