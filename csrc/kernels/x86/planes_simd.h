@@ -29,22 +29,53 @@ constexpr bool kKQuant = WT == BlockType::Q4_K || WT == BlockType::Q5_K || WT ==
 // chunk(b) the 16-row chunk of column block b, prefetched ahead (planes_prefetch; a K-quant GEMV
 // prefetches its chunks a quarter at a time itself, planes_prefetch_quarter) and widened to 16
 // rows in a stack buffer when the group is ragged (planes_widen).
+// One interleave group of walk_planes: group(r, gg, cb0, nb, chunk) for the group at grp.
+template <BlockType WT, class GroupF>
+inline void planes_group_at(const uint8_t* grp, int r, int gg, int cb0, int nb, GroupF&& group) {
+  using K = PlanesKind<WT>;
+  alignas(64) uint8_t wide[kPlanesMaxG * K::kBB];
+  const size_t step = (size_t)gg * K::kBB;
+  auto chunk = [&](int b) -> const uint8_t* {
+    const uint8_t* c = grp + b * step;
+    if constexpr (!kKQuant<WT>) planes_prefetch(c, step);
+    if (gg == kPlanesMaxG) return c;
+    planes_widen(c, gg, K::kHdr, K::kBB, wide);
+    return wide;
+  };
+  group(r, gg, cb0, nb, chunk);
+}
+
 template <BlockType WT, class GroupF>
 inline void walk_planes(float* y, const uint8_t* w, const TileLayout& L, int row_begin, int row_end, GroupF&& group) {
+  walk_tiles(y, w, L, row_begin, row_end, [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
+    planes_group_at<WT>(grp, r, gg, cb0, nb, group);
+  });
+}
+
+// walk_planes two full groups at a time, where a tile has them: pair(r, cb0, nb, chunks) for
+// the groups of rows r .. r+15 and r+16 .. r+31, chunks(b, ca, cb) setting their chunks of
+// column block b (prefetched ahead), and group(...) as walk_planes for the rest. A kernel that
+// meets two groups' weights with each activation broadcast halves its broadcasts.
+template <BlockType WT, class PairF, class GroupF>
+inline void walk_planes_pairs(float* y, const uint8_t* w, const TileLayout& L, int row_begin, int row_end,
+                              PairF&& pair, GroupF&& group) {
   using K = PlanesKind<WT>;
-  walk_tiles(y, w, L, row_begin, row_end,
-             [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
-               alignas(64) uint8_t wide[kPlanesMaxG * K::kBB];
-               const size_t step = (size_t)gg * K::kBB;
-               auto chunk = [&](int b) -> const uint8_t* {
-                 const uint8_t* c = grp + b * step;
-                 if constexpr (!kKQuant<WT>) planes_prefetch(c, step);
-                 if (gg == kPlanesMaxG) return c;
-                 planes_widen(c, gg, K::kHdr, K::kBB, wide);
-                 return wide;
-               };
-               group(r, gg, cb0, nb, chunk);
-             });
+  walk_tiles_whole(y, w, L, row_begin, row_end, [&](const uint8_t* tile, int r, int nr, int cb0, int nb) {
+    const size_t gbytes = (size_t)nb * L.bb;  // per row of a group: group g0 at tile + g0 * gbytes
+    int g0 = 0;
+    if (L.g == kPlanesMaxG)
+      for (; g0 + 2 * kPlanesMaxG <= nr; g0 += 2 * kPlanesMaxG) {
+        const uint8_t* ga = tile + (size_t)g0 * gbytes;
+        const uint8_t* gb = ga + kPlanesMaxG * gbytes;
+        const size_t step = (size_t)kPlanesMaxG * K::kBB;
+        pair(r + g0, cb0, nb, [&](int b, const uint8_t*& ca, const uint8_t*& cb) {
+          ca = ga + b * step, cb = gb + b * step;
+          if constexpr (!kKQuant<WT>) planes_prefetch(ca, step), planes_prefetch(cb, step);
+        });
+      }
+    for (; g0 < nr; g0 += L.g)
+      planes_group_at<WT>(tile + (size_t)g0 * gbytes, r + g0, std::min(L.g, nr - g0), cb0, nb, group);
+  });
 }
 
 // The K-quants' chunk (docs/FORMAT.md 5.1), as their kernels walk it: 4 groups of 16 slices of
