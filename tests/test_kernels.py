@@ -383,18 +383,19 @@ def test_bench_resident_json():
     d = json.loads(out.stdout)
     assert d["resident"] is True and "probe_gbps" not in d
     assert {(k["layout"], k["threads"]) for k in d["kernels"]} == {("tiled", 1), ("tiled_blocks", 1), ("row_major", 1)}
-    assert all(k["type"] == "q4_1" and k["act"] == "q8" and 0 < k["gbps"] <= k["max_gbps"] for k in d["kernels"])
+    # by default the engine's decode activations: two int8 levels
+    assert all(k["type"] == "q4_1" and k["act"] == "q8x2" and 0 < k["gbps"] <= k["max_gbps"] for k in d["kernels"])
 
 
-def test_bench_two_level_activations_json():
-    # --act q8x2 times the engine's default (two int8 levels) on every layout; f16 keeps f32
+def test_bench_one_level_activations_json():
+    # --act q8 times one int8 level (--activations int8) on every layout; f16 keeps f32
     out = subprocess.run(
         [sys.executable, "-m", "cflow", "bench", "kernels", "--resident", "--json", "--types", "q4_k,f16",
-         "--threads", "1", "--act", "q8x2"],
+         "--threads", "1", "--act", "q8"],
         capture_output=True, text=True, check=True,
     )
     d = json.loads(out.stdout)
     acts = {(k["type"], k["layout"]): k["act"] for k in d["kernels"]}
-    assert {a for (t, _), a in acts.items() if t == "q4_k"} == {"q8x2"} and len(acts) == 5
+    assert {a for (t, _), a in acts.items() if t == "q4_k"} == {"q8"} and len(acts) == 5
     assert {a for (t, _), a in acts.items() if t == "f16"} == {"f32"}
     assert all(k["gbps"] > 0 for k in d["kernels"])

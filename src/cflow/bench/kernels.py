@@ -41,8 +41,9 @@ def add_arguments(p):
                    help="weight bytes per matrix in MB (default 512: beyond a large L3; >= 64)")
     p.add_argument("--cols", type=int, default=8192, help="matrix columns (multiple of 256)")
     p.add_argument("--act", choices=["auto", "q8", "q8x2", "f32"], default="auto",
-                   help="activation path: auto = q8 for quantized types, f32 for f32/f16/bf16; q8x2: "
-                        "two int8 levels, the engine's default (--activations int8x2)")
+                   help="activation path: auto = what the engine's decode runs by default: q8x2 (two "
+                        "int8 levels, --activations int8x2) for quantized types, f32 for f32/f16/bf16; q8: "
+                        "one int8 level (--activations int8)")
     p.add_argument("--isa", choices=["scalar", "avx2", "avx512"], default=None, help="cap the ISA (default: best)")
     p.add_argument("--resident", action="store_true",
                    help="instead: each kernel on a 0.5 MB matrix that stays in L2 (200 timed runs, median), "
@@ -54,10 +55,9 @@ def add_arguments(p):
 
 
 def _act(bt, choice: str) -> str:
-    """The activation path a kernel run uses: q8 for quantized types under auto, else f32."""
-    from cflow import kernels as K
-
-    act = K.default_act(bt.name) if choice == "auto" else choice
+    """The activation path a kernel run uses: under auto the engine's default, two int8 levels
+    for quantized types (Engine's precise) and f32 for f32/f16/bf16."""
+    act = ("q8x2" if bt.block_elems > 1 else "f32") if choice == "auto" else choice
     return "f32" if act in ("q8", "q8x2") and bt.block_elems == 1 else act
 
 
