@@ -698,7 +698,8 @@ struct KPassActs {
 };
 
 // K tokens T0 .. T0+K-1 of the pass on group q's unpacked slices: each sub-block's D_s times its
-// row scales, summed into I (two: I2), K (two: 2K) chains side by side. sl and st: the pass's slices and start values of this super-block.
+// row scales, summed into I (two: I2), K (two: 2K) chains side by side. sl and st: the pass's
+// slices and start values of this super-block.
 template <BlockType WT, bool TWO, int NT, int K>
 inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* sl, const int32_t* st,
                            int T0, __m512i* I, __m512i* I2) {
