@@ -879,7 +879,8 @@ void Engine::matmul_single(const Matmul& op, Team& t, const float* src, int lds,
 
 // gate_up rows come in pairs of pieces: [gate rows p*c .. +cp), [up rows p*c .. +cp), cp <= c.
 // Rows as for Matmul: prompt rows through the GEMM; single rows through the decode GEMV when a
-// piece pair is one stripe (each piece one GEMV row range, visited by every single row in turn),
+// piece pair is one stripe (one row: a GEMV over each run of pieces a thread is handed; several
+// without a batched kernel: each piece one GEMV row range, visited by every single row in turn),
 // else each through the GEMM alone.
 void Engine::run_op(const GateUp& op, Workspace& ws, Team& t) {
   if (t.lead()) counts_[op.stream].fetch_add(plan_.tensors[op.weight].nbytes, std::memory_order_relaxed);
@@ -959,6 +960,17 @@ void Engine::gate_up_rows(const GateUp& op, Team& t, const float* src, int lds, 
   grow(s.y, (size_t)2 * std::min(c, F));
   for (int q0, q1; share.next(&q0, &q1);) {
     if (m > 1 && batched_rows(at, s.xa.data(), k0, m, q0, q1)) continue;
+    if (m == 1) {  // one row: one GEMV over the run of pieces (it lays out its activations once)
+      const int ra = 2 * q0 * c, rb = std::min(2 * q1 * c, L.rows);
+      grow(s.y, (size_t)(rb - ra));
+      gemv(s.y.data(), s.xa.data(), W.data, L, ra, rb);
+      for (int p = q0; p < q1; ++p) {
+        const int cp = std::min(c, F - p * c);
+        const float* g = s.y.data() + (2 * p * c - ra);
+        act_mul(op.act, g, g + cp, h + (size_t)k0 * ldh + (size_t)p * c, cp);
+      }
+      continue;
+    }
     for (int p = q0; p < q1; ++p) {
       const int cp = std::min(c, F - p * c), r0 = 2 * p * c, r1 = r0 + 2 * cp;
       for (int k = 0; k < m; ++k) {
