@@ -4,9 +4,9 @@
 
 For each run folder runs/exp/<preset>-s<seed> with a ckpt.pt: exports the checkpoint with fp32
 weights and with 4-bit matrices (--q4 q4_0 and/or q4_1; Q8_0 embedding and head, as `cflow
-export --type q4_0` writes them; fitted with the importance of their columns measured on the
-first --calibrate tokens of the training split, as `cflow export --calibrate` does, or unweighted
-with --calibrate 0), then feeds the same held-out tokens (the start of the held-out
+export --type q4_0` writes them; by GPTQ against the activations measured on the first
+--calibrate tokens of the training split, as `cflow export --calibrate` does, or each block
+fitted on its own with --calibrate 0), then feeds the same held-out tokens (the start of the held-out
 split, `--positions` of them in windows of the model's max_seq_len; in each window the first half
 is one prefill, the rest one decode step at a time) to
 - the torch model (cflow.models.pnt, fp32): the reference;
@@ -76,7 +76,7 @@ def main() -> None:
         cells = []
         with tempfile.TemporaryDirectory() as d:
             f32 = f"{d}/f32.cflow"
-            export_checkpoint(str(run / "ckpt.pt"), f32, wtype="f32", etype="f32")
+            export_checkpoint(ck, f32, wtype="f32", etype="f32")
             rel, same = [], []
             for sched in ("sequential", "pipeline"):
                 eng = Engine(f32, threads=a.threads, fast=False, schedule=sched)
@@ -86,7 +86,7 @@ def main() -> None:
             for q in a.q4:
                 path = f"{d}/{q}.cflow"
                 cal = windows_of(ck["tokenizer"], train, a.calibrate, w) if a.calibrate else None
-                export_checkpoint(str(run / "ckpt.pt"), path, wtype=q, etype="q8_0", calibration=cal)
+                export_checkpoint(ck, path, wtype=q, etype="q8_0", calibration=cal)
                 eng = Engine(path, threads=a.threads)
                 got = np.concatenate([logits_of(eng, x, len(x) // 2) for x in windows])
                 cells.append(f"{100 * (got.argmax(-1) == ref.argmax(-1)).mean():.1f}% | "

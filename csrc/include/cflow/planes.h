@@ -85,6 +85,12 @@ inline void planes_prefetch(const uint8_t* chunk, size_t n) {
   if (!prefetch_on()) return;
   for (size_t o = 0; o < n; o += 64) __builtin_prefetch(chunk + kPrefetchAhead + o, 0, 3);
 }
+// The n bytes at p itself into L2 (prefetcht2): the pair walk's two streams, which it prefetches
+// whole pairs ahead (x86/planes_simd.h walk_planes_pairs).
+inline void planes_prefetch_l2(const uint8_t* p, size_t n) {
+  if (!prefetch_on()) return;
+  for (size_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 1);
+}
 // The K-quants' chunks (2304-3360 bytes, 36-53 lines) are prefetched a quarter at a time, by
 // their GEMVs before each of the 4 groups of slices they read: the whole chunk at once, as the
 // 32-blocks' 5-9 lines are, put bursts of 36-53 prefetches ahead of the loads, and on a Zen 4 core

@@ -25,10 +25,6 @@ struct PlanesKind {
 template <BlockType WT>
 constexpr bool kKQuant = WT == BlockType::Q4_K || WT == BlockType::Q5_K || WT == BlockType::Q6_K;
 
-// Walks a planes payload by interleave group (walk_tiles): group(r, gg, cb0, nb, chunk), with
-// chunk(b) the 16-row chunk of column block b, prefetched ahead (planes_prefetch; a K-quant GEMV
-// prefetches its chunks a quarter at a time itself, planes_prefetch_quarter) and widened to 16
-// rows in a stack buffer when the group is ragged (planes_widen).
 // One interleave group of walk_planes: group(r, gg, cb0, nb, chunk) for the group at grp.
 template <BlockType WT, class GroupF>
 inline void planes_group_at(const uint8_t* grp, int r, int gg, int cb0, int nb, GroupF&& group) {
@@ -45,6 +41,10 @@ inline void planes_group_at(const uint8_t* grp, int r, int gg, int cb0, int nb, 
   group(r, gg, cb0, nb, chunk);
 }
 
+// Walks a planes payload by interleave group (walk_tiles): group(r, gg, cb0, nb, chunk), with
+// chunk(b) the 16-row chunk of column block b, prefetched ahead (planes_prefetch; a K-quant GEMV
+// prefetches its chunks a quarter at a time itself, planes_prefetch_quarter) and widened to 16
+// rows in a stack buffer when the group is ragged (planes_widen).
 template <BlockType WT, class GroupF>
 inline void walk_planes(float* y, const uint8_t* w, const TileLayout& L, int row_begin, int row_end, GroupF&& group) {
   walk_tiles(y, w, L, row_begin, row_end, [&](const uint8_t* grp, int r, int gg, int cb0, int nb) {
@@ -76,12 +76,11 @@ inline void walk_planes_pairs(float* y, const uint8_t* w, const TileLayout& L, i
         const uint8_t* ga = tile + (size_t)g0 * gbytes;
         const uint8_t* gb = ga + kPlanesMaxG * gbytes;
         const size_t step = (size_t)kPlanesMaxG * K::kBB;
-        const size_t pair = 2 * kPlanesMaxG * gbytes, ahead = pair * std::max<size_t>(1, (kPairAhead + pair - 1) / pair);
+        const size_t pair = 2 * kPlanesMaxG * gbytes;
+        const size_t ahead = pair * std::max<size_t>(1, (kPairAhead + pair - 1) / pair);  // whole pairs
         pair_fn(r + g0, cb0, nb, [&](int b, const uint8_t*& ca, const uint8_t*& cb) {
           ca = ga + b * step, cb = gb + b * step;
-          if constexpr (!kKQuant<WT>)
-            if (prefetch_on())
-              for (size_t o = 0; o < step; o += 64) __builtin_prefetch(ca + ahead + o, 0, 1), __builtin_prefetch(cb + ahead + o, 0, 1);
+          if constexpr (!kKQuant<WT>) planes_prefetch_l2(ca + ahead, step), planes_prefetch_l2(cb + ahead, step);
         });
       }
     for (; g0 < nr; g0 += L.g)

@@ -27,21 +27,23 @@ def main(args) -> int:
     from cflow.format.quant import FITTED
     from cflow.models.export import export_checkpoint
 
+    from cflow.train import checkpoint
+
     etype = args.embd_type or (args.type if args.type in FLOAT_TYPES else "q8_0")
+    ck = checkpoint.load(args.checkpoint)
     windows = None
     if args.calibrate is not None and not {args.type, etype} & set(FITTED):
         print(f"note: --calibrate not used: only q4_0 and q4_1 are written against it, not {args.type}"
               + (f" or {etype}" if etype != args.type else ""), file=sys.stderr)
     elif args.calibrate is not None:
         from cflow.models.calibrate import windows_of
-        from cflow.train import checkpoint, data
+        from cflow.train import data
 
         if args.calibrate_tokens < 1:
             raise CflowError(f"--calibrate-tokens must be positive, got {args.calibrate_tokens}")
-        ck = checkpoint.load(args.checkpoint)
         windows = windows_of(ck["tokenizer"], data.read_texts(args.calibrate), args.calibrate_tokens,
                              ck["config"].max_seq_len)
-    n = export_checkpoint(args.checkpoint, args.output, args.type, etype, calibration=windows)
+    n = export_checkpoint(ck, args.output, args.type, etype, calibration=windows)
     cal = f", calibrated on {sum(map(len, windows))} tokens" if windows else ""
     print(f"wrote {args.output}: {n} tensors ({args.type} matrices, {etype} embedding and head{cal})")
     return 0

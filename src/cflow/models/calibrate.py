@@ -132,11 +132,6 @@ def measure(model, windows: list[list[int]], max_hessian_bytes: int = 1 << 30, n
     return out
 
 
-def importance(model, windows: list[list[int]]) -> dict[str, np.ndarray]:
-    """{export tensor name: float32 (cols,)}: measure()'s diagonals alone."""
-    return {k: c.diag for k, c in measure(model, windows, max_hessian_bytes=0).items()}
-
-
 def gptq_encode(w: np.ndarray, calib: Calib, type_name: str, damp: float = 0.01) -> np.ndarray:
     """float (R, C) -> uint8 (R, C / 32 * block bytes): Q4_0 or Q4_1 blocks by GPTQ (Frantar et
     al., 2022) over the calibration's second moments H = E[x x^T]: the columns are rounded in

@@ -115,12 +115,13 @@ def export_dense(ck: dict, path: str, wtype: str, etype: str, calibration: list[
     return len(out.tensors)
 
 
-def export_checkpoint(ckpt: str, path: str, wtype: str = "q8_0", etype: str = "q8_0",
+def export_checkpoint(ckpt, path: str, wtype: str = "q8_0", etype: str = "q8_0",
                       calibration: list[list[int]] | None = None) -> int:
-    """Write `path`; returns the number of tensors written. calibration: token windows (lists of
-    ids, calibrate.windows_of) the model runs first, so that Q4_0 and Q4_1 weights are written by
-    GPTQ against the activations measured (calibrate.py); None: each block fitted on its own."""
-    ck = checkpoint.load(ckpt)
+    """Write `path` from `ckpt` (a ckpt.pt path or run folder, or what checkpoint.load returned);
+    returns the number of tensors written. calibration: token windows (lists of ids,
+    calibrate.windows_of) the model runs first, so that Q4_0 and Q4_1 weights are written by GPTQ
+    against the activations measured (calibrate.py); None: each block fitted on its own."""
+    ck = ckpt if isinstance(ckpt, dict) else checkpoint.load(ckpt)
     cfg = ck["config"]
     if cfg.arch != "pnt":
         return export_dense(ck, path, wtype, etype, calibration)
