@@ -311,9 +311,9 @@ TEST(int8_gemv_holds_extreme_weights) {
 
 // m tokens through `batch` and, one by one, through the GEMV of the same (wt, pack, at): the same
 // floats, bit for bit (rows in two calls: the first stripe, then the rest).
-static bool batch_matches(BlockType wt, AType at, const Tiling& ts, int m, GemvBatchFn batch, int rows, int cols,
-                          const std::vector<uint8_t>& tiled) {
-  GemvFn one = gemv_fn(wt, ts.pack, at, best_isa());
+static bool batch_matches(Isa isa, BlockType wt, AType at, const Tiling& ts, int m, GemvBatchFn batch, int rows,
+                          int cols, const std::vector<uint8_t>& tiled) {
+  GemvFn one = gemv_fn(wt, ts.pack, at, isa);
   const TileLayout L = layout(wt, rows, cols, ts);
   const size_t ab = act_bytes(wt, at, cols);
   std::vector<uint8_t> xa(m * ab);
@@ -331,43 +331,45 @@ static bool batch_matches(BlockType wt, AType at, const Tiling& ts, int m, GemvB
   for (int k = 0; k < m; ++k)
     same &= std::memcmp(yb.data() + (size_t)k * ldy, y1.data() + (size_t)k * ldy, sizeof(float) * rows) == 0;
   if (!same)
-    std::fprintf(stderr, "batched != alone: %s %s m=%d rows=%d cols=%d g=%d\n", block_name(wt),
+    std::fprintf(stderr, "batched != alone: %s %s %s m=%d rows=%d cols=%d g=%d\n", isa_name(isa), block_name(wt),
                  at == AType::Q8 ? "q8" : "q8x2", m, rows, cols, ts.g);
   return same;
 }
 
 // The batched GEMV gives every token exactly (bitwise) what the GEMV gives it alone, for batches
-// of one to more than one A tile of tokens, full and ragged groups, several column tiles; it
-// exists for every planes type on AVX2 and AVX-512 (AMX where usable, else VNNI), and for the
-// ternary types' whole blocks with one int8 level.
+// of one to more than one A tile of tokens, full and ragged groups, several column tiles, on
+// every SIMD ISA the CPU has (the engine runs one, the test all); it exists for every planes type
+// on AVX2 and AVX-512 (AMX where usable, else VNNI), and for the ternary types' whole blocks with
+// one int8 level.
 TEST(batched_gemv_is_bitwise_the_gemv_of_each_token) {
   bool any = false;
   std::uniform_int_distribution<int> ri(1, 300);
-  for (BlockType wt : kAll)
-    for (AType at : {AType::Q8, AType::Q8x2})
-      for (int g : {16, 12, 4}) {
-        if (!planes_header(wt)) continue;
-        const Tiling ts{96, 256, g, Pack::Planes};
-        GemvBatchFn batch = gemv_batch_fn(wt, ts.pack, at, best_isa());
-        CHECK(!batch == (best_isa() == Isa::Scalar));  // every planes type has one on AVX2 and AVX-512
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa)) continue;
+    for (BlockType wt : kAll)
+      for (AType at : {AType::Q8, AType::Q8x2})
+        for (int g : {16, 12, 4}) {
+          if (!planes_header(wt)) continue;
+          const Tiling ts{96, 256, g, Pack::Planes};
+          GemvBatchFn batch = gemv_batch_fn(wt, ts.pack, at, isa);
+          CHECK(batch);  // every planes type has one on AVX2 and AVX-512
+          if (!batch) continue;
+          any = true;
+          const int qk = block_elems(wt), rows = 16 + ri(rng()), cols = qk * (1 + ri(rng()) % (qk == 256 ? 5 : 24));
+          const auto tiled = pack(wt, random_rows(wt, rows, cols), rows, cols, ts);
+          for (int m : {1, 2, 3, 8, 9, 16, 17, 33}) CHECK(batch_matches(isa, wt, at, ts, m, batch, rows, cols, tiled));
+        }
+    for (BlockType wt : {BlockType::TQ1_0, BlockType::TQ2_0})  // whole blocks, one level
+      for (const Tiling& ts : {Tiling{96, 256, 1, Pack::Blocks}, Tiling{64, 512, 4, Pack::Blocks}}) {
+        GemvBatchFn batch = gemv_batch_fn(wt, ts.pack, AType::Q8, isa);
+        CHECK(batch);
         if (!batch) continue;
         any = true;
-        const int qk = block_elems(wt), rows = 16 + ri(rng()), cols = qk * (1 + ri(rng()) % (qk == 256 ? 5 : 24));
+        const int rows = 16 + ri(rng()), cols = 256 * (2 + ri(rng()) % 5);
         const auto tiled = pack(wt, random_rows(wt, rows, cols), rows, cols, ts);
-        for (int m : {1, 2, 3, 8, 9, 16, 17, 33}) {
-          CHECK(batch_matches(wt, at, ts, m, batch, rows, cols, tiled));
-        }
+        for (int m : {1, 2, 7, 8, 9, 17}) CHECK(batch_matches(isa, wt, AType::Q8, ts, m, batch, rows, cols, tiled));
       }
-  for (BlockType wt : {BlockType::TQ1_0, BlockType::TQ2_0})  // whole blocks, one level
-    for (const Tiling& ts : {Tiling{96, 256, 1, Pack::Blocks}, Tiling{64, 512, 4, Pack::Blocks}}) {
-      GemvBatchFn batch = gemv_batch_fn(wt, ts.pack, AType::Q8, best_isa());
-      CHECK(!batch == (best_isa() == Isa::Scalar));
-      if (!batch) continue;
-      any = true;
-      const int rows = 16 + ri(rng()), cols = 256 * (2 + ri(rng()) % 5);
-      const auto tiled = pack(wt, random_rows(wt, rows, cols), rows, cols, ts);
-      for (int m : {1, 2, 7, 8, 9, 17}) CHECK(batch_matches(wt, AType::Q8, ts, m, batch, rows, cols, tiled));
-    }
+  }
   if (!any) std::fprintf(stderr, "  (no batched GEMV on this CPU: nothing to compare)\n");
 }
 

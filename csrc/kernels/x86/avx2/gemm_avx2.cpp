@@ -61,7 +61,10 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
     } else {  // kRun slices summed in int16, then one madd
       for (int j0 = 0; j0 < 8; j0 += kRun) {
         __m256i p = _mm256_maddubs_epi16(u[j0], _mm256_set1_epi32(xs(j0)));
-        for (int j = j0 + 1; j < j0 + kRun; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xs(j))));
+        for (int j = j0 + 1; j < j0 + kRun; ++j) {
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xs(j))));
+          keep_in_register(p);
+        }
         s = j0 ? _mm256_add_epi32(s, _mm256_madd_epi16(p, ones)) : _mm256_madd_epi16(p, ones);
       }
     }

@@ -88,56 +88,13 @@ inline void add_group(float* y, int gg, __m256 a0, __m256 a1) {
   for (int i = 0; i < gg; ++i) y[i] += t[i];
 }
 
-// The activation block's slices j = 0..7 (4 bytes each) broadcast to every int32 lane: made once
-// per block and met by both halves of the chunk.
-struct Slices {
-  __m256i v[8];
-  explicit Slices(const block_q8a& a) {
-    int32_t xw[8];
-    std::memcpy(xw, a.qs, 32);
-    for (int j = 0; j < 8; ++j) v[j] = _mm256_set1_epi32(xw[j]);
-  }
-};
-
-// Rows 8h .. 8h+7 (their unpacked slices u): the exact int32 dot products with the activation
-// block a (its slices xb), started at -kZero * sum(a).
-template <BlockType WT>
-inline __m256i planes_half_dot(const __m256i (&u)[8], const Slices& xb, const q8a_sums& la) {
-  using K = PlanesKind<WT>;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int isum = la.lsum4[0] + la.lsum4[1] + la.lsum4[2] + la.lsum4[3];
-  __m256i s = _mm256_set1_epi32(K::kNib ? -K::kZero * isum : 0);
-  if (K::kNib) {
-    // int16 sums of as many maddubs as cannot saturate (a pair sums to at most 2 * kMaxU * 127:
-    // 8 of them for 4-bit weights, 4 for Q5_0's and Q5_1's 5 bits), then one madd to int32: the multiply
-    // port, which Zen 1 runs at 128 bits, carries a quarter fewer operations than a madd per pair
-    constexpr int kRun = 32767 / (2 * K::kMaxU * 127) >= 8 ? 8 : 4;
-    for (int k0 = 0; k0 < 8; k0 += kRun) {
-      __m256i p = _mm256_setzero_si256();
-      for (int k = k0; k < k0 + kRun; ++k) {
-        const int j = k % 2 ? 4 + k / 2 : k / 2;  // slices j and 4 + j: one plane's low and high nibbles
-        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[j], xb.v[j]));
-      }
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-    }
-  } else {
-    for (int k = 0; k < 8; ++k) {
-      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[k]), _mm256_sign_epi8(xb.v[k], u[k]));
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-    }
-  }
-  return s;
-}
-
-// Rows 8h .. 8h+7: the float part of a block, as planes_finish at 512 bits: acc + d_w d_a s, or
-// with two levels (s2 the second's, whose scale is d_a / 256) acc + d_w d_a2 (256 s + s2): the
-// levels meet as exact integers and take one conversion and one multiply-add; plus m_w s_a (s_a
-// + s_a2) for Q4_1 and Q5_1.
+// Rows 8h .. 8h+7: the float part of a block, as planes_finish at 512 bits: acc + d_w d_a I, or
+// with two levels (the second's scale is d_a / 256) acc + d_w d_a2 I, I = 256 s + s2 the levels'
+// exact integer sums (one conversion and one multiply-add for both); plus m_w s_a (s_a + s_a2)
+// for Q4_1 and Q5_1.
 template <BlockType WT, bool TWO>
-inline __m256 planes_half_finish(const uint8_t* c, int h, __m256i s, __m256i s2, const block_q8a& a,
-                                 const block_q8a* a2, __m256 acc) {
+inline __m256 planes_finish(const uint8_t* c, int h, __m256i I, const block_q8a& a, const block_q8a* a2, __m256 acc) {
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
-  const __m256i I = TWO ? _mm256_add_epi32(_mm256_slli_epi32(s, 8), s2) : s;
   acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(TWO ? a2->d : a.d)), _mm256_cvtepi32_ps(I), acc);
   if (PlanesKind<WT>::kHasM)
     acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h))),
@@ -145,18 +102,107 @@ inline __m256 planes_half_finish(const uint8_t* c, int h, __m256i s, __m256i s2,
   return acc;
 }
 
-// One chunk against one or two levels (a2, la2: the second's block and sums): each half unpacked
-// once, dotted with every level.
+// The exact integers I = 256 s + s2 (TWO) or s of NH halves of a chunk (S[i]: half h0 + i) against
+// one activation block and its second level, plane by plane: slice(h, k, ul, uh) gives plane k's
+// two unsigned slices k and 4 + k of half h (Q8_0: slice k's signed weights in ul), which meet
+// every level's broadcast activation slices before the next plane is touched. Each level's
+// maddubs add up in int16 over kRun planes (2 slices a plane: 8 slices of 4-bit weights, 4 of
+// 5-bit ones), kept in one register each (keep_in_register); Q8_0 takes |w| times sign(x, w) and a
+// madd per slice. s starts at -kZero * sum(a).
+// Unpacking a half's 8 slices into registers first and broadcasting the 8 activation slices
+// once (as before 2026-12-03) keeps 16 vectors live, all of AVX2's registers: the spills made
+// the one-token GEMV 1.5-2x slower (docs/KERNELS.md).
+template <BlockType WT, bool TWO, int NH, class SliceF>
+inline void planes_dot(SliceF&& slice, int h0, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
+                       const q8a_sums* la2, __m256i (&S)[NH]) {
+  using K = PlanesKind<WT>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  // The activation bytes through pointers the compiler cannot see through: where a caller
+  // meets the same blocks again (the two halves, the tokens of a pass), it would otherwise keep
+  // every broadcast of the first call for the next, in registers it does not have (stack spills).
+  const int8_t* q1 = a.qs;
+  const int8_t* q2 = TWO ? a2->qs : a.qs;
+  __asm__("" : "+r"(q1), "+r"(q2));
+  auto bcast = [&](int level, int j) {  // activation slice j (bytes 4j .. 4j+3) to every lane
+    int32_t v;
+    std::memcpy(&v, (level == 1 ? q1 : q2) + 4 * j, 4);
+    return _mm256_set1_epi32(v);
+  };
+  auto isum = [](const q8a_sums& s) { return s.lsum4[0] + s.lsum4[1] + s.lsum4[2] + s.lsum4[3]; };
+  const int z = K::kNib ? -K::kZero * (TWO ? 256 * isum(la) + isum(*la2) : isum(la)) : 0;
+  for (int i = 0; i < NH; ++i) S[i] = _mm256_set1_epi32(z);
+  auto merge = [&](__m256i& Si, __m256i p1, __m256i p2) {  // one run's int32 sums into S
+    Si = _mm256_add_epi32(Si, TWO ? _mm256_add_epi32(_mm256_slli_epi32(p1, 8), p2) : p1);
+  };
+  if constexpr (K::kNib) {
+    constexpr int kRun = 32767 / (2 * K::kMaxU * 127) >= 8 ? 4 : 2;  // planes per int16 run
+    for (int k0 = 0; k0 < 4; k0 += kRun) {
+      __m256i P1[NH], P2[NH];
+      for (int i = 0; i < NH; ++i) P1[i] = P2[i] = _mm256_setzero_si256();
+      for (int k = k0; k < k0 + kRun; ++k) {
+        const __m256i xl = bcast(1, k), xh = bcast(1, 4 + k);
+        const __m256i xl2 = TWO ? bcast(2, k) : xl, xh2 = TWO ? bcast(2, 4 + k) : xh;
+        for (int i = 0; i < NH; ++i) {
+          __m256i ul, uh;
+          slice(h0 + i, k, ul, uh);
+          P1[i] = _mm256_add_epi16(P1[i], _mm256_add_epi16(_mm256_maddubs_epi16(ul, xl), _mm256_maddubs_epi16(uh, xh)));
+          keep_in_register(P1[i]);
+          if (TWO) {
+            P2[i] = _mm256_add_epi16(P2[i], _mm256_add_epi16(_mm256_maddubs_epi16(ul, xl2), _mm256_maddubs_epi16(uh, xh2)));
+            keep_in_register(P2[i]);
+          }
+        }
+      }
+      for (int i = 0; i < NH; ++i)
+        merge(S[i], _mm256_madd_epi16(P1[i], ones), TWO ? _mm256_madd_epi16(P2[i], ones) : P1[i]);
+    }
+  } else {
+    for (int k = 0; k < 8; ++k) {
+      const __m256i x1 = bcast(1, k), x2 = TWO ? bcast(2, k) : x1;
+      for (int i = 0; i < NH; ++i) {
+        __m256i wq, unused;
+        slice(h0 + i, k, wq, unused);
+        const __m256i aw = _mm256_abs_epi8(wq);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x1, wq)), ones);
+        merge(S[i], p1, TWO ? _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x2, wq)), ones) : p1);
+      }
+    }
+  }
+}
+
+// Plane k's slices of half h straight from chunk c (the one-token GEMV: no slice array at all).
+template <BlockType WT>
+inline void planes_chunk_slice(const uint8_t* c, int h, int k, __m256i& ul, __m256i& uh) {
+  using K = PlanesKind<WT>;
+  if constexpr (!K::kNib) {
+    ul = _mm256_loadu_si256((const __m256i*)(c + K::kQs + 64 * k + 32 * h));
+  } else {
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(c + K::kQs + 64 * k + 32 * h));
+    ul = _mm256_and_si256(q, lo), uh = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo);
+    if constexpr (K::kFifth) planes_fifth(c, K::kQh, h, k, ul, uh);
+  }
+}
+
+// One chunk of 16 rows, both halves, against one or two activation levels (the one-token GEMV).
 template <BlockType WT, bool TWO>
 inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
                          const q8a_sums* la2, __m256& acc0, __m256& acc1) {
-  __m256* acc[2] = {&acc0, &acc1};
-  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h+7
-    __m256i u[8];
-    planes_unpack<WT>(c, h, u);
-    const __m256i s = planes_half_dot<WT>(u, Slices(a), la);
-    const __m256i s2 = TWO ? planes_half_dot<WT>(u, Slices(*a2), *la2) : s;
-    *acc[h] = planes_half_finish<WT, TWO>(c, h, s, s2, a, a2, *acc[h]);
+  if constexpr (PlanesKind<WT>::kFifth) {  // the batched pass's order: each half unpacked first
+    __m256* acc[2] = {&acc0, &acc1};
+    for (int h = 0; h < 2; ++h) {
+      __m256i u[8], S[1];
+      planes_unpack<WT>(c, h, u);
+      planes_dot<WT, TWO, 1>([&](int, int k, __m256i& ul, __m256i& uh) { ul = u[k], uh = u[4 + k]; }, h, a, la, a2,
+                             la2, S);
+      *acc[h] = planes_finish<WT, TWO>(c, h, S[0], a, a2, *acc[h]);
+    }
+  } else {
+    __m256i S[2];
+    planes_dot<WT, TWO, 2>([&](int h, int k, __m256i& ul, __m256i& uh) { planes_chunk_slice<WT>(c, h, k, ul, uh); },
+                           0, a, la, a2, la2, S);
+    acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, acc0);
+    acc1 = planes_finish<WT, TWO>(c, 1, S[1], a, a2, acc1);
   }
 }
 
@@ -198,6 +244,7 @@ inline __m256i kplanes_group_isum(const uint8_t* c, int h, int q, const __m256i*
         int32_t x4;
         std::memcpy(&x4, a.qs + K::kSubW * s + 4 * j, 4);
         p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_load_si256(u + r * K::kSlices + j), _mm256_set1_epi32(x4)));
+        keep_in_register(p);
       }
       D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));
     }
@@ -206,17 +253,55 @@ inline __m256i kplanes_group_isum(const uint8_t* c, int h, int q, const __m256i*
   return I;
 }
 
-// pf: prefetch the chunk ahead a quarter per group (the GEMV's first pass over a chunk).
-template <BlockType WT>
-inline __m256i kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, bool pf = false) {
-  __m256i I = _mm256_setzero_si256();
+// The one-token GEMV's I (and I2, the second level's) of rows 8h .. 8h+7: the batched pass's
+// integers (kplanes_group_isum summed over the groups), exactly, with each slice unpacked where
+// it is used (kplanes_slice), once for both levels, and each int16 run kept in one register
+// (keep_in_register), sub-block by sub-block, every loop unrolled so that each plane's index is
+// a constant. Unpacking a group's 16 slices into an array first, once per level (as before
+// 2026-12-03), ran 1.5-2x slower on AVX2 (docs/KERNELS.md). The chunk is prefetched a quarter
+// per group (planes_prefetch_quarter) on the first half's pass.
+template <BlockType WT, bool TWO>
+inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const block_q8_K* a2, __m256i& I,
+                              __m256i& I2) {
+  using K = KPlanesKind<WT>;
+  constexpr int kPer16 = K::kMaxU == 15 ? 8 : K::kMaxU == 31 ? 4 : 2;  // slices per int16 run
+  static_assert(kPer16 * 2 * K::kMaxU * 127 <= 32767, "the int16 sums must not saturate");
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto bcast = [](const block_q8_K& x, int s, int j) {
+    int32_t v;
+    std::memcpy(&v, x.qs + K::kSubW * s + 4 * j, 4);
+    return _mm256_set1_epi32(v);
+  };
+  I = I2 = _mm256_setzero_si256();
+#pragma GCC unroll 4
   for (int q = 0; q < 4; ++q) {
-    __m256i u[16];
-    if (pf) planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
-    kplanes_unpack<WT>(c, h, q, u);
-    I = _mm256_add_epi32(I, kplanes_group_isum<WT>(c, h, q, u, a));
+    if (h == 0) planes_prefetch_quarter(c, 16 * K::kBB, q);
+#pragma GCC unroll 4
+    for (int r = 0; r < K::kSubs; ++r) {  // unrolled with the slices: every plane index a constant
+      const int s = K::sub(q, r);
+      __m256i D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
+      __m256i D2 = TWO ? _mm256_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
+#pragma GCC unroll 8
+      for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
+        __m256i p = _mm256_setzero_si256(), p2 = p;
+#pragma GCC unroll 8
+        for (int j = j0; j < j0 + kPer16; ++j) {
+          const __m256i u = kplanes_slice<WT>(c, h, q, r * K::kSlices + j);
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, bcast(a, s, j)));
+          keep_in_register(p);
+          if (TWO) {
+            p2 = _mm256_add_epi16(p2, _mm256_maddubs_epi16(u, bcast(*a2, s, j)));
+            keep_in_register(p2);
+          }
+        }
+        D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));
+        if (TWO) D2 = _mm256_add_epi32(D2, _mm256_madd_epi16(p2, ones));
+      }
+      const __m256i sc = kplanes_scale<WT>(c, h, s);
+      I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, sc));
+      if (TWO) I2 = _mm256_add_epi32(I2, _mm256_mullo_epi32(D2, sc));
+    }
   }
-  return I;
 }
 
 // TWO: x holds the cols/256 block_q8_K of the first level, then those of the second.
@@ -231,9 +316,10 @@ void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayou
       const block_q8_K& a = x[cb0 + b];
       const block_q8_K* a2 = x2 + cb0 + b;
       for (int h = 0; h < 2; ++h) {
-        const __m256i I = kplanes_isum<WT>(c, h, a, h == 0), M = kplanes_mins<WT>(c, h, a);
-        const __m256i I2 = TWO ? kplanes_isum<WT>(c, h, *a2) : I, M2 = TWO ? kplanes_mins<WT>(c, h, *a2) : M;
-        acc[h] = kplanes_finish<WT, TWO>(c, h, I, M, I2, M2, a, a2, acc[h]);
+        __m256i I, I2;
+        kplanes_isum<WT, TWO>(c, h, a, a2, I, I2);
+        const __m256i M = kplanes_mins<WT>(c, h, a), M2 = TWO ? kplanes_mins<WT>(c, h, *a2) : M;
+        acc[h] = kplanes_finish<WT, TWO>(c, h, I, M, TWO ? I2 : I, M2, a, a2, acc[h]);
       }
     }
     add_group(y + r, gg, acc[0], acc[1]);
@@ -273,12 +359,13 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, cons
     }
   walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
     for (int h = 0; h < 2; ++h) {
-      __m256i u[8];
+      __m256i u[8];  // the half's slices, unpacked once for every token
       planes_unpack<WT>(c, h, u);
+      auto slice = [&](int, int k, __m256i& ul, __m256i& uh) { ul = u[k], uh = u[4 + k]; };
       for (int t = 0; t < nt; ++t) {
-        const __m256i s = planes_half_dot<WT>(u, Slices(x[t][0][cb]), xs[t][0][cb]);
-        const __m256i s2 = TWO ? planes_half_dot<WT>(u, Slices(x[t][LV - 1][cb]), xs[t][LV - 1][cb]) : s;
-        acc[t][h] = planes_half_finish<WT, TWO>(c, h, s, s2, x[t][0][cb], x[t][LV - 1] + cb, acc[t][h]);
+        __m256i S[1];
+        planes_dot<WT, TWO, 1>(slice, h, x[t][0][cb], xs[t][0][cb], x[t][LV - 1] + cb, xs[t][LV - 1] + cb, S);
+        acc[t][h] = planes_finish<WT, TWO>(c, h, S[0], x[t][0][cb], x[t][LV - 1] + cb, acc[t][h]);
       }
     }
   });

@@ -41,6 +41,30 @@ inline void kplanes_unpack(const uint8_t* c, int h, int q, __m256i (&u)[16]) {
   }
 }
 
+// Slice k of group q (kplanes_unpack's u[k]) alone: the one-token GEMV unpacks each slice where
+// it meets the activations, keeping no 16-slice array (kplanes_unpack's u spills: AVX2 has 16 ymm
+// registers), and reads a plane again from L1 for each of its slices.
+template <BlockType WT>
+inline __m256i kplanes_slice(const uint8_t* c, int h, int q, int k) {
+  using K = KPlanesKind<WT>;
+  const uint8_t* pl = c + K::kPlanes + 32 * h;
+  auto plane = [&](int p) { return _mm256_loadu_si256((const __m256i*)(pl + 64 * p)); };
+  const __m256i lo = _mm256_set1_epi8(0x0F);
+  if constexpr (K::kQ4) {
+    const int j = k % 8, r = k / 8;  // slice j of the low (r = 0) or high nibbles
+    const __m256i p = plane(K::kQsPlane + 8 * q + j);
+    __m256i u = _mm256_and_si256(r ? _mm256_srli_epi16(p, 4) : p, lo);
+    if constexpr (K::kFifth) u = _mm256_or_si256(u, _mm256_and_si256(kplanes_bit4(plane(3 + j), 2 * q + r), _mm256_set1_epi8(16)));
+    return u;
+  } else {
+    const int m = k % 4, t = k / 4;  // slice m of quarter t
+    const __m256i qh = plane(K::q6_qh(q, m)), l = plane(K::q6_ql(q, t % 2, m));
+    const __m256i nib = t < 2 ? l : _mm256_srli_epi16(l, 4);
+    const __m256i bits = t == 0 ? _mm256_slli_epi16(qh, 4) : t == 1 ? _mm256_slli_epi16(qh, 2) : t == 2 ? qh : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(_mm256_and_si256(nib, lo), _mm256_and_si256(bits, _mm256_set1_epi8(0x30)));
+  }
+}
+
 // Sub-block s's scale of rows 8h .. 8h+7 (int32 lanes).
 template <BlockType WT>
 inline __m256i kplanes_scale(const uint8_t* c, int h, int s) {

@@ -101,5 +101,11 @@ struct IVec {
   }
 };
 
+// An empty asm that takes v in a register and may change it: a running sum into v is then
+// finished in program order, where the compiler would otherwise reassociate a chunk's many
+// maddubs into a tree whose live partial results outnumber the 16 ymm registers and go to the
+// stack (a quarter of the one-token GEMV's instructions were such spills, docs/KERNELS.md).
+inline void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
 }  // namespace avx2
 }  // namespace cflow
