@@ -1,5 +1,6 @@
 #include "cflow/threadpool.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -7,6 +8,7 @@
 #include <mutex>
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -20,10 +22,37 @@
 namespace cflow {
 
 namespace {
-// Spin budgets: a barrier partner or the end of a run is close (decode ops take 10-100 us); the
-// next run comes after the caller's own work between forwards (sampling: ~0.1-1 ms).
-constexpr int kSpinBarrierUs = 50;
+// Spin budgets: the next run comes after the caller's own work between forwards (sampling:
+// ~0.1-1 ms); a barrier partner or the end of a run is close (decode ops take 10-100 us), unless
+// the partner's core was taken away. Who took it decides the budget (docs/KERNELS.md, "Thread
+// pool"): a hypervisor that runs another tenant on the partner's vCPU gives it back within a
+// few ms, and a waiter that slept meanwhile pays its own vCPU's wake-up on top (a halted vCPU
+// is rescheduled by the host): spinning kSpinLongUs there made decode steps 15-20% faster in
+// the median on a shared 2-vCPU VM and removed its 2-5x outliers. When the guest's own
+// scheduler runs more threads than cores, a spinner holds the core its partner waits for: steps
+// of 9 ms took 0.3-0.4 s with two busy loops beside the engine. So the pool spins long unless
+// its caller thread is being preempted (involuntary context switches during a run, which
+// hypervisor contention does not cause), then short for a while (kShortRuns, doubled at each
+// relapse).
 constexpr int kSpinIdleUs = 2000;
+constexpr int kSpinLongUs = 2000;
+constexpr int kSpinShortUs = 50;
+constexpr int kShortRuns = 64, kMaxShortRuns = 1 << 14;
+
+// Involuntary context switches of the calling thread so far (0 where unknown).
+long preemptions() {
+#if defined(__linux__)
+  struct rusage ru;
+  if (getrusage(RUSAGE_THREAD, &ru) == 0) return ru.ru_nivcsw;
+#endif
+  return 0;
+}
+
+// CFLOW_SPIN_US fixes the barrier budget (no adaptation); for measurements.
+int fixed_spin_us() {
+  const char* s = std::getenv("CFLOW_SPIN_US");
+  return s && *s ? std::max(0, std::atoi(s)) : -1;
+}
 
 void sleep_while(std::atomic<uint32_t>& w, uint32_t old) {
 #if defined(__linux__)
@@ -45,8 +74,22 @@ void wake_all(std::atomic<uint32_t>& w) {
 }
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) : n_(n_threads < 1 ? 1 : n_threads) {
+ThreadPool::ThreadPool(int n_threads) : n_(n_threads < 1 ? 1 : n_threads), fixed_spin_us_(fixed_spin_us()), short_runs_(kShortRuns) {
+  spin_us_.store(fixed_spin_us_ >= 0 ? fixed_spin_us_ : kSpinLongUs, std::memory_order_relaxed);
   for (int t = 1; t < n_; ++t) threads_.emplace_back([this, t] { worker(t); });
+}
+
+void ThreadPool::adapt_spin(long preempted) {
+  if (fixed_spin_us_ >= 0) return;
+  if (preempted >= 2) {  // the caller lost its core during the run: short spins for a while
+    if (short_left_ > 0) short_runs_ = std::min(2 * short_runs_, kMaxShortRuns);  // relapse
+    short_left_ = short_runs_;
+    spin_us_.store(kSpinShortUs, std::memory_order_relaxed);
+  } else if (short_left_ > 0 && --short_left_ == 0) {
+    spin_us_.store(kSpinLongUs, std::memory_order_relaxed);
+  } else if (short_left_ == 0 && short_runs_ > kShortRuns && ++calm_runs_ >= kMaxShortRuns) {
+    short_runs_ = kShortRuns, calm_runs_ = 0;  // long calm: forget the relapses
+  }
 }
 
 ThreadPool::~ThreadPool() {
@@ -93,6 +136,7 @@ void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
     fn(ctx, 0, 1);
     return;
   }
+  const long p0 = preemptions();
   fn_ = fn;
   ctx_ = ctx;
   done_.store(0, std::memory_order_relaxed);
@@ -100,7 +144,8 @@ void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
   notify(gen_);
   fn(ctx, 0, n_);
   for (uint32_t d; (d = done_.load(std::memory_order_acquire)) != (uint32_t)(n_ - 1);)
-    wait_change(done_, d, kSpinBarrierUs);
+    wait_change(done_, d, spin_us_.load(std::memory_order_relaxed));
+  adapt_spin(preemptions() - p0);
 }
 
 void ThreadPool::barrier() {
@@ -112,7 +157,7 @@ void ThreadPool::barrier() {
     notify(bar_gen_);
     return;
   }
-  wait_change(bar_gen_, g, kSpinBarrierUs);
+  wait_change(bar_gen_, g, spin_us_.load(std::memory_order_relaxed));
 }
 
 

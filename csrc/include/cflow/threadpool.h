@@ -1,11 +1,12 @@
 // The persistent thread pool of the kernels and the engine: n-1 workers plus the calling
 // thread, one function per run, barriers inside it where data dependence needs them (a whole
 // decode step is one run). Every wait (for a run, for the workers' end, at a barrier) spins with
-// pause for a short budget, then sleeps on the very word it waits for (a futex on Linux, a
-// yield loop elsewhere), and whoever changes the word wakes its sleepers: a waiter early by more
-// than the budget gives its core away. With more runnable threads than cores a step still waits
-// for partners' time slices at its ~100 barriers (docs/KERNELS.md, "Thread pool"): give the
-// engine no more threads than idle cores.
+// pause for a budget, then sleeps on the very word it waits for (a futex on Linux, a yield loop
+// elsewhere), and whoever changes the word wakes its sleepers: a waiter early by more than the
+// budget gives its core away. The barrier budget adapts (threadpool.cpp): 2 ms, unless the
+// caller thread is being preempted, then 50 us for a while. With more runnable threads than
+// cores a step still waits for partners' time slices at its ~100 barriers (docs/KERNELS.md,
+// "Thread pool"): give the engine no more threads than idle cores.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -61,8 +62,14 @@ class ThreadPool {
   void wait_change(std::atomic<uint32_t>& w, uint32_t old, int spin_us);
   // After changing w (seq_cst): wakes its sleepers, if any thread sleeps.
   void notify(std::atomic<uint32_t>& w);
+  // After a run in which the caller was preempted `preempted` times: the next barrier budget.
+  void adapt_spin(long preempted);
 
   int n_;
+  const int fixed_spin_us_;               // CFLOW_SPIN_US, or -1: adapt
+  std::atomic<int> spin_us_{0};           // the barrier budget now
+  int short_left_ = 0, short_runs_ = 0;  // runs left at the short budget; its next length
+  int calm_runs_ = 0;                     // runs at the long budget since the last relapse
   std::vector<std::thread> threads_;
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
