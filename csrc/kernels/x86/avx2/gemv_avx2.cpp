@@ -170,17 +170,18 @@ inline void planes_dot(SliceF&& slice, int h0, const block_q8a& a, const q8a_sum
   }
 }
 
-// Plane k's slices of half h straight from chunk c (the one-token GEMV: no slice array at all).
+// Plane k's slices of half h straight from chunk c (the one-token GEMV: no slice array at all;
+// not for Q5_0 and Q5_1, whose fifth bits are spread once per half, planes_unpack).
 template <BlockType WT>
 inline void planes_chunk_slice(const uint8_t* c, int h, int k, __m256i& ul, __m256i& uh) {
   using K = PlanesKind<WT>;
+  static_assert(!K::kFifth, "Q5_0 and Q5_1 take planes_unpack");
+  const __m256i q = _mm256_loadu_si256((const __m256i*)(c + K::kQs + 64 * k + 32 * h));
   if constexpr (!K::kNib) {
-    ul = _mm256_loadu_si256((const __m256i*)(c + K::kQs + 64 * k + 32 * h));
+    ul = q;
   } else {
     const __m256i lo = _mm256_set1_epi8(0x0F);
-    const __m256i q = _mm256_loadu_si256((const __m256i*)(c + K::kQs + 64 * k + 32 * h));
     ul = _mm256_and_si256(q, lo), uh = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo);
-    if constexpr (K::kFifth) planes_fifth(c, K::kQh, h, k, ul, uh);
   }
 }
 

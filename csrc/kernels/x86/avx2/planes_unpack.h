@@ -12,23 +12,6 @@
 //               (for even j from qh << 4, so that the nibble is the high one either way); byte b
 //               keeps its bit 4 + b (and), and min(., 16) makes it 0 or 16;
 //   Q8_0        signed, as stored (its dot products take |w| and sign(x, w): no VNNI here).
-// Q5_0, Q5_1: slice j of rows 8h .. 8h+7 (unsigned nibbles u) with each weight's fifth bit as its
-// bit 4, from the chunk's qh plane (the lane's byte j / 2, its nibble j % 2).
-inline __m256i planes_fifth_slice(const uint8_t* c, int qh_at, int h, int j, __m256i u) {
-  const __m256i qh = _mm256_loadu_si256((const __m256i*)(c + qh_at + 32 * h));
-  const __m256i lane_byte0 = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808,
-                                               0x0C0C0C0C);  // byte 0 of the lane, 4 times
-  const __m256i bit = _mm256_set1_epi32((int)0x80402010), sixteen = _mm256_set1_epi8(16);
-  const __m256i rep = _mm256_shuffle_epi8(j % 2 ? qh : _mm256_slli_epi16(qh, 4),
-                                          _mm256_add_epi8(lane_byte0, _mm256_set1_epi8((char)(j / 2))));
-  return _mm256_or_si256(u, _mm256_min_epu8(_mm256_and_si256(rep, bit), sixteen));
-}
-// Slices k and 4 + k (plane k's low and high nibbles) of rows 8h .. 8h+7 with their fifth bits.
-inline void planes_fifth(const uint8_t* c, int qh_at, int h, int k, __m256i& ul, __m256i& uh) {
-  ul = planes_fifth_slice(c, qh_at, h, k, ul);
-  uh = planes_fifth_slice(c, qh_at, h, 4 + k, uh);
-}
-
 template <BlockType WT>
 inline void planes_unpack(const uint8_t* c, int h, __m256i (&u)[8]) {
   using K = PlanesKind<WT>;
@@ -42,7 +25,16 @@ inline void planes_unpack(const uint8_t* c, int h, __m256i (&u)[8]) {
       u[k] = _mm256_and_si256(q, lo);
       u[4 + k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo);
     }
-    if constexpr (K::kFifth)
-      for (int j = 0; j < 8; ++j) u[j] = planes_fifth_slice(c, K::kQh, h, j, u[j]);
+    if constexpr (K::kFifth) {
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(c + K::kQh + 32 * h));
+      const __m256i qh4 = _mm256_slli_epi16(qh, 4);
+      const __m256i lane_byte0 = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808,
+                                                   0x0C0C0C0C);  // byte 0 of the lane, 4 times
+      const __m256i bit = _mm256_set1_epi32((int)0x80402010), sixteen = _mm256_set1_epi8(16);
+      for (int j = 0; j < 8; ++j) {
+        const __m256i rep = _mm256_shuffle_epi8(j % 2 ? qh : qh4, _mm256_add_epi8(lane_byte0, _mm256_set1_epi8((char)(j / 2))));
+        u[j] = _mm256_or_si256(u[j], _mm256_min_epu8(_mm256_and_si256(rep, bit), sixteen));
+      }
+    }
   }
 }
