@@ -74,7 +74,8 @@ void wake_all(std::atomic<uint32_t>& w) {
 }
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) : n_(n_threads < 1 ? 1 : n_threads), fixed_spin_us_(fixed_spin_us()), short_runs_(kShortRuns) {
+ThreadPool::ThreadPool(int n_threads)
+    : n_(n_threads < 1 ? 1 : n_threads), fixed_spin_us_(fixed_spin_us()), short_runs_(kShortRuns) {
   spin_us_.store(fixed_spin_us_ >= 0 ? fixed_spin_us_ : kSpinLongUs, std::memory_order_relaxed);
   for (int t = 1; t < n_; ++t) threads_.emplace_back([this, t] { worker(t); });
 }
@@ -83,7 +84,7 @@ void ThreadPool::adapt_spin(long preempted) {
   if (fixed_spin_us_ >= 0) return;
   if (preempted >= 2) {  // the caller lost its core during the run: short spins for a while
     if (short_left_ > 0) short_runs_ = std::min(2 * short_runs_, kMaxShortRuns);  // relapse
-    short_left_ = short_runs_;
+    short_left_ = short_runs_, calm_runs_ = 0;
     spin_us_.store(kSpinShortUs, std::memory_order_relaxed);
   } else if (short_left_ > 0 && --short_left_ == 0) {
     spin_us_.store(kSpinLongUs, std::memory_order_relaxed);

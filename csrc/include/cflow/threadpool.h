@@ -66,10 +66,10 @@ class ThreadPool {
   void adapt_spin(long preempted);
 
   int n_;
-  const int fixed_spin_us_;               // CFLOW_SPIN_US, or -1: adapt
-  std::atomic<int> spin_us_{0};           // the barrier budget now
+  const int fixed_spin_us_;              // CFLOW_SPIN_US, or -1: adapt
+  std::atomic<int> spin_us_{0};          // the barrier budget now
   int short_left_ = 0, short_runs_ = 0;  // runs left at the short budget; its next length
-  int calm_runs_ = 0;                     // runs at the long budget since the last relapse
+  int calm_runs_ = 0;                    // runs at the long budget since the last relapse
   std::vector<std::thread> threads_;
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
