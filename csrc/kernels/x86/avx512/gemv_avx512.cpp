@@ -758,7 +758,8 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8
       const int32_t *sl = pa.q + (size_t)cb * P::kQ, *st = pa.st + (size_t)cb * P::kS;
       __m512i I[NT], I2[NT];
       for (int t = 0; t < NT; ++t) I[t] = I2[t] = _mm512_setzero_si512();
-      for (int q = 0; q < 4; ++q) {
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {  // unrolled: every plane and activation offset a constant
         __m512i u[16];
         planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
         kplanes_unpack<WT>(c, q, u);
