@@ -145,10 +145,13 @@ inline void planes_dot(SliceF&& slice, int h0, const block_q8a& a, const q8a_sum
         for (int i = 0; i < NH; ++i) {
           __m256i ul, uh;
           slice(h0 + i, k, ul, uh);
-          P1[i] = _mm256_add_epi16(P1[i], _mm256_add_epi16(_mm256_maddubs_epi16(ul, xl), _mm256_maddubs_epi16(uh, xh)));
+          auto dot = [&](__m256i xlo, __m256i xhi) {  // plane k's two slices against one level
+            return _mm256_add_epi16(_mm256_maddubs_epi16(ul, xlo), _mm256_maddubs_epi16(uh, xhi));
+          };
+          P1[i] = _mm256_add_epi16(P1[i], dot(xl, xh));
           keep_in_register(P1[i]);
           if (TWO) {
-            P2[i] = _mm256_add_epi16(P2[i], _mm256_add_epi16(_mm256_maddubs_epi16(ul, xl2), _mm256_maddubs_epi16(uh, xh2)));
+            P2[i] = _mm256_add_epi16(P2[i], dot(xl2, xh2));
             keep_in_register(P2[i]);
           }
         }
@@ -262,8 +265,7 @@ inline __m256i kplanes_group_isum(const uint8_t* c, int h, int q, const __m256i*
 // 2026-12-03), ran 1.5-2x slower on AVX2 (docs/KERNELS.md). The chunk is prefetched a quarter
 // per group (planes_prefetch_quarter) on the first half's pass.
 template <BlockType WT, bool TWO>
-inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const block_q8_K* a2, __m256i& I,
-                              __m256i& I2) {
+inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const block_q8_K* a2, __m256i& I, __m256i& I2) {
   using K = KPlanesKind<WT>;
   constexpr int kPer16 = K::kMaxU == 15 ? 8 : K::kMaxU == 31 ? 4 : 2;  // slices per int16 run
   static_assert(kPer16 * 2 * K::kMaxU * 127 <= 32767, "the int16 sums must not saturate");
