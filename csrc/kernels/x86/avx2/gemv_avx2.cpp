@@ -188,6 +188,16 @@ inline void planes_chunk_slice(const uint8_t* c, int h, int k, __m256i& ul, __m2
   }
 }
 
+// planes_dot's slices from a half unpacked by planes_unpack: plane k's slices k and 4 + k (nibble
+// types, k < 4), or slice k itself (Q8_0, k < 8).
+template <BlockType WT>
+inline auto unpacked_slices(const __m256i (&u)[8]) {
+  return [&u](int, int k, __m256i& ul, __m256i& uh) {
+    ul = u[k];
+    if constexpr (PlanesKind<WT>::kNib) uh = u[4 + k];
+  };
+}
+
 // One chunk of 16 rows, both halves, against one or two activation levels (the one-token GEMV).
 template <BlockType WT, bool TWO>
 inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
@@ -197,8 +207,7 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& l
     for (int h = 0; h < 2; ++h) {
       __m256i u[8], S[1];
       planes_unpack<WT>(c, h, u);
-      planes_dot<WT, TWO, 1>([&](int, int k, __m256i& ul, __m256i& uh) { ul = u[k], uh = u[4 + k]; }, h, a, la, a2,
-                             la2, S);
+      planes_dot<WT, TWO, 1>(unpacked_slices<WT>(u), h, a, la, a2, la2, S);
       *acc[h] = planes_finish<WT, TWO>(c, h, S[0], a, a2, *acc[h]);
     }
   } else {
@@ -364,7 +373,7 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, cons
     for (int h = 0; h < 2; ++h) {
       __m256i u[8];  // the half's slices, unpacked once for every token
       planes_unpack<WT>(c, h, u);
-      auto slice = [&](int, int k, __m256i& ul, __m256i& uh) { ul = u[k], uh = u[4 + k]; };
+      const auto slice = unpacked_slices<WT>(u);
       for (int t = 0; t < nt; ++t) {
         __m256i S[1];
         planes_dot<WT, TWO, 1>(slice, h, x[t][0][cb], xs[t][0][cb], x[t][LV - 1] + cb, xs[t][LV - 1] + cb, S);
