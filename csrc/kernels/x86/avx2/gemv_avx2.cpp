@@ -240,41 +240,13 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
 // (Q4_K: 8 slices of at most 2 * 15 * 127; Q5_K: 4 of 2 * 31 * 127; Q6_K: 2 of 2 * 63 * 127: no
 // saturation), one madd to
 // int32 per sub-block, started at -kZero * (its sum of x), times its row scales (vpmulld).
-// Rows 8h .. 8h+7: group q's share of I for a token, from slices unpacked into u (L1).
-template <BlockType WT>
-inline __m256i kplanes_group_isum(const uint8_t* c, int h, int q, const __m256i* u, const block_q8_K& a) {
-  using K = KPlanesKind<WT>;
-  constexpr int kPer16 = K::kMaxU == 15 ? 8 : K::kMaxU == 31 ? 4 : 2;  // slices per int16 run
-  static_assert(kPer16 * 2 * K::kMaxU * 127 <= 32767, "the int16 sums must not saturate");
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i I = _mm256_setzero_si256();
-  for (int r = 0; r < K::kSubs; ++r) {
-    const int s = K::sub(q, r);
-    __m256i D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
-    for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
-      __m256i p = _mm256_setzero_si256();
-      for (int j = j0; j < j0 + kPer16; ++j) {
-        int32_t x4;
-        std::memcpy(&x4, a.qs + K::kSubW * s + 4 * j, 4);
-        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_load_si256(u + r * K::kSlices + j), _mm256_set1_epi32(x4)));
-        keep_in_register(p);
-      }
-      D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));
-    }
-    I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, kplanes_scale<WT>(c, h, s)));
-  }
-  return I;
-}
-
-// The one-token GEMV's I (and I2, the second level's) of rows 8h .. 8h+7: the batched pass's
-// integers (kplanes_group_isum summed over the groups), exactly, with each slice unpacked where
-// it is used (kplanes_slice), once for both levels, and each int16 run kept in one register
-// (keep_in_register), sub-block by sub-block, every loop unrolled so that each plane's index is
-// a constant. Unpacking a group's 16 slices into an array first, once per level (as before
-// 2026-12-03), ran 1.5-2x slower on AVX2 (docs/KERNELS.md). The chunk is prefetched a quarter
-// per group (planes_prefetch_quarter) on the first half's pass.
-template <BlockType WT, bool TWO>
-inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const block_q8_K* a2, __m256i& I, __m256i& I2) {
+// Rows 8h .. 8h+7: group q's share of I (and I2, the second level's) for one token, added in:
+// slice(k) gives the group's slice k unsigned (kplanes_unpack's u[k]), met by both levels'
+// broadcast activation bytes before the next, each int16 run kept in one register
+// (keep_in_register), the loops unrolled so that with q a constant every plane index is one.
+template <BlockType WT, bool TWO, class SliceF>
+inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, const block_q8_K& a,
+                              const block_q8_K* a2, __m256i& I, __m256i& I2) {
   using K = KPlanesKind<WT>;
   constexpr int kPer16 = K::kMaxU == 15 ? 8 : K::kMaxU == 31 ? 4 : 2;  // slices per int16 run
   static_assert(kPer16 * 2 * K::kMaxU * 127 <= 32767, "the int16 sums must not saturate");
@@ -284,35 +256,44 @@ inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const blo
     std::memcpy(&v, x.qs + K::kSubW * s + 4 * j, 4);
     return _mm256_set1_epi32(v);
   };
+#pragma GCC unroll 4
+  for (int r = 0; r < K::kSubs; ++r) {
+    const int s = K::sub(q, r);
+    __m256i D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
+    __m256i D2 = TWO ? _mm256_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
+#pragma GCC unroll 8
+    for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
+      __m256i p = _mm256_setzero_si256(), p2 = p;
+#pragma GCC unroll 8
+      for (int j = j0; j < j0 + kPer16; ++j) {
+        const __m256i u = slice(r * K::kSlices + j);
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, bcast(a, s, j)));
+        keep_in_register(p);
+        if (TWO) {
+          p2 = _mm256_add_epi16(p2, _mm256_maddubs_epi16(u, bcast(*a2, s, j)));
+          keep_in_register(p2);
+        }
+      }
+      D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));
+      if (TWO) D2 = _mm256_add_epi32(D2, _mm256_madd_epi16(p2, ones));
+    }
+    const __m256i sc = kplanes_scale<WT>(c, h, s);
+    I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, sc));
+    if (TWO) I2 = _mm256_add_epi32(I2, _mm256_mullo_epi32(D2, sc));
+  }
+}
+
+// The one-token GEMV's I and I2 of rows 8h .. 8h+7: every group with each slice unpacked where it
+// is used (kplanes_slice), no slice array. Unpacking a group's 16 slices into an array first,
+// once per level (as before 2026-12-03), ran 1.5-2x slower on AVX2 (docs/KERNELS.md). The chunk
+// is prefetched a quarter per group (planes_prefetch_quarter) on the first half's pass.
+template <BlockType WT, bool TWO>
+inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const block_q8_K* a2, __m256i& I, __m256i& I2) {
   I = I2 = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int q = 0; q < 4; ++q) {
-    if (h == 0) planes_prefetch_quarter(c, 16 * K::kBB, q);
-#pragma GCC unroll 4
-    for (int r = 0; r < K::kSubs; ++r) {  // unrolled with the slices: every plane index a constant
-      const int s = K::sub(q, r);
-      __m256i D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
-      __m256i D2 = TWO ? _mm256_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
-#pragma GCC unroll 8
-      for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
-        __m256i p = _mm256_setzero_si256(), p2 = p;
-#pragma GCC unroll 8
-        for (int j = j0; j < j0 + kPer16; ++j) {
-          const __m256i u = kplanes_slice<WT>(c, h, q, r * K::kSlices + j);
-          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, bcast(a, s, j)));
-          keep_in_register(p);
-          if (TWO) {
-            p2 = _mm256_add_epi16(p2, _mm256_maddubs_epi16(u, bcast(*a2, s, j)));
-            keep_in_register(p2);
-          }
-        }
-        D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));
-        if (TWO) D2 = _mm256_add_epi32(D2, _mm256_madd_epi16(p2, ones));
-      }
-      const __m256i sc = kplanes_scale<WT>(c, h, s);
-      I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, sc));
-      if (TWO) I2 = _mm256_add_epi32(I2, _mm256_mullo_epi32(D2, sc));
-    }
+    if (h == 0) planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
+    kplanes_group_dot<WT, TWO>([&](int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h, q, a, a2, I, I2);
   }
 }
 
@@ -396,10 +377,9 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, con
       for (int q = 0; q < 4; ++q) {  // unrolled: every plane offset a constant
         __m256i u[16];
         kplanes_unpack<WT>(c, h, q, u);
-        for (int t = 0; t < nt; ++t) {
-          I[t] = _mm256_add_epi32(I[t], kplanes_group_isum<WT>(c, h, q, u, x[t][cb]));
-          if (TWO) I2[t] = _mm256_add_epi32(I2[t], kplanes_group_isum<WT>(c, h, q, u, x2[t][cb]));
-        }
+        for (int t = 0; t < nt; ++t)
+          kplanes_group_dot<WT, TWO>([&](int k) { return _mm256_load_si256(u + k); }, c, h, q, x[t][cb], x2[t] + cb,
+                                     I[t], I2[t]);
       }
       for (int t = 0; t < nt; ++t) {
         const __m256i M = kplanes_mins<WT>(c, h, x[t][cb]), M2 = TWO ? kplanes_mins<WT>(c, h, x2[t][cb]) : M;
