@@ -57,8 +57,11 @@ def add_arguments(p):
 def _act(bt, choice: str) -> str:
     """The activation path a kernel run uses: under auto the engine's default, two int8 levels
     for quantized types (Engine's precise) and f32 for f32/f16/bf16."""
-    act = ("q8x2" if bt.block_elems > 1 else "f32") if choice == "auto" else choice
-    return "f32" if act in ("q8", "q8x2") and bt.block_elems == 1 else act
+    from cflow import kernels as K
+
+    if choice == "auto":
+        return "q8x2" if K.default_act(bt.name) == "q8" else "f32"
+    return "f32" if choice in ("q8", "q8x2") and bt.block_elems == 1 else choice
 
 
 def _layouts(bt, cols: int) -> dict:
