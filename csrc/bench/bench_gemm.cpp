@@ -2,6 +2,7 @@
 // directly, no thread pool): GMAC/s, best and median of --repeats runs, int8 activations.
 //   build/dev/cflow_bench_gemm [--type q4_1] [--pack planes|blocks] [--rows 3072] [--cols 576]
 //                              [--tokens 512] [--levels 1|2] [--repeats 7] [--batched 1]
+//                              [--tile-cols 256]
 // --batched 1: the batched decode GEMV (gemv_batch_fn, any planes type, the K-quants included)
 // over the tokens in passes of 8, as a decode step of 8 sequences runs it, against the one-token
 // GEMV run token by token; also ns per (token, 16 x 32 weights).
@@ -70,7 +71,7 @@ static int bench_batched(BlockType bt, const TileLayout& L, const std::vector<ui
 
 int main(int argc, char** argv) {
   std::string type = "q4_1", pack = "planes";
-  int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1, batched = 0;
+  int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1, batched = 0, tile_cols = 256;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--type") type = v;
@@ -81,6 +82,7 @@ int main(int argc, char** argv) {
     else if (k == "--repeats") repeats = std::atoi(v.c_str());
     else if (k == "--levels") levels = std::atoi(v.c_str());
     else if (k == "--batched") batched = std::atoi(v.c_str());
+    else if (k == "--tile-cols") tile_cols = std::atoi(v.c_str());
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
   BlockType bt;
@@ -90,7 +92,7 @@ int main(int argc, char** argv) {
   }
   const char* err = nullptr;
   const Pack p = pack == "planes" ? Pack::Planes : Pack::Blocks;
-  const TileLayout L = tile_layout(bt, rows, cols, 128, 256, p == Pack::Planes ? kPlanesMaxG : 1, p, &err);
+  const TileLayout L = tile_layout(bt, rows, cols, 128, tile_cols, p == Pack::Planes ? kPlanesMaxG : 1, p, &err);
   if (repeats < 1 || tokens < 1 || levels < 1 || levels > 2 || err) {
     std::fprintf(stderr, "bad shape: %s\n", err ? err : "tokens and repeats must be positive");
     return 2;

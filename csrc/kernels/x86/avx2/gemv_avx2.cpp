@@ -311,7 +311,9 @@ void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayou
       for (int h = 0; h < 2; ++h) {
         __m256i I, I2;
         kplanes_isum<WT, TWO>(c, h, a, a2, I, I2);
-        const __m256i M = kplanes_mins<WT>(c, h, a), M2 = TWO ? kplanes_mins<WT>(c, h, *a2) : M;
+        __m256i mp[4];
+        kplanes_min_pairs<WT>(c, h, mp);
+        const __m256i M = kplanes_mins<WT>(mp, a), M2 = TWO ? kplanes_mins<WT>(mp, *a2) : M;
         acc[h] = kplanes_finish<WT, TWO>(c, h, I, M, TWO ? I2 : I, M2, a, a2, acc[h]);
       }
     }
@@ -339,9 +341,11 @@ void walk_tokens(float* y, int ldy, int nt, const uint8_t* w, const TileLayout& 
   });
 }
 
-template <BlockType WT, bool TWO>
-void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, const uint8_t* w, const TileLayout& L,
+// NT: the tokens of every pass a constant, or 0 (nt_ of them).
+template <BlockType WT, bool TWO, int NT>
+void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, const uint8_t* w, const TileLayout& L,
                    int row_begin, int row_end) {
+  const int nt = NT ? NT : nt_;
   constexpr int LV = TWO ? 2 : 1;
   const block_q8a* x[kAvx2Group][LV];
   const q8a_sums* xs[kAvx2Group][LV];
@@ -364,9 +368,10 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, cons
   });
 }
 
-template <BlockType WT, bool TWO>
-void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, const uint8_t* w, const TileLayout& L,
+template <BlockType WT, bool TWO, int NT>
+void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, const uint8_t* w, const TileLayout& L,
                     int row_begin, int row_end) {
+  const int nt = NT ? NT : nt_;
   const block_q8_K *x[kAvx2Group], *x2[kAvx2Group];
   for (int t = 0; t < nt; ++t) x[t] = (const block_q8_K*)(xv + t * ab), x2[t] = x[t] + L.cols / QK_K;
   walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
@@ -381,8 +386,10 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt, con
           kplanes_group_dot<WT, TWO>([&](int k) { return _mm256_load_si256(u + k); }, c, h, q, x[t][cb], x2[t] + cb,
                                      I[t], I2[t]);
       }
+      __m256i mp[4];
+      kplanes_min_pairs<WT>(c, h, mp);
       for (int t = 0; t < nt; ++t) {
-        const __m256i M = kplanes_mins<WT>(c, h, x[t][cb]), M2 = TWO ? kplanes_mins<WT>(c, h, x2[t][cb]) : M;
+        const __m256i M = kplanes_mins<WT>(mp, x[t][cb]), M2 = TWO ? kplanes_mins<WT>(mp, x2[t][cb]) : M;
         acc[t][h] = kplanes_finish<WT, TWO>(c, h, I[t], M, TWO ? I2[t] : I[t], M2, x[t][cb], x2[t] + cb, acc[t][h]);
       }
     }
@@ -399,10 +406,14 @@ void gemv_batch_avx2(float* y, int ldy, const void* xv, int m, const uint8_t* w,
   for (int t0 = 0; t0 < m; t0 += kAvx2Group) {
     const uint8_t* x = (const uint8_t*)xv + t0 * ab;
     const int nt = std::min(kAvx2Group, m - t0);
-    if constexpr (kKQuant<WT>)
-      kplanes_tokens<WT, TWO>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);
-    else
-      planes_tokens<WT, TWO>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);
+    // a full group's token count is a constant (NT): its token loops unrolled
+    auto pass = [&](auto count) {
+      constexpr int NT = decltype(count)::value;
+      if constexpr (kKQuant<WT>) kplanes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);
+      else planes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);
+    };
+    if (nt == kAvx2Group) pass(std::integral_constant<int, kAvx2Group>{});
+    else pass(std::integral_constant<int, 0>{});
   }
 }
 

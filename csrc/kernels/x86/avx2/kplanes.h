@@ -83,23 +83,43 @@ inline __m256i kplanes_scale(const uint8_t* c, int h, int s) {
   }
 }
 
-// Q4_K's (and Q5_K's) M of rows 8h .. 8h+7 for one activation level (Q6_K: zero).
+// Q4_K's (and Q5_K's) mins of rows 8h .. 8h+7 as pairs of int16, for kplanes_mins: lane i of
+// m[0] holds row i's mins 0 and 2 (low and high half), m[1] mins 1 and 3, m[2] 4 and 6, m[3] 5
+// and 7. Scale plane 1 (B) holds mins 0..3 in bits 0..5 of its bytes 0..3 and the top two bits
+// of mins 4..7 in their bits 6..7, plane 2 (C) the low four bits of mins 4..7 in the high
+// nibbles (docs/FORMAT.md 5.1): a byte pair's fields are picked at once, one and per pair
+// (Q6_K: no mins, left unset).
 template <BlockType WT>
-inline __m256i kplanes_mins(const uint8_t* c, int h, const block_q8_K& a) {
+inline void kplanes_min_pairs(const uint8_t* c, int h, __m256i (&m)[4]) {
   using K = KPlanesKind<WT>;
-  __m256i M = _mm256_setzero_si256();
   if constexpr (K::kQ4) {
     const uint8_t* pl = c + K::kPlanes + 32 * h;
     const __m256i B = _mm256_loadu_si256((const __m256i*)(pl + 64)), C = _mm256_loadu_si256((const __m256i*)(pl + 128));
-    for (int j = 0; j < 8; ++j) {
-      const int k = 8 * (j - 4);
-      const __m256i m = j < 4 ? _mm256_and_si256(_mm256_srli_epi32(B, 8 * j), _mm256_set1_epi32(63))
-                              : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, k + 4), _mm256_set1_epi32(15)),
-                                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(B, k + 6), _mm256_set1_epi32(3)), 4));
-      M = _mm256_add_epi32(M, _mm256_mullo_epi32(m, _mm256_set1_epi32(K::asum(a, j))));
-    }
+    const __m256i six = _mm256_set1_epi32(0x003F003F), four = _mm256_set1_epi32(0x000F000F),
+                  top = _mm256_set1_epi32(0x00300030);
+    m[0] = _mm256_and_si256(B, six);
+    m[1] = _mm256_and_si256(_mm256_srli_epi32(B, 8), six);
+    m[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, 4), four), _mm256_and_si256(_mm256_srli_epi32(B, 2), top));
+    m[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, 12), four), _mm256_and_si256(_mm256_srli_epi32(B, 10), top));
   }
-  return M;
+}
+
+// M = sum over the sub-blocks j of min_j times the sum of a's sub-block j (at most 32 * 127: an
+// int16), for one activation level: madds of kplanes_min_pairs against the sums in the same
+// pairs, the same integers as a multiply per sub-block (Q6_K: zero).
+template <BlockType WT>
+inline __m256i kplanes_mins(const __m256i (&m)[4], const block_q8_K& a) {
+  using K = KPlanesKind<WT>;
+  if constexpr (!K::kQ4) {
+    return _mm256_setzero_si256();
+  } else {
+    auto sums = [&](int j, int k) {
+      return _mm256_set1_epi32((int)((uint32_t)(uint16_t)K::asum(a, j) | (uint32_t)K::asum(a, k) << 16));
+    };
+    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(m[0], sums(0, 2)), _mm256_madd_epi16(m[1], sums(1, 3)));
+    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(m[2], sums(4, 6)), _mm256_madd_epi16(m[3], sums(5, 7)));
+    return _mm256_add_epi32(lo, hi);
+  }
 }
 
 // Rows 8h .. 8h+7: acc + d (d_a I + d_a2 I2) - dmin (d_a M + d_a2 M2) (TWO), or
