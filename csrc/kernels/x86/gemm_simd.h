@@ -137,6 +137,8 @@ void gemm_planes_l(const TileLayout& L, const uint8_t* w, int r0, int r1, const 
     constexpr int NT = V::kPlanesNT;
     int k = 0;
     for (; k + NT <= x.n; k += NT) planes_tokens<TYPE, NT, TWO>(G.bpr, chunk, x, k, yg, ldy, G.g);
+    if constexpr (NT > 8)
+      for (; k + 8 <= x.n; k += 8) planes_tokens<TYPE, 8, TWO>(G.bpr, chunk, x, k, yg, ldy, G.g);
     for (; k + 2 <= x.n; k += 2) planes_tokens<TYPE, 2, TWO>(G.bpr, chunk, x, k, yg, ldy, G.g);
     for (; k < x.n; ++k) planes_tokens<TYPE, 1, TWO>(G.bpr, chunk, x, k, yg, ldy, G.g);
   });
