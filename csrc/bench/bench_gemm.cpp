@@ -2,9 +2,9 @@
 // directly, no thread pool): GMAC/s, best and median of --repeats runs, int8 activations.
 //   build/dev/cflow_bench_gemm [--type q4_1] [--pack planes|blocks] [--rows 3072] [--cols 576]
 //                              [--tokens 512] [--levels 1|2] [--repeats 7] [--batched 1]
-//                              [--tile-cols 256]
+//                              [--tile-cols 256] [--pass 8]
 // --batched 1: the batched decode GEMV (gemv_batch_fn, any planes type, the K-quants included)
-// over the tokens in passes of 8, as a decode step of 8 sequences runs it, against the one-token
+// over the tokens in calls of --pass (8: as a decode step of 8 sequences runs it), against the one-token
 // GEMV run token by token; also ns per (token, 16 x 32 weights).
 // Defaults: SmolLM2-135M's gate+up (3072 x 576, Q4_1, planes at interleave 16, as `cflow
 // convert` writes it) against a 512-token prompt. Weights are random bytes with sane fp16
@@ -39,7 +39,7 @@ static std::pair<double, double> timed(int repeats, F&& f) {
 }
 
 static int bench_batched(BlockType bt, const TileLayout& L, const std::vector<uint8_t>& w,
-                         const std::vector<float>& x, int tokens, int levels, int repeats) {
+                         const std::vector<float>& x, int tokens, int levels, int repeats, int pass) {
   const AType at = levels == 2 ? AType::Q8x2 : AType::Q8;
   const Isa isa = best_isa();
   const GemvFn one = gemv_fn(bt, Pack::Planes, at, isa);
@@ -56,13 +56,14 @@ static int bench_batched(BlockType bt, const TileLayout& L, const std::vector<ui
   std::printf("%s planes, %d x %d, %d tokens, %d level(s), 1 thread, %s, best / median of %d\n", block_name(bt), L.rows,
               L.cols, tokens, levels, isa_name(isa), repeats);
   const auto b = timed(repeats, [&] {
-    for (int k0 = 0; k0 < tokens; k0 += 8)
-      batch(y.data() + (size_t)k0 * L.rows, L.rows, xa.data() + k0 * ab, std::min(8, tokens - k0), w.data(), L, 0, L.rows);
+    for (int k0 = 0; k0 < tokens; k0 += pass)
+      batch(y.data() + (size_t)k0 * L.rows, L.rows, xa.data() + k0 * ab, std::min(pass, tokens - k0), w.data(), L, 0,
+            L.rows);
   });
   const auto o = timed(repeats, [&] {
     for (int k = 0; k < tokens; ++k) one(y.data() + (size_t)k * L.rows, xa.data() + k * ab, w.data(), L, 0, L.rows);
   });
-  std::printf("  batched (8 a pass) %7.1f / %7.1f GMAC/s, %.2f ns per (token, 16x32)\n", macs / b.first * 1e-9,
+  std::printf("  batched (%d a call) %7.1f / %7.1f GMAC/s, %.2f ns per (token, 16x32)\n", pass, macs / b.first * 1e-9,
               macs / b.second * 1e-9, b.first / units * 1e9);
   std::printf("  gemv (1 a pass)    %7.1f / %7.1f GMAC/s, %.2f ns per (token, 16x32)\n", macs / o.first * 1e-9,
               macs / o.second * 1e-9, o.first / units * 1e9);
@@ -71,7 +72,7 @@ static int bench_batched(BlockType bt, const TileLayout& L, const std::vector<ui
 
 int main(int argc, char** argv) {
   std::string type = "q4_1", pack = "planes";
-  int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1, batched = 0, tile_cols = 256;
+  int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1, batched = 0, tile_cols = 256, pass = 8;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--type") type = v;
@@ -83,6 +84,7 @@ int main(int argc, char** argv) {
     else if (k == "--levels") levels = std::atoi(v.c_str());
     else if (k == "--batched") batched = std::atoi(v.c_str());
     else if (k == "--tile-cols") tile_cols = std::atoi(v.c_str());
+    else if (k == "--pass") pass = std::atoi(v.c_str());
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
   BlockType bt;
@@ -110,7 +112,7 @@ int main(int argc, char** argv) {
   std::vector<float> x((size_t)tokens * cols), y((size_t)tokens * rows);
   std::uniform_real_distribution<float> u(-1, 1);
   for (auto& v : x) v = u(rng);
-  if (batched) return bench_batched(bt, L, w, x, tokens, levels, repeats);
+  if (batched) return bench_batched(bt, L, w, x, tokens, levels, repeats, std::max(1, pass));
   QActs qa{tokens, cols, levels, nullptr};
   std::vector<uint8_t> b(qa.bytes());
   qa.data = b.data();

@@ -381,11 +381,12 @@ void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayou
 }
 
 // ---- the batched GEMV (kernels.h GemvBatchFn) at 256 bits ----
-// As the AVX-512 one (gemv_avx512.cpp): up to 8 tokens per pass over the rows, each chunk half
+// As the AVX-512 one (gemv_avx512.cpp): up to 16 tokens per pass over the rows (8 measured 3-8%
+// slower per token on prompt rows; docs/KERNELS.md), each chunk half
 // unpacked once (the K-quants: each group of 16 slices, kept in L1 for the tokens in turn) and
 // met by every token's levels through the GEMV's own integer and float code, each half's float
 // operations in the GEMV's order (level 1, then level 2, block by block): bit for bit the GEMV.
-constexpr int kAvx2Group = 8;
+constexpr int kAvx2Group = 16;
 
 // The walk of nt tokens over rows [row_begin, row_end): block(c, cb, acc) adds chunk c (column
 // block cb) into acc[t][h], token t's rows 8h .. 8h+7 of the group; then each token's outputs.
@@ -479,13 +480,14 @@ void gemv_batch_avx2(float* y, int ldy, const void* xv, int m, const uint8_t* w,
   for (int t0 = 0; t0 < m; t0 += kAvx2Group) {
     const uint8_t* x = (const uint8_t*)xv + t0 * ab;
     const int nt = std::min(kAvx2Group, m - t0);
-    // a full group's token count is a constant (NT): its token loops unrolled
+    // a full group's token count, or a decode step's 8, is a constant (NT): its token loops unrolled
     auto pass = [&](auto count) {
       constexpr int NT = decltype(count)::value;
       if constexpr (kKQuant<WT>) kplanes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);
       else planes_tokens<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, ab, nt, w, L, row_begin, row_end);
     };
     if (nt == kAvx2Group) pass(std::integral_constant<int, kAvx2Group>{});
+    else if (nt == 8) pass(std::integral_constant<int, 8>{});
     else pass(std::integral_constant<int, 0>{});
   }
 }
