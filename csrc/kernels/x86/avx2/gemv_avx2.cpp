@@ -80,8 +80,15 @@ inline float quantize_block(const float* x, block_q8a& o) {
 // Nibbles: maddubs of the slices, their int16 sums added while they cannot saturate (8 slices
 // of 4-bit weights: at most 8 * 2 * 15 * 127 = 30480; 4 of Q5_0's or Q5_1's: 31496), one madd to int32 per
 // run; the start value -kZero * sum(x) as the AVX-512 kernel. Q8_0: |w| times sign(x, w).
-// y[0 .. gg) += a group's outputs: rows 0..7 in a0, 8..15 in a1 (rows past gg dropped).
+// y[0 .. gg) += a group's outputs: rows 0..7 in a0, 8..15 in a1 (rows past gg dropped). A full
+// group adds as two vectors: a K-quant tile is one block wide, so the GEMVs add a group for each
+// chunk of 16 x 256 weights, 16 times a chunk in a batched pass of 16 tokens.
 inline void add_group(float* y, int gg, __m256 a0, __m256 a1) {
+  if (gg == kPlanesMaxG) {
+    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), a0));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(_mm256_loadu_ps(y + 8), a1));
+    return;
+  }
   alignas(32) float t[16];
   _mm256_store_ps(t, a0);
   _mm256_store_ps(t + 8, a1);
@@ -176,13 +183,14 @@ inline void planes_dot(SliceF&& slice, int h0, const block_q8a& a, const q8a_sum
 // ---- Q8_0 in 16 bits ----
 // Without VNNI, Q8_0's signed weights meet int8 activations as |w| times sign(x, w) and a madd
 // per slice and level (no int16 runs: two pair sums can exceed 32767). Widened to int16 instead,
-// the weights meet both levels at once: x16 = 256 q1 + q2 fits int16 (|x16| <= 32639), and a madd
-// of w against x16 gives 256 s + s2 directly, exact in int32 (|I| <= 32 * 127 * 32639): per
-// slice two vpmovsxbw (16 rows' bytes -> rows 0..3 and 4..7), two madds and two adds where
-// the int8 path takes nine operations per level pair. A 32-bit lane of the widened slice holds
-// two weights of a row, so each half's lane pairs are added at the end (q8_pairs_to_rows).
-// One level stays on the int8 path (planes_dot), which is then the cheaper: 19% faster one-token
-// GEMV and 30% faster batched pass with two levels, 15-20% slower with one (docs/KERNELS.md).
+// the weights meet both levels at once: x16 = 256 q1 + q2 fits int16 (|q1| <= 127 and q2 >= -128:
+// |x16| <= 32640), and a madd of w against x16 gives 256 s + s2 directly, exact in int32 (|I| <=
+// 32 * 128 * 32640, a crafted weight of -128 included): per slice two vpmovsxbw (16 rows' bytes ->
+// rows 0..3 and 4..7), two madds and two adds where the int8 path takes nine operations per level
+// pair. A 32-bit lane of the widened slice holds two weights of a row, so each half's lane pairs
+// are added at the end (q8_pairs_to_rows). One level stays on the int8 path (planes_dot), which is
+// then the cheaper: 19% faster one-token GEMV and 30% faster batched pass with two levels, 15-20%
+// slower with one (docs/KERNELS.md).
 
 // A block's two levels as x16 = 256 q1 + q2, 32 int16.
 inline void q8_x16(const block_q8a& a, const block_q8a& a2, int16_t (&x16)[32]) {
