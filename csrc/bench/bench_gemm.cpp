@@ -4,8 +4,8 @@
 //                              [--tokens 512] [--levels 1|2] [--repeats 7] [--batched 1]
 //                              [--tile-cols 256] [--pass 8]
 // --batched 1: the batched decode GEMV (gemv_batch_fn, any planes type, the K-quants included)
-// over the tokens in calls of --pass (8: as a decode step of 8 sequences runs it), against the one-token
-// GEMV run token by token; also ns per (token, 16 x 32 weights).
+// over the tokens in calls of --pass tokens (8: as a decode step of 8 sequences runs it), against
+// the one-token GEMV run token by token; also ns per (token, 16 x 32 weights).
 // Defaults: SmolLM2-135M's gate+up (3072 x 576, Q4_1, planes at interleave 16, as `cflow
 // convert` writes it) against a 512-token prompt. Weights are random bytes with sane fp16
 // scales: a GEMM's speed does not depend on the values.

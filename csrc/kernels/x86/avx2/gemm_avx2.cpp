@@ -20,8 +20,9 @@ namespace avx2 {
 namespace {
 
 struct V : Vec, IVec {
-  static constexpr int kNT = 4;        // 4 rows x 4 tokens: 16 accumulators, a few kept in L1
-  static constexpr int kPlanesNT = 16;  // tokens per planes chunk visit (32 accumulators, most in L1: the unpacking of a chunk shared by more tokens)
+  static constexpr int kNT = 4;         // 4 rows x 4 tokens: 16 accumulators, a few kept in L1
+  static constexpr int kPlanesNT = 16;  // tokens per planes chunk visit (32 accumulators, most in L1;
+                                        // each chunk unpacked once for 16 tokens: docs/KERNELS.md)
 };
 
 #include "../planes_simd.h"
