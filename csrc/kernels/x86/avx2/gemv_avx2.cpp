@@ -226,10 +226,11 @@ inline void q8_dot16(W16&& w16, int h0, const int16_t (&x16)[32], __m256i (&S)[N
   for (int i = 0; i < NH; ++i) S[i] = q8_pairs_to_rows(lo[i], hi[i]);
 }
 
-// Slice j of half h of a Q8_0 chunk, widened: rows 0..3 in wl, 4..7 in wh.
-inline void q8_widen(const uint8_t* slice32, __m256i& wl, __m256i& wh) {
-  wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)slice32));
-  wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(slice32 + 16)));
+// Slice j of half h of Q8_0 chunk c, widened: rows 0..3 in wl, 4..7 in wh.
+inline void q8_widen(const uint8_t* c, int h, int j, __m256i& wl, __m256i& wh) {
+  const uint8_t* s = c + PlanesKind<BlockType::Q8_0>::kQs + 64 * j + 32 * h;
+  wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)s));
+  wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(s + 16)));
 }
 
 // Plane k's slices of half h straight from chunk c (the one-token GEMV: no slice array at all;
@@ -273,8 +274,7 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& l
     alignas(32) int16_t x16[32];
     q8_x16(a, *a2, x16);
     __m256i S[2];
-    q8_dot16<2>([&](int h, int j, __m256i& wl, __m256i& wh) { q8_widen(c + PlanesKind<WT>::kQs + 64 * j + 32 * h, wl, wh); },
-                0, x16, S);
+    q8_dot16<2>([&](int h, int j, __m256i& wl, __m256i& wh) { q8_widen(c, h, j, wl, wh); }, 0, x16, S);
     acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, acc0);
     acc1 = planes_finish<WT, TWO>(c, 1, S[1], a, a2, acc1);
   } else {
@@ -428,11 +428,11 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, con
       for (int t = 0; t < nt; ++t) q8_x16(x[t][0][cb], x[t][1][cb], x16[t]);
       for (int h = 0; h < 2; ++h) {
         __m256i w16[8][2];
-        for (int j = 0; j < 8; ++j) q8_widen(c + PlanesKind<WT>::kQs + 64 * j + 32 * h, w16[j][0], w16[j][1]);
+        for (int j = 0; j < 8; ++j) q8_widen(c, h, j, w16[j][0], w16[j][1]);
         for (int t = 0; t < nt; ++t) {
           __m256i S[1];
           q8_dot16<1>([&](int, int j, __m256i& wl, __m256i& wh) { wl = w16[j][0], wh = w16[j][1]; }, h, x16[t], S);
-          acc[t][h] = planes_finish<WT, TWO>(c, h, S[0], x[t][0][cb], x[t][LV - 1] + cb, acc[t][h]);
+          acc[t][h] = planes_finish<WT, TWO>(c, h, S[0], x[t][0][cb], x[t][1] + cb, acc[t][h]);
         }
       }
       return;
