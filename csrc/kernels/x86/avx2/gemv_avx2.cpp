@@ -311,16 +311,17 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
 // slice(k) gives the group's slice k unsigned (kplanes_unpack's u[k]), met by both levels'
 // broadcast activation bytes before the next, each int16 run kept in one register
 // (keep_in_register), the loops unrolled so that with q a constant every plane index is one.
+// q1 and q2: the levels' bytes (a.qs, a2->qs), as the caller lets the compiler see them.
 template <BlockType WT, bool TWO, class SliceF>
 inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, const block_q8_K& a,
-                              const block_q8_K* a2, __m256i& I, __m256i& I2) {
+                              const block_q8_K* a2, __m256i& I, __m256i& I2, const int8_t* q1, const int8_t* q2) {
   using K = KPlanesKind<WT>;
   constexpr int kPer16 = K::kMaxU == 15 ? 8 : K::kMaxU == 31 ? 4 : 2;  // slices per int16 run
   static_assert(kPer16 * 2 * K::kMaxU * 127 <= 32767, "the int16 sums must not saturate");
   const __m256i ones = _mm256_set1_epi16(1);
-  auto bcast = [](const block_q8_K& x, int s, int j) {
+  auto bcast = [](const int8_t* x, int s, int j) {
     int32_t v;
-    std::memcpy(&v, x.qs + K::kSubW * s + 4 * j, 4);
+    std::memcpy(&v, x + K::kSubW * s + 4 * j, 4);
     return _mm256_set1_epi32(v);
   };
 #pragma GCC unroll 4
@@ -334,10 +335,10 @@ inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, co
 #pragma GCC unroll 8
       for (int j = j0; j < j0 + kPer16; ++j) {
         const __m256i u = slice(r * K::kSlices + j);
-        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, bcast(a, s, j)));
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, bcast(q1, s, j)));
         keep_in_register(p);
         if (TWO) {
-          p2 = _mm256_add_epi16(p2, _mm256_maddubs_epi16(u, bcast(*a2, s, j)));
+          p2 = _mm256_add_epi16(p2, _mm256_maddubs_epi16(u, bcast(q2, s, j)));
           keep_in_register(p2);
         }
       }
@@ -357,10 +358,17 @@ inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, co
 template <BlockType WT, bool TWO>
 inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const block_q8_K* a2, __m256i& I, __m256i& I2) {
   I = I2 = _mm256_setzero_si256();
+  // The activation bytes through pointers the compiler cannot see through (as planes_dot):
+  // otherwise it loads each 4-byte slice of both levels once for both halves and parks them all
+  // on the stack, a scalar load and store each: the load/store unit then bound the loop, 14-19%
+  // slower (docs/KERNELS.md).
+  const int8_t* q1 = a.qs;
+  const int8_t* q2 = TWO ? a2->qs : a.qs;
+  __asm__("" : "+r"(q1), "+r"(q2));
 #pragma GCC unroll 4
   for (int q = 0; q < 4; ++q) {
     if (h == 0) planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
-    kplanes_group_dot<WT, TWO>([&](int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h, q, a, a2, I, I2);
+    kplanes_group_dot<WT, TWO>([&](int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h, q, a, a2, I, I2, q1, q2);
   }
 }
 
@@ -466,7 +474,7 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, co
         kplanes_unpack<WT>(c, h, q, u);
         for (int t = 0; t < nt; ++t)
           kplanes_group_dot<WT, TWO>([&](int k) { return _mm256_load_si256(u + k); }, c, h, q, x[t][cb], x2[t] + cb,
-                                     I[t], I2[t]);
+                                     I[t], I2[t], x[t][cb].qs, TWO ? x2[t][cb].qs : x[t][cb].qs);
       }
       __m256i mp[4];
       kplanes_min_pairs<WT>(c, h, mp);
