@@ -73,6 +73,7 @@ inline float quantize_block(const float* x, block_q8a& o) {
 #include "../planes_simd.h"
 #include "kplanes.h"
 #include "planes_unpack.h"
+#include "planes_x16.h"
 
 // ---- planes-packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, int8 activations (cflow/planes.h) ----
 // A group of 16 rows is two ymm of int32 lanes (rows 0..7, 8..15): each 64-byte plane is two
@@ -93,20 +94,6 @@ inline void add_group(float* y, int gg, __m256 a0, __m256 a1) {
   _mm256_store_ps(t, a0);
   _mm256_store_ps(t + 8, a1);
   for (int i = 0; i < gg; ++i) y[i] += t[i];
-}
-
-// Rows 8h .. 8h+7: the float part of a block, as planes_finish at 512 bits: acc + d_w d_a I, or
-// with two levels (the second's scale is d_a / 256) acc + d_w d_a2 I, I = 256 s + s2 the levels'
-// exact integer sums (one conversion and one multiply-add for both); plus m_w s_a (s_a + s_a2)
-// for Q4_1 and Q5_1.
-template <BlockType WT, bool TWO>
-inline __m256 planes_finish(const uint8_t* c, int h, __m256i I, const block_q8a& a, const block_q8a* a2, __m256 acc) {
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
-  acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(TWO ? a2->d : a.d)), _mm256_cvtepi32_ps(I), acc);
-  if (PlanesKind<WT>::kHasM)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h))),
-                          _mm256_set1_ps(TWO ? a.s + a2->s : a.s), acc);
-  return acc;
 }
 
 // The exact integers I = 256 s + s2 (TWO) or s of NH halves of a chunk (S[i]: half h0 + i) against
@@ -180,59 +167,6 @@ inline void planes_dot(SliceF&& slice, int h0, const block_q8a& a, const q8a_sum
   }
 }
 
-// ---- Q8_0 in 16 bits ----
-// Without VNNI, Q8_0's signed weights meet int8 activations as |w| times sign(x, w) and a madd
-// per slice and level (no int16 runs: two pair sums can exceed 32767). Widened to int16 instead,
-// the weights meet both levels at once: x16 = 256 q1 + q2 fits int16 (|q1| <= 127 and q2 >= -128:
-// |x16| <= 32640), and a madd of w against x16 gives 256 s + s2 directly, exact in int32 (|I| <=
-// 32 * 128 * 32640, a crafted weight of -128 included): per slice two vpmovsxbw (16 rows' bytes ->
-// rows 0..3 and 4..7), two madds and two adds where the int8 path takes nine operations per level
-// pair. A 32-bit lane of the widened slice holds two weights of a row, so each half's lane pairs
-// are added at the end (q8_pairs_to_rows). One level stays on the int8 path (planes_dot), which is
-// then the cheaper: 19% faster one-token GEMV and 30% faster batched pass with two levels, 15-20%
-// slower with one (docs/KERNELS.md).
-
-// A block's two levels as x16 = 256 q1 + q2, 32 int16.
-inline void q8_x16(const block_q8a& a, const block_q8a& a2, int16_t (&x16)[32]) {
-  for (int i = 0; i < 2; ++i) {
-    const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a.qs + 16 * i)));
-    const __m256i v2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a2.qs + 16 * i)));
-    _mm256_storeu_si256((__m256i*)(x16 + 16 * i), _mm256_add_epi16(_mm256_slli_epi16(v1, 8), v2));
-  }
-}
-
-// Rows 0..7 of a half from its lane-pair sums: lo (rows 0..3, two lanes a row) and hi (rows 4..7).
-inline __m256i q8_pairs_to_rows(__m256i lo, __m256i hi) {
-  // hadd: [r0 r1 r4 r5 | r2 r3 r6 r7]
-  return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo, hi), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-}
-
-// I of NH halves (S[i]: half h0 + i) from x16: w16(h, j, lo, hi) gives slice j of half h widened.
-template <int NH, class W16>
-inline void q8_dot16(W16&& w16, int h0, const int16_t (&x16)[32], __m256i (&S)[NH]) {
-  __m256i lo[NH], hi[NH];
-  for (int i = 0; i < NH; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
-  for (int j = 0; j < 8; ++j) {
-    int64_t v;
-    std::memcpy(&v, x16 + 4 * j, 8);
-    const __m256i xb = _mm256_set1_epi64x(v);  // activations 4j .. 4j+3, every row
-    for (int i = 0; i < NH; ++i) {
-      __m256i wl, wh;
-      w16(h0 + i, j, wl, wh);
-      lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(wl, xb));
-      hi[i] = _mm256_add_epi32(hi[i], _mm256_madd_epi16(wh, xb));
-    }
-  }
-  for (int i = 0; i < NH; ++i) S[i] = q8_pairs_to_rows(lo[i], hi[i]);
-}
-
-// Slice j of half h of Q8_0 chunk c, widened: rows 0..3 in wl, 4..7 in wh.
-inline void q8_widen(const uint8_t* c, int h, int j, __m256i& wl, __m256i& wh) {
-  const uint8_t* s = c + PlanesKind<BlockType::Q8_0>::kQs + 64 * j + 32 * h;
-  wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)s));
-  wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(s + 16)));
-}
-
 // Plane k's slices of half h straight from chunk c (the one-token GEMV: no slice array at all;
 // not for Q5_0 and Q5_1, whose fifth bits are spread once per half, planes_unpack).
 template <BlockType WT>
@@ -271,10 +205,10 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& l
       *acc[h] = planes_finish<WT, TWO>(c, h, S[0], a, a2, *acc[h]);
     }
   } else if constexpr (WT == BlockType::Q8_0 && TWO) {
-    alignas(32) int16_t x16[32];
-    q8_x16(a, *a2, x16);
+    alignas(32) int16_t x16[32];  // Q8_0's widening costs less than its int8 path even for one token
+    x16_of(a, *a2, x16);
     __m256i S[2];
-    q8_dot16<2>([&](int h, int j, __m256i& wl, __m256i& wh) { q8_widen(c, h, j, wl, wh); }, 0, x16, S);
+    dot16<2>([&](int h, int j, __m256i& wl, __m256i& wh) { q8_widen(c, h, j, wl, wh); }, 0, x16, S);
     acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, acc0);
     acc1 = planes_finish<WT, TWO>(c, 1, S[1], a, a2, acc1);
   } else {
@@ -431,17 +365,14 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, con
       xs[t][l] = q8a_sums_of(x[t][l], L.cols);
     }
   walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
-    if constexpr (WT == BlockType::Q8_0 && TWO) {  // the weights widened once, each token's x16 once
+    if constexpr (WT == BlockType::Q8_0 && TWO) {  // each half widened once, each token's x16 once
       alignas(32) int16_t x16[kAvx2Group][32];
-      for (int t = 0; t < nt; ++t) q8_x16(x[t][0][cb], x[t][1][cb], x16[t]);
+      for (int t = 0; t < nt; ++t) x16_of(x[t][0][cb], x[t][1][cb], x16[t]);
       for (int h = 0; h < 2; ++h) {
         __m256i w16[8][2];
         for (int j = 0; j < 8; ++j) q8_widen(c, h, j, w16[j][0], w16[j][1]);
-        for (int t = 0; t < nt; ++t) {
-          __m256i S[1];
-          q8_dot16<1>([&](int, int j, __m256i& wl, __m256i& wh) { wl = w16[j][0], wh = w16[j][1]; }, h, x16[t], S);
-          acc[t][h] = planes_finish<WT, TWO>(c, h, S[0], x[t][0][cb], x[t][1] + cb, acc[t][h]);
-        }
+        for (int t = 0; t < nt; ++t)
+          acc[t][h] = planes_finish<WT, TWO>(c, h, half_dot16(w16, x16[t]), x[t][0][cb], x[t][1] + cb, acc[t][h]);
       }
       return;
     }

@@ -1,0 +1,81 @@
+// Q8_0's planes against both activation levels at once, in 16 bits, at 256 bits, and the float
+// finish of the planes kernels: shared by the GEMV and its batched pass (gemv_avx2.cpp) and the
+// prefill GEMM (gemm_avx2.cpp: Q8_0 with two levels). Included inside namespace cflow::avx2
+// (anonymous), after <immintrin.h> and x86/planes_simd.h.
+//
+// Without VNNI, Q8_0's signed weights meet int8 activations as |w| times sign(x, w) and a madd
+// per slice and level (no int16 runs: two pair sums can exceed 32767). Widened to int16 instead,
+// the weights meet both levels at once: the second level's scale is the first's / 256, so
+// x16 = 256 q1 + q2 fits int16 (|q1| <= 127 and q2 >= -128: |x16| <= 32640), and a madd of w
+// against x16 gives 256 s + s2 directly, exact in int32 (|I| <= 32 * 128 * 32640, a crafted
+// weight of -128 included): per slice two vpmovsxbw (16 rows' bytes -> rows 0..3 and 4..7), two
+// madds and two adds where the int8 path takes nine operations per level pair. A 32-bit lane of
+// the widened slice holds two weights of a row, so each half's lane pairs are added at the end
+// (pairs_to_rows). One level stays on the int8 path (planes_dot), which is then the cheaper:
+// 19% faster one-token GEMV and 30% faster batched pass with two levels, 15-20% slower with one.
+// The nibble types stay on the int8 path with two levels too: their maddubs take unsigned
+// weights directly and add up in int16 runs, and widened (zero-extended once per half for all of
+// a batched pass's tokens) they ran 25-35% slower (docs/KERNELS.md).
+
+// Rows 8h .. 8h+7: the float part of a block, as planes_finish at 512 bits: acc + d_w d_a I, or
+// with two levels (the second's scale is d_a / 256) acc + d_w d_a2 I, I = 256 s + s2 the levels'
+// exact integer sums (one conversion and one multiply-add for both); plus m_w s_a (s_a + s_a2)
+// for Q4_1 and Q5_1.
+template <BlockType WT, bool TWO>
+inline __m256 planes_finish(const uint8_t* c, int h, __m256i I, const block_q8a& a, const block_q8a* a2, __m256 acc) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(TWO ? a2->d : a.d)), _mm256_cvtepi32_ps(I), acc);
+  if (PlanesKind<WT>::kHasM)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 32 + 16 * h))),
+                          _mm256_set1_ps(TWO ? a.s + a2->s : a.s), acc);
+  return acc;
+}
+
+// A block's two levels as x16 = 256 q1 + q2, 32 int16.
+inline void x16_of(const block_q8a& a, const block_q8a& a2, int16_t (&x16)[32]) {
+  for (int i = 0; i < 2; ++i) {
+    const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a.qs + 16 * i)));
+    const __m256i v2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a2.qs + 16 * i)));
+    _mm256_storeu_si256((__m256i*)(x16 + 16 * i), _mm256_add_epi16(_mm256_slli_epi16(v1, 8), v2));
+  }
+}
+
+// Rows 0..7 of a half from its lane-pair sums: lo (rows 0..3, two lanes a row) and hi (rows 4..7).
+inline __m256i pairs_to_rows(__m256i lo, __m256i hi) {
+  // hadd: [r0 r1 r4 r5 | r2 r3 r6 r7]
+  return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo, hi), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
+// I of NH halves (S[i]: half h0 + i) from x16: w16(h, j, lo, hi) gives slice j of half h widened
+// (rows 0..3 in lo, 4..7 in hi).
+template <int NH, class W16>
+inline void dot16(W16&& w16, int h0, const int16_t (&x16)[32], __m256i (&S)[NH]) {
+  __m256i lo[NH], hi[NH];
+  for (int i = 0; i < NH; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    int64_t v;
+    std::memcpy(&v, x16 + 4 * j, 8);
+    const __m256i xb = _mm256_set1_epi64x(v);  // activations 4j .. 4j+3, every row
+    for (int i = 0; i < NH; ++i) {
+      __m256i wl, wh;
+      w16(h0 + i, j, wl, wh);
+      lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(wl, xb));
+      hi[i] = _mm256_add_epi32(hi[i], _mm256_madd_epi16(wh, xb));
+    }
+  }
+  for (int i = 0; i < NH; ++i) S[i] = pairs_to_rows(lo[i], hi[i]);
+}
+
+// Slice j of half h of Q8_0 chunk c, widened (signed): rows 0..3 in wl, 4..7 in wh.
+inline void q8_widen(const uint8_t* c, int h, int j, __m256i& wl, __m256i& wh) {
+  const uint8_t* s = c + PlanesKind<BlockType::Q8_0>::kQs + 64 * j + 32 * h;
+  wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)s));
+  wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(s + 16)));
+}
+
+// I of half h for one token from the half's widened slices.
+inline __m256i half_dot16(const __m256i (&w16)[8][2], const int16_t (&x16)[32]) {
+  __m256i S[1];
+  dot16<1>([&](int, int j, __m256i& wl, __m256i& wh) { wl = w16[j][0], wh = w16[j][1]; }, 0, x16, S);
+  return S[0];
+}
