@@ -2,7 +2,8 @@
 // directly, no thread pool): GMAC/s, best and median of --repeats runs, int8 activations.
 //   build/dev/cflow_bench_gemm [--type q4_1] [--pack planes|blocks] [--rows 3072] [--cols 576]
 //                              [--tokens 512] [--levels 1|2] [--repeats 7] [--batched 1]
-//                              [--tile-cols 256] [--pass 8]
+//                              [--tile-cols 256] [--pass 8] [--isa scalar|avx2|avx512]
+// --isa: the GEMM on that ISA only (default: every ISA the CPU has; e.g. to profile one kernel)
 // --batched 1: the batched decode GEMV (gemv_batch_fn, any planes type, the K-quants included)
 // over the tokens in calls of --pass tokens (8: as a decode step of 8 sequences runs it), against
 // the one-token GEMV run token by token; also ns per (token, 16 x 32 weights).
@@ -71,7 +72,7 @@ static int bench_batched(BlockType bt, const TileLayout& L, const std::vector<ui
 }
 
 int main(int argc, char** argv) {
-  std::string type = "q4_1", pack = "planes";
+  std::string type = "q4_1", pack = "planes", only;
   int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1, batched = 0, tile_cols = 256, pass = 8;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -85,6 +86,7 @@ int main(int argc, char** argv) {
     else if (k == "--batched") batched = std::atoi(v.c_str());
     else if (k == "--tile-cols") tile_cols = std::atoi(v.c_str());
     else if (k == "--pass") pass = std::atoi(v.c_str());
+    else if (k == "--isa") only = v;
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
   BlockType bt;
@@ -121,7 +123,7 @@ int main(int argc, char** argv) {
               rows, cols, tokens, levels, repeats);
   const double macs = (double)tokens * rows * cols;
   for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
-    if (!isa_supported(isa)) continue;
+    if (!isa_supported(isa) || (!only.empty() && only != isa_name(isa))) continue;
     const GemmQ8Fn q8 = kernel_table(isa).gemm_q8[block_index(bt)][L.pack];
     std::vector<double> sec;
     for (int r = 0; r < repeats; ++r) {
