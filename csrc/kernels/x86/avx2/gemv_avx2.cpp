@@ -168,17 +168,22 @@ inline void planes_dot(SliceF&& slice, int h0, const block_q8a& a, const q8a_sum
 }
 
 // Plane k's slices of half h straight from chunk c (the one-token GEMV: no slice array at all;
-// not for Q5_0 and Q5_1, whose fifth bits are spread once per half, planes_unpack).
+// Q5_0 and Q5_1 read the half's qh plane again for each plane, from L1).
 template <BlockType WT>
 inline void planes_chunk_slice(const uint8_t* c, int h, int k, __m256i& ul, __m256i& uh) {
   using K = PlanesKind<WT>;
-  static_assert(!K::kFifth, "Q5_0 and Q5_1 take planes_unpack");
   const __m256i q = _mm256_loadu_si256((const __m256i*)(c + K::kQs + 64 * k + 32 * h));
   if constexpr (!K::kNib) {
     ul = q;
   } else {
     const __m256i lo = _mm256_set1_epi8(0x0F);
     ul = _mm256_and_si256(q, lo), uh = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo);
+    if constexpr (K::kFifth) {
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(c + K::kQh + 32 * h));
+      const __m256i qh4 = _mm256_slli_epi16(qh, 4);
+      ul = _mm256_or_si256(ul, planes_fifth(qh, qh4, k));
+      uh = _mm256_or_si256(uh, planes_fifth(qh, qh4, 4 + k));
+    }
   }
 }
 
@@ -193,24 +198,28 @@ inline auto unpacked_slices(const __m256i (&u)[8]) {
 }
 
 // One chunk of 16 rows, both halves, against one or two activation levels (the one-token GEMV).
+// Each plane's slices are unpacked where they meet the activations. With one level both halves
+// share the broadcasts (NH 2); Q5_0 and Q5_1 with two levels take one half at a time, since their
+// fifth bits make the two halves' slices too many live registers (2026-12-03, ns per (token, 16 x
+// 32) in L2: Q5_0 23.0 -> 21.4 against unpacking each half's 8 slices first, one level 18.6 ->
+// 17.7; NH 2 with two levels: 27.2).
 template <BlockType WT, bool TWO>
 inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
                          const q8a_sums* la2, __m256& acc0, __m256& acc1) {
-  if constexpr (PlanesKind<WT>::kFifth) {  // the batched pass's order: each half unpacked first
-    __m256* acc[2] = {&acc0, &acc1};
-    for (int h = 0; h < 2; ++h) {
-      __m256i u[8], S[1];
-      planes_unpack<WT>(c, h, u);
-      planes_dot<WT, TWO, 1>(unpacked_slices<WT>(u), h, a, la, a2, la2, S);
-      *acc[h] = planes_finish<WT, TWO>(c, h, S[0], a, a2, *acc[h]);
-    }
-  } else if constexpr (WT == BlockType::Q8_0 && TWO) {
+  if constexpr (WT == BlockType::Q8_0 && TWO) {
     alignas(32) int16_t x16[32];  // Q8_0's widening costs less than its int8 path even for one token
     x16_of(a, *a2, x16);
     __m256i S[2];
     dot16<2>([&](int h, int j, __m256i& wl, __m256i& wh) { q8_widen(c, h, j, wl, wh); }, 0, x16, S);
     acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, acc0);
     acc1 = planes_finish<WT, TWO>(c, 1, S[1], a, a2, acc1);
+  } else if constexpr (PlanesKind<WT>::kFifth && TWO) {
+    auto slice = [&](int h, int k, __m256i& ul, __m256i& uh) { planes_chunk_slice<WT>(c, h, k, ul, uh); };
+    __m256i S[1];
+    planes_dot<WT, TWO, 1>(slice, 0, a, la, a2, la2, S);
+    acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, acc0);
+    planes_dot<WT, TWO, 1>(slice, 1, a, la, a2, la2, S);
+    acc1 = planes_finish<WT, TWO>(c, 1, S[0], a, a2, acc1);
   } else {
     __m256i S[2];
     planes_dot<WT, TWO, 2>([&](int h, int k, __m256i& ul, __m256i& uh) { planes_chunk_slice<WT>(c, h, k, ul, uh); },

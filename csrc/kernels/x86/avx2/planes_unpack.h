@@ -12,6 +12,16 @@
 //               (for even j from qh << 4, so that the nibble is the high one either way); byte b
 //               keeps its bit 4 + b (and), and min(., 16) makes it 0 or 16;
 //   Q8_0        signed, as stored (its dot products take |w| and sign(x, w): no VNNI here).
+// Slice j's fifth bits of a half (Q5_0, Q5_1) as bit 4 of each byte, 0 or 16: from the half's qh
+// plane (odd j) or qh << 4 (even j).
+inline __m256i planes_fifth(__m256i qh, __m256i qh4, int j) {
+  const __m256i lane_byte0 = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808,
+                                               0x0C0C0C0C);  // byte 0 of the lane, 4 times
+  const __m256i bit = _mm256_set1_epi32((int)0x80402010), sixteen = _mm256_set1_epi8(16);
+  const __m256i rep = _mm256_shuffle_epi8(j % 2 ? qh : qh4, _mm256_add_epi8(lane_byte0, _mm256_set1_epi8((char)(j / 2))));
+  return _mm256_min_epu8(_mm256_and_si256(rep, bit), sixteen);
+}
+
 template <BlockType WT>
 inline void planes_unpack(const uint8_t* c, int h, __m256i (&u)[8]) {
   using K = PlanesKind<WT>;
@@ -28,13 +38,7 @@ inline void planes_unpack(const uint8_t* c, int h, __m256i (&u)[8]) {
     if constexpr (K::kFifth) {
       const __m256i qh = _mm256_loadu_si256((const __m256i*)(c + K::kQh + 32 * h));
       const __m256i qh4 = _mm256_slli_epi16(qh, 4);
-      const __m256i lane_byte0 = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808,
-                                                   0x0C0C0C0C);  // byte 0 of the lane, 4 times
-      const __m256i bit = _mm256_set1_epi32((int)0x80402010), sixteen = _mm256_set1_epi8(16);
-      for (int j = 0; j < 8; ++j) {
-        const __m256i rep = _mm256_shuffle_epi8(j % 2 ? qh : qh4, _mm256_add_epi8(lane_byte0, _mm256_set1_epi8((char)(j / 2))));
-        u[j] = _mm256_or_si256(u[j], _mm256_min_epu8(_mm256_and_si256(rep, bit), sixteen));
-      }
+      for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], planes_fifth(qh, qh4, j));
     }
   }
 }
