@@ -248,8 +248,10 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
 // As the AVX-512 kernel, per half of the group (8 rows, one ymm): each sub-block's D_s from
 // maddubs of its slices against the broadcast activation bytes, int16 sums of up to 32004
 // (Q4_K: 8 slices of at most 2 * 15 * 127; Q5_K: 4 of 2 * 31 * 127; Q6_K: 2 of 2 * 63 * 127: no
-// saturation), one madd to
-// int32 per sub-block, started at -kZero * (its sum of x), times its row scales (vpmulld).
+// saturation), one madd to int32 per run. Q4_K and Q5_K (no offset) take their row scales in
+// that madd, as int16 pairs (the same integers: sc * (pair + pair)); Q6_K's runs are summed
+// from -kZero * (the sub-block's sum of x) and the sum times its row scales (vpmulld): its
+// offset would need a madd of its own.
 // Rows 8h .. 8h+7: group q's share of I (and I2, the second level's) for one token, added in:
 // slice(k) gives the group's slice k unsigned (kplanes_unpack's u[k]), met by both levels'
 // broadcast activation bytes before the next, each int16 run kept in one register
@@ -267,11 +269,21 @@ inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, co
     std::memcpy(&v, x + K::kSubW * s + 4 * j, 4);
     return _mm256_set1_epi32(v);
   };
+  // Q4_K, Q5_K (no offset): the row scales (0..63) ride the madds as int16 pairs, the runs go
+  // straight into I; Q6_K: the runs' sums start at -kZero * (the sub-block's sum of x) and are
+  // multiplied by the scales after.
+  constexpr bool kScaleInMadd = K::kZero == 0;
 #pragma GCC unroll 4
   for (int r = 0; r < K::kSubs; ++r) {
     const int s = K::sub(q, r);
-    __m256i D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
-    __m256i D2 = TWO ? _mm256_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
+    __m256i m16 = ones, D = I, D2 = I2;
+    if constexpr (kScaleInMadd) {
+      const __m256i sc = kplanes_scale<WT>(c, h, s);
+      m16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+    } else {
+      D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
+      D2 = TWO ? _mm256_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
+    }
 #pragma GCC unroll 8
     for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
       __m256i p = _mm256_setzero_si256(), p2 = p;
@@ -285,12 +297,17 @@ inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, co
           keep_in_register(p2);
         }
       }
-      D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));
-      if (TWO) D2 = _mm256_add_epi32(D2, _mm256_madd_epi16(p2, ones));
+      D = _mm256_add_epi32(D, _mm256_madd_epi16(p, m16));
+      if (TWO) D2 = _mm256_add_epi32(D2, _mm256_madd_epi16(p2, m16));
     }
-    const __m256i sc = kplanes_scale<WT>(c, h, s);
-    I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, sc));
-    if (TWO) I2 = _mm256_add_epi32(I2, _mm256_mullo_epi32(D2, sc));
+    if constexpr (kScaleInMadd) {
+      I = D;
+      if (TWO) I2 = D2;
+    } else {
+      const __m256i sc = kplanes_scale<WT>(c, h, s);
+      I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, sc));
+      if (TWO) I2 = _mm256_add_epi32(I2, _mm256_mullo_epi32(D2, sc));
+    }
   }
 }
 
