@@ -204,6 +204,36 @@ TEST(planes_gemm_holds_extreme_weights) {
   }
 }
 
+// With AVX2, Q8_0's planes GEMM with two levels takes the GEMV's integers and float finish
+// (x86/avx2/planes_x16.h): within a column tile each prompt row is, bit for bit, what the GEMV
+// computes for that token (across tiles the GEMV adds each tile's sum into y, the GEMM runs one
+// sum on, so the rounding differs there). Tokens in runs of 16, 2 and 1 (n = 19), a ragged last
+// group, one column tile.
+TEST(avx2_q8_0_planes_gemm_is_the_gemv_bit_for_bit) {
+  if (!isa_supported(Isa::Avx2)) return;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-2, 2);
+  TileLayout L;
+  L.type = (int)BlockType::Q8_0; L.rows = 130; L.cols = 256; L.tr = 128; L.tc = 256; L.g = 16;
+  const char* err = nullptr;
+  CHECK(make_layout(L, &err));
+  auto w = to_planes(L, random_matrix(L, rng));
+  L.pack = (int)Pack::Planes;
+  CHECK(make_layout(L, &err));
+  const int n = 19;
+  std::vector<float> x((size_t)n * L.cols), a((size_t)n * L.rows), y(L.rows);
+  for (auto& v : x) v = u(rng);
+  QActs q{n, L.cols, 2, nullptr};
+  std::vector<uint8_t> qb(q.bytes());
+  q.data = qb.data();
+  quantize_acts(x.data(), L.cols, n, L.cols, q);
+  kernel_table(Isa::Avx2).gemm_q8[block_index(BlockType::Q8_0)][L.pack](L, w.data(), 0, L.rows, q, a.data(), L.rows);
+  for (int k = 0; k < n; ++k) {  // the two levels of token k lie together, as the GEMV reads them
+    gemv(AType::Q8x2, Isa::Avx2, y.data(), q.row(k, 0), w.data(), L, nullptr);
+    CHECK(!std::memcmp(y.data(), a.data() + (size_t)k * L.rows, sizeof(float) * L.rows));
+  }
+}
+
 // Every ISA quantizes activations to exactly the reference's bytes (block_q8a rows with their
 // sums, and the K-quants' block_q8_K with bsums), large and tiny values, zero blocks included.
 TEST(activation_quantization_is_the_reference_on_every_isa) {
