@@ -33,11 +33,13 @@ struct V : Vec, IVec {
 // A chunk of 16 rows is two halves of 8 (int32 lane i = row 8h + i; half h is bytes 32h..32h+31
 // of every 64-byte plane). Per half the 8 slices are unpacked once into u[0..8) (planes_unpack.h;
 // slice j: weights 4j..4j+3 of each row), then each token meets them with its 8 activation
-// slices broadcast. Q4: 8 maddubs whose pair sums (at most 2 * 15 * 127) add up in int16 to at most
-// 30480, no saturation, then one madd to int32; Q5_0 and Q5_1 (pair sums up to 2 * 31 * 127): two runs of
-// 4 (31496), two madds (kRun). Q8_0: |w| times sign(x, w) per slice (pair
-// sums up to 32512), each widened by madd. Per (block, token): f = d_x * dot (- kZero * s_x:
-// Q4_0 -8 s_x, Q5_0 -16 s_x), summed over the levels; acc += d_w * f (+ m_w * s_x for Q4_1, Q5_1); s_x = d_x * sum(q_x).
+// slices broadcast. Q4: 8 maddubs whose pair sums (at most 2 * 15 * 127) add up in int16 to at
+// most 30480, no saturation, then one madd to int32; Q5_0 and Q5_1 (pair sums up to 2 * 31 *
+// 127): two runs of 4 (31496), two madds (kRun). Q8_0: |w| times sign(x, w) per slice (pair sums
+// up to 32512), each widened by madd; with two levels the half is widened to int16 instead and
+// meets x16 = 256 q1 + q2 through the GEMV's integers and finish (planes_x16.h). Per (block,
+// token): f = d_x * dot (- kZero * s_x: Q4_0 -8 s_x, Q5_0 -16 s_x), summed over the levels;
+// acc += d_w * f (+ m_w * s_x for Q4_1, Q5_1); s_x = d_x * sum(q_x).
 template <BlockType TYPE, int NT, bool TWO, class Chunk>
 void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int ldy, int g) {
   __m256 acc[NT][2];

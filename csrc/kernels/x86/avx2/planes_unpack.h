@@ -12,6 +12,7 @@
 //               (for even j from qh << 4, so that the nibble is the high one either way); byte b
 //               keeps its bit 4 + b (and), and min(., 16) makes it 0 or 16;
 //   Q8_0        signed, as stored (its dot products take |w| and sign(x, w): no VNNI here).
+
 // Slice j's fifth bits of a half (Q5_0, Q5_1) as bit 4 of each byte, 0 or 16: from the half's qh
 // plane (odd j) or qh << 4 (even j).
 inline __m256i planes_fifth(__m256i qh, __m256i qh4, int j) {
