@@ -256,10 +256,14 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
 // slice(k) gives the group's slice k unsigned (kplanes_unpack's u[k]), met by both levels'
 // broadcast activation bytes before the next, each int16 run kept in one register
 // (keep_in_register), the loops unrolled so that with q a constant every plane index is one.
-// q1 and q2: the levels' bytes (a.qs, a2->qs), as the caller lets the compiler see them.
-template <BlockType WT, bool TWO, class SliceF>
+// q1 and q2: the levels' bytes (a.qs, a2->qs), as the caller lets the compiler see them. ZT
+// (Q6_K): the sub-blocks' start values are loaded from z (kplanes_starts), not made here; a
+// compile-time choice, since a run-time test of z left both forms in the unrolled loop, which
+// then spilled (31 ns per (token, 16 x 32) against 24).
+template <BlockType WT, bool TWO, bool ZT = false, class SliceF>
 inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, const block_q8_K& a,
-                              const block_q8_K* a2, __m256i& I, __m256i& I2, const int8_t* q1, const int8_t* q2) {
+                              const block_q8_K* a2, __m256i& I, __m256i& I2, const int8_t* q1, const int8_t* q2,
+                              const __m256i* z = nullptr) {
   using K = KPlanesKind<WT>;
   constexpr int kPer16 = K::kMaxU == 15 ? 8 : K::kMaxU == 31 ? 4 : 2;  // slices per int16 run
   static_assert(kPer16 * 2 * K::kMaxU * 127 <= 32767, "the int16 sums must not saturate");
@@ -281,8 +285,13 @@ inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, co
       const __m256i sc = kplanes_scale<WT>(c, h, s);
       m16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
     } else {
-      D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
-      D2 = TWO ? _mm256_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
+      if constexpr (ZT) {
+        D = _mm256_load_si256(z + s);
+        D2 = TWO ? _mm256_load_si256(z + K::kNumSub + s) : D;
+      } else {
+        D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
+        D2 = TWO ? _mm256_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
+      }
     }
 #pragma GCC unroll 8
     for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
@@ -316,7 +325,8 @@ inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, co
 // once per level (as before 2026-12-03), ran 1.5-2x slower on AVX2 (docs/KERNELS.md). The chunk
 // is prefetched a quarter per group (planes_prefetch_quarter) on the first half's pass.
 template <BlockType WT, bool TWO>
-inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const block_q8_K* a2, __m256i& I, __m256i& I2) {
+inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const block_q8_K* a2, __m256i& I, __m256i& I2,
+                         const __m256i* z) {
   I = I2 = _mm256_setzero_si256();
   // The activation bytes through pointers the compiler cannot see through (as planes_dot):
   // otherwise it loads each 4-byte slice of both levels once for both halves and parks them all
@@ -328,24 +338,50 @@ inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const blo
 #pragma GCC unroll 4
   for (int q = 0; q < 4; ++q) {
     if (h == 0) planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
-    kplanes_group_dot<WT, TWO>([&](int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h, q, a, a2, I, I2, q1, q2);
+    kplanes_group_dot<WT, TWO, KPlanesKind<WT>::kZero != 0>([&](int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h, q,
+                                                            a, a2, I, I2, q1, q2, z);
   }
+}
+
+// Q6_K's start values, -kZero * (a sub-block's sum of x), as vectors: for each super-block of a
+// token, its kNumSub sub-blocks' for level 1, then level 2's (zero with one level), at out.
+// Made once a call and loaded by every chunk of the column; made where used they took a scalar
+// multiply, a move to a vector register and a broadcast per sub-block, level and chunk (7% of
+// the GEMV's vector operations).
+struct alignas(32) Lanes { int32_t v[8]; };
+template <BlockType WT, bool TWO>
+inline void kplanes_starts(const block_q8_K* x, const block_q8_K* x2, int nsb, __m256i* out) {
+  using K = KPlanesKind<WT>;
+  for (int b = 0; b < nsb; ++b, out += 2 * K::kNumSub)
+    for (int s = 0; s < K::kNumSub; ++s) {
+      out[s] = _mm256_set1_epi32(-K::kZero * K::asum(x[b], s));
+      out[K::kNumSub + s] = _mm256_set1_epi32(TWO ? -K::kZero * K::asum(x2[b], s) : 0);
+    }
 }
 
 // TWO: x holds the cols/256 block_q8_K of the first level, then those of the second.
 template <BlockType WT, bool TWO>
 void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
+  using K = KPlanesKind<WT>;
   const block_q8_K* x = (const block_q8_K*)xv;
   const block_q8_K* x2 = x + L.cols / QK_K;
+  thread_local std::vector<Lanes> zs;
+  const int per = 2 * K::kNumSub;
+  if constexpr (K::kZero != 0) {
+    zs.resize((size_t)(L.cols / QK_K) * per);
+    kplanes_starts<WT, TWO>(x, x2, L.cols / QK_K, (__m256i*)zs.data());
+  }
+  const __m256i* z0 = (const __m256i*)zs.data();
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; ++b) {
       const uint8_t* c = chunk(b);
       const block_q8_K& a = x[cb0 + b];
       const block_q8_K* a2 = x2 + cb0 + b;
+      const __m256i* z = K::kZero != 0 ? z0 + (size_t)(cb0 + b) * per : nullptr;
       for (int h = 0; h < 2; ++h) {
         __m256i I, I2;
-        kplanes_isum<WT, TWO>(c, h, a, a2, I, I2);
+        kplanes_isum<WT, TWO>(c, h, a, a2, I, I2, z);
         __m256i mp[4];
         kplanes_min_pairs<WT>(c, h, mp);
         const __m256i M = kplanes_mins<WT>(mp, a), M2 = TWO ? kplanes_mins<WT>(mp, *a2) : M;
@@ -418,9 +454,16 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, con
 template <BlockType WT, bool TWO, int NT>
 void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, const uint8_t* w, const TileLayout& L,
                     int row_begin, int row_end) {
-  const int nt = NT ? NT : nt_;
+  using K = KPlanesKind<WT>;
+  const int nt = NT ? NT : nt_, nsb = L.cols / QK_K, per = 2 * K::kNumSub;
   const block_q8_K *x[kAvx2Group], *x2[kAvx2Group];
-  for (int t = 0; t < nt; ++t) x[t] = (const block_q8_K*)(xv + t * ab), x2[t] = x[t] + L.cols / QK_K;
+  for (int t = 0; t < nt; ++t) x[t] = (const block_q8_K*)(xv + t * ab), x2[t] = x[t] + nsb;
+  thread_local std::vector<Lanes> zs;  // token t's start values at t * nsb * per (kplanes_starts)
+  if constexpr (K::kZero != 0) {
+    zs.resize((size_t)nt * nsb * per);
+    for (int t = 0; t < nt; ++t) kplanes_starts<WT, TWO>(x[t], x2[t], nsb, (__m256i*)zs.data() + (size_t)t * nsb * per);
+  }
+  const __m256i* z0 = (const __m256i*)zs.data();
   walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
     for (int h = 0; h < 2; ++h) {
       __m256i I[kAvx2Group], I2[kAvx2Group];
@@ -430,8 +473,10 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, co
         __m256i u[16];
         kplanes_unpack<WT>(c, h, q, u);
         for (int t = 0; t < nt; ++t)
-          kplanes_group_dot<WT, TWO>([&](int k) { return _mm256_load_si256(u + k); }, c, h, q, x[t][cb], x2[t] + cb,
-                                     I[t], I2[t], x[t][cb].qs, TWO ? x2[t][cb].qs : x[t][cb].qs);
+          kplanes_group_dot<WT, TWO, K::kZero != 0>([&](int k) { return _mm256_load_si256(u + k); }, c, h, q, x[t][cb],
+                                                    x2[t] + cb, I[t], I2[t], x[t][cb].qs,
+                                                    TWO ? x2[t][cb].qs : x[t][cb].qs,
+                                                    K::kZero != 0 ? z0 + ((size_t)t * nsb + cb) * per : nullptr);
       }
       __m256i mp[4];
       kplanes_min_pairs<WT>(c, h, mp);
