@@ -79,15 +79,10 @@ void planes_tokens(int bpr, Chunk&& chunk, const QActs& x, int k0, float* y, int
   const size_t l2 = level_bytes(x);
   for (int cb = 0; cb < bpr; ++cb) {
     const uint8_t* c = chunk(cb);
-    if constexpr (TYPE == BlockType::Q8_0 && TWO) {  // both levels in 16 bits (planes_x16.h), the GEMV's integers
-      alignas(32) int16_t x16[NT][32];
-      for (int t = 0; t < NT; ++t) x16_of(xr[t][cb], *level2(xr[t] + cb, l2), x16[t]);
-      for (int h = 0; h < 2; ++h) {
-        __m256i w16[8][2];
-        for (int j = 0; j < 8; ++j) q8_widen(c, h, j, w16[j][0], w16[j][1]);
-        for (int t = 0; t < NT; ++t)
-          acc[t][h] = planes_finish<TYPE, TWO>(c, h, half_dot16(w16, x16[t]), xr[t][cb], level2(xr[t] + cb, l2), acc[t][h]);
-      }
+    if constexpr (TYPE == BlockType::Q8_0 && TWO) {  // both levels in 16 bits, the GEMV's integers
+      static_assert(NT <= 16);
+      q8_chunk_two_levels(c, NT, [&](int t) -> const block_q8a& { return xr[t][cb]; },
+                          [&](int t) { return level2(xr[t] + cb, l2); }, acc);
       continue;
     }
     for (int h = 0; h < 2; ++h) {

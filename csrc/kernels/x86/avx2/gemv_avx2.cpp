@@ -256,14 +256,11 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
 // slice(k) gives the group's slice k unsigned (kplanes_unpack's u[k]), met by both levels'
 // broadcast activation bytes before the next, each int16 run kept in one register
 // (keep_in_register), the loops unrolled so that with q a constant every plane index is one.
-// q1 and q2: the levels' bytes (a.qs, a2->qs), as the caller lets the compiler see them. ZT
-// (Q6_K): the sub-blocks' start values are loaded from z (kplanes_starts), not made here; a
-// compile-time choice, since a run-time test of z left both forms in the unrolled loop, which
-// then spilled (31 ns per (token, 16 x 32) against 24).
-template <BlockType WT, bool TWO, bool ZT = false, class SliceF>
-inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, const block_q8_K& a,
-                              const block_q8_K* a2, __m256i& I, __m256i& I2, const int8_t* q1, const int8_t* q2,
-                              const __m256i* z = nullptr) {
+// q1 and q2: the token's levels' bytes, as the caller lets the compiler see them; z (Q6_K): its
+// sub-blocks' start values for this super-block (kplanes_starts), unused by Q4_K and Q5_K.
+template <BlockType WT, bool TWO, class SliceF>
+inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, __m256i& I, __m256i& I2,
+                              const int8_t* q1, const int8_t* q2, const __m256i* z) {
   using K = KPlanesKind<WT>;
   constexpr int kPer16 = K::kMaxU == 15 ? 8 : K::kMaxU == 31 ? 4 : 2;  // slices per int16 run
   static_assert(kPer16 * 2 * K::kMaxU * 127 <= 32767, "the int16 sums must not saturate");
@@ -285,13 +282,8 @@ inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, co
       const __m256i sc = kplanes_scale<WT>(c, h, s);
       m16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
     } else {
-      if constexpr (ZT) {
-        D = _mm256_load_si256(z + s);
-        D2 = TWO ? _mm256_load_si256(z + K::kNumSub + s) : D;
-      } else {
-        D = _mm256_set1_epi32(-K::kZero * K::asum(a, s));
-        D2 = TWO ? _mm256_set1_epi32(-K::kZero * K::asum(*a2, s)) : D;
-      }
+      D = _mm256_load_si256(z + s);
+      D2 = TWO ? _mm256_load_si256(z + K::kNumSub + s) : D;
     }
 #pragma GCC unroll 8
     for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
@@ -338,8 +330,7 @@ inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const blo
 #pragma GCC unroll 4
   for (int q = 0; q < 4; ++q) {
     if (h == 0) planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
-    kplanes_group_dot<WT, TWO, KPlanesKind<WT>::kZero != 0>([&](int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h, q,
-                                                            a, a2, I, I2, q1, q2, z);
+    kplanes_group_dot<WT, TWO>([&](int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h, q, I, I2, q1, q2, z);
   }
 }
 
@@ -347,7 +338,8 @@ inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const blo
 // token, its kNumSub sub-blocks' for level 1, then level 2's (zero with one level), at out.
 // Made once a call and loaded by every chunk of the column; made where used they took a scalar
 // multiply, a move to a vector register and a broadcast per sub-block, level and chunk (7% of
-// the GEMV's vector operations).
+// the GEMV's vector operations). Every Q6_K caller passes them: with both forms in the unrolled
+// loop behind a run-time test, it spilled (31 ns per (token, 16 x 32) against 24).
 struct alignas(32) Lanes { int32_t v[8]; };
 template <BlockType WT, bool TWO>
 inline void kplanes_starts(const block_q8_K* x, const block_q8_K* x2, int nsb, __m256i* out) {
@@ -427,15 +419,10 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, con
       xs[t][l] = q8a_sums_of(x[t][l], L.cols);
     }
   walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
-    if constexpr (WT == BlockType::Q8_0 && TWO) {  // each half widened once, each token's x16 once
-      alignas(32) int16_t x16[kAvx2Group][32];
-      for (int t = 0; t < nt; ++t) x16_of(x[t][0][cb], x[t][1][cb], x16[t]);
-      for (int h = 0; h < 2; ++h) {
-        __m256i w16[8][2];
-        for (int j = 0; j < 8; ++j) q8_widen(c, h, j, w16[j][0], w16[j][1]);
-        for (int t = 0; t < nt; ++t)
-          acc[t][h] = planes_finish<WT, TWO>(c, h, half_dot16(w16, x16[t]), x[t][0][cb], x[t][1] + cb, acc[t][h]);
-      }
+    if constexpr (WT == BlockType::Q8_0 && TWO) {  // both levels in 16 bits (planes_x16.h)
+      static_assert(kAvx2Group <= 16);
+      q8_chunk_two_levels(c, nt, [&](int t) -> const block_q8a& { return x[t][0][cb]; },
+                          [&](int t) { return x[t][LV - 1] + cb; }, acc);
       return;
     }
     for (int h = 0; h < 2; ++h) {
@@ -473,10 +460,9 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, co
         __m256i u[16];
         kplanes_unpack<WT>(c, h, q, u);
         for (int t = 0; t < nt; ++t)
-          kplanes_group_dot<WT, TWO, K::kZero != 0>([&](int k) { return _mm256_load_si256(u + k); }, c, h, q, x[t][cb],
-                                                    x2[t] + cb, I[t], I2[t], x[t][cb].qs,
-                                                    TWO ? x2[t][cb].qs : x[t][cb].qs,
-                                                    K::kZero != 0 ? z0 + ((size_t)t * nsb + cb) * per : nullptr);
+          kplanes_group_dot<WT, TWO>([&](int k) { return _mm256_load_si256(u + k); }, c, h, q, I[t], I2[t],
+                                     x[t][cb].qs, TWO ? x2[t][cb].qs : x[t][cb].qs,
+                                     K::kZero != 0 ? z0 + ((size_t)t * nsb + cb) * per : nullptr);
       }
       __m256i mp[4];
       kplanes_min_pairs<WT>(c, h, mp);

@@ -73,9 +73,21 @@ inline void q8_widen(const uint8_t* c, int h, int j, __m256i& wl, __m256i& wh) {
   wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(s + 16)));
 }
 
-// I of half h for one token from the half's widened slices.
-inline __m256i half_dot16(const __m256i (&w16)[8][2], const int16_t (&x16)[32]) {
-  __m256i S[1];
-  dot16<1>([&](int, int j, __m256i& wl, __m256i& wh) { wl = w16[j][0], wh = w16[j][1]; }, 0, x16, S);
-  return S[0];
+// Q8_0 chunk c against nt <= 16 tokens' two levels, for the kernels that visit a chunk for many
+// tokens (the batched pass, the GEMM): each half widened once, each token's x16 made once, then
+// acc[t][h] (token t's rows 8h .. 8h+7) through the GEMV's integers and finish. level1(t) and
+// level2(t): token t's block of this column (a reference) and its second level (a pointer).
+template <class Level1, class Level2>
+inline void q8_chunk_two_levels(const uint8_t* c, int nt, Level1&& level1, Level2&& level2, __m256 (*acc)[2]) {
+  alignas(32) int16_t x16[16][32];
+  for (int t = 0; t < nt; ++t) x16_of(level1(t), *level2(t), x16[t]);
+  for (int h = 0; h < 2; ++h) {
+    __m256i w16[8][2];
+    for (int j = 0; j < 8; ++j) q8_widen(c, h, j, w16[j][0], w16[j][1]);
+    for (int t = 0; t < nt; ++t) {
+      __m256i S[1];
+      dot16<1>([&](int, int j, __m256i& wl, __m256i& wh) { wl = w16[j][0], wh = w16[j][1]; }, 0, x16[t], S);
+      acc[t][h] = planes_finish<BlockType::Q8_0, true>(c, h, S[0], level1(t), level2(t), acc[t][h]);
+    }
+  }
 }
