@@ -54,7 +54,15 @@ inline __m256i kplanes_slice(const uint8_t* c, int h, int q, int k) {
     const int j = k % 8, r = k / 8;  // slice j of the low (r = 0) or high nibbles
     const __m256i p = plane(K::kQsPlane + 8 * q + j);
     __m256i u = _mm256_and_si256(r ? _mm256_srli_epi16(p, 4) : p, lo);
-    if constexpr (K::kFifth) u = _mm256_or_si256(u, _mm256_and_si256(kplanes_bit4(plane(3 + j), 2 * q + r), _mm256_set1_epi8(16)));
+    if constexpr (K::kFifth) {
+      // Q5_K's qh plane through a pointer the compiler cannot see through: otherwise it keeps
+      // the group's 8 qh planes in registers for its 16 slices and spills the sums instead
+      // (docs/KERNELS.md).
+      const uint8_t* ph = pl;
+      __asm__("" : "+r"(ph));
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(ph + 64 * (3 + j)));
+      u = _mm256_or_si256(u, _mm256_and_si256(kplanes_bit4(qh, 2 * q + r), _mm256_set1_epi8(16)));
+    }
     return u;
   } else {
     const int m = k % 4, t = k / 4;  // slice m of quarter t
