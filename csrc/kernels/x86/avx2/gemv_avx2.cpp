@@ -210,7 +210,7 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& l
     alignas(32) int16_t x16[32];  // Q8_0's widening costs less than its int8 path even for one token
     x16_of(a, *a2, x16);
     __m256i S[2];
-    dot16<2>([&](int h, int j, __m256i& wl, __m256i& wh) { q8_widen(c, h, j, wl, wh); }, 0, x16, S);
+    dot16<2, true>([&](int h, int j, __m256i& wl, __m256i& wh) { q8_widen(c, h, j, wl, wh); }, 0, x16, S);
     acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, acc0);
     acc1 = planes_finish<WT, TWO>(c, 1, S[1], a, a2, acc1);
   } else if constexpr (PlanesKind<WT>::kFifth && TWO) {
