@@ -420,29 +420,36 @@ template <BlockType WT, bool TWO, int NT>
 void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, const uint8_t* w, const TileLayout& L,
                    int row_begin, int row_end) {
   const int nt = NT ? NT : nt_;
-  constexpr int LV = TWO ? 2 : 1;
-  const block_q8a* x[kAvx2Group][LV];
-  const q8a_sums* xs[kAvx2Group][LV];
-  for (int t = 0; t < nt; ++t)
-    for (int l = 0; l < LV; ++l) {
-      x[t][l] = (const block_q8a*)(xv + t * ab + l * q8a_row_bytes(L.cols));
-      xs[t][l] = q8a_sums_of(x[t][l], L.cols);
-    }
+  // Token t's first-level block cb lies at xv + t * ab + cb * sizeof(block_q8a); its second level
+  // R bytes on, and each level's sums for the block S(cb) bytes on from its block: one stride per
+  // token, so that the token loop steps a pointer instead of looking up per-token pointers.
+  const ptrdiff_t R = TWO ? (ptrdiff_t)q8a_row_bytes(L.cols) : 0;
+  const auto sums_at = [&](int cb) {
+    return (ptrdiff_t)(L.cols / QK) * (ptrdiff_t)sizeof(block_q8a) + cb * (ptrdiff_t)(sizeof(q8a_sums) - sizeof(block_q8a));
+  };
   walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
+    const uint8_t* x0 = xv + (size_t)cb * sizeof(block_q8a);
+    auto level1 = [&](int t) -> const block_q8a& { return *(const block_q8a*)(x0 + (size_t)t * ab); };
+    auto level2 = [&](int t) { return (const block_q8a*)(x0 + (size_t)t * ab + R); };
     if constexpr (WT == BlockType::Q8_0 && TWO) {  // both levels in 16 bits (planes_x16.h)
       static_assert(kAvx2Group <= 16);
-      q8_chunk_two_levels(c, nt, [&](int t) -> const block_q8a& { return x[t][0][cb]; },
-                          [&](int t) { return x[t][LV - 1] + cb; }, acc);
+      q8_chunk_two_levels(c, nt, level1, level2, acc);
       return;
     }
+    const ptrdiff_t S = sums_at(cb);
     for (int h = 0; h < 2; ++h) {
       __m256i u[8];  // the half's slices, unpacked once for every token
       planes_unpack<WT>(c, h, u);
       const auto slice = unpacked_slices<WT>(u);
-      for (int t = 0; t < nt; ++t) {
-        __m256i S[1];
-        planes_dot<WT, TWO, 1>(slice, h, x[t][0][cb], xs[t][0][cb], x[t][LV - 1] + cb, xs[t][LV - 1] + cb, S);
-        acc[t][h] = planes_finish<WT, TWO>(c, h, S[0], x[t][0][cb], x[t][LV - 1] + cb, acc[t][h]);
+      const uint8_t* xt = x0;
+      for (int t = 0; t < nt; ++t, xt += ab) {
+        const block_q8a& a = *(const block_q8a*)xt;
+        const block_q8a* a2 = (const block_q8a*)(xt + R);
+        const q8a_sums& la = *(const q8a_sums*)(xt + S);
+        const q8a_sums* la2 = (const q8a_sums*)(xt + R + S);
+        __m256i Sm[1];
+        planes_dot<WT, TWO, 1>(slice, h, a, la, a2, la2, Sm);
+        acc[t][h] = planes_finish<WT, TWO>(c, h, Sm[0], a, a2, acc[t][h]);
       }
     }
   });
