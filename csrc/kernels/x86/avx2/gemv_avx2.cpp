@@ -420,23 +420,19 @@ template <BlockType WT, bool TWO, int NT>
 void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, const uint8_t* w, const TileLayout& L,
                    int row_begin, int row_end) {
   const int nt = NT ? NT : nt_;
-  // Token t's first-level block cb lies at xv + t * ab + cb * sizeof(block_q8a); its second level
-  // R bytes on, and each level's sums for the block S(cb) bytes on from its block: one stride per
-  // token, so that the token loop steps a pointer instead of looking up per-token pointers.
-  const ptrdiff_t R = TWO ? (ptrdiff_t)q8a_row_bytes(L.cols) : 0;
-  const auto sums_at = [&](int cb) {
-    return (ptrdiff_t)(L.cols / QK) * (ptrdiff_t)sizeof(block_q8a) + cb * (ptrdiff_t)(sizeof(q8a_sums) - sizeof(block_q8a));
-  };
+  // Token t's first-level block cb lies at xv + t * ab + cb * sizeof(block_q8a), its second level
+  // R bytes on (level2), and each level's sums for the block S bytes on from its block: one stride
+  // per token, so that the token loop steps a pointer instead of looking up per-token pointers.
+  const size_t R = TWO ? q8a_row_bytes(L.cols) : 0;
   walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
-    const uint8_t* x0 = xv + (size_t)cb * sizeof(block_q8a);
-    auto level1 = [&](int t) -> const block_q8a& { return *(const block_q8a*)(x0 + (size_t)t * ab); };
-    auto level2 = [&](int t) { return (const block_q8a*)(x0 + (size_t)t * ab + R); };
+    const uint8_t* x0 = (const uint8_t*)((const block_q8a*)xv + cb);  // token 0's block cb
+    auto first = [&](int t) -> const block_q8a& { return *(const block_q8a*)(x0 + (size_t)t * ab); };
     if constexpr (WT == BlockType::Q8_0 && TWO) {  // both levels in 16 bits (planes_x16.h)
       static_assert(kAvx2Group <= 16);
-      q8_chunk_two_levels(c, nt, level1, level2, acc);
+      q8_chunk_two_levels(c, nt, first, [&](int t) { return level2(&first(t), R); }, acc);
       return;
     }
-    const ptrdiff_t S = sums_at(cb);
+    const ptrdiff_t S = (const uint8_t*)(q8a_sums_of((const block_q8a*)xv, L.cols) + cb) - x0;
     for (int h = 0; h < 2; ++h) {
       __m256i u[8];  // the half's slices, unpacked once for every token
       planes_unpack<WT>(c, h, u);
@@ -444,7 +440,7 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, con
       const uint8_t* xt = x0;
       for (int t = 0; t < nt; ++t, xt += ab) {
         const block_q8a& a = *(const block_q8a*)xt;
-        const block_q8a* a2 = (const block_q8a*)(xt + R);
+        const block_q8a* a2 = level2(&a, R);
         const q8a_sums& la = *(const q8a_sums*)(xt + S);
         const q8a_sums* la2 = (const q8a_sums*)(xt + R + S);
         __m256i Sm[1];
