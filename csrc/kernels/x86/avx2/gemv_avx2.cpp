@@ -102,13 +102,12 @@ inline void add_group(float* y, int gg, __m256 a0, __m256 a1) {
 // every level's broadcast activation slices before the next plane is touched. Each level's
 // maddubs add up in int16 over kRun planes (2 slices a plane: 8 slices of 4-bit weights, 4 of
 // 5-bit ones), kept in one register each (keep_in_register); Q8_0 takes |w| times sign(x, w) and a
-// madd per slice. s starts at -kZero * sum(a).
+// madd per slice. s starts at z, the block's -kZero * sum(a) (BlockStart).
 // Unpacking a half's 8 slices into registers first and broadcasting the 8 activation slices
 // once (as before 2026-12-03) keeps 16 vectors live, all of AVX2's registers: the spills made
 // the one-token GEMV 1.5-2x slower (docs/KERNELS.md).
 template <BlockType WT, bool TWO, int NH, class SliceF>
-inline void planes_dot(SliceF&& slice, int h0, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
-                       const q8a_sums* la2, __m256i (&S)[NH]) {
+inline void planes_dot(SliceF&& slice, int h0, const block_q8a& a, const block_q8a* a2, int32_t z, __m256i (&S)[NH]) {
   using K = PlanesKind<WT>;
   const __m256i ones = _mm256_set1_epi16(1);
   // The activation bytes through pointers the compiler cannot see through: where a caller
@@ -122,9 +121,7 @@ inline void planes_dot(SliceF&& slice, int h0, const block_q8a& a, const q8a_sum
     std::memcpy(&v, (level == 1 ? q1 : q2) + 4 * j, 4);
     return _mm256_set1_epi32(v);
   };
-  auto isum = [](const q8a_sums& s) { return s.lsum4[0] + s.lsum4[1] + s.lsum4[2] + s.lsum4[3]; };
-  const int z = K::kNib ? -K::kZero * (TWO ? 256 * isum(la) + isum(*la2) : isum(la)) : 0;
-  for (int i = 0; i < NH; ++i) S[i] = _mm256_set1_epi32(z);
+  for (int i = 0; i < NH; ++i) S[i] = _mm256_set1_epi32(K::kNib && K::kZero ? z : 0);
   auto merge = [&](__m256i& Si, __m256i p1, __m256i p2) {  // one run's int32 sums into S
     Si = _mm256_add_epi32(Si, TWO ? _mm256_add_epi32(_mm256_slli_epi32(p1, 8), p2) : p1);
   };
@@ -204,8 +201,8 @@ inline auto unpacked_slices(const __m256i (&u)[8]) {
 // 32) in L2: Q5_0 23.0 -> 21.4 against unpacking each half's 8 slices first, one level 18.6 ->
 // 17.7; NH 2 with two levels: 27.2).
 template <BlockType WT, bool TWO>
-inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& la, const block_q8a* a2,
-                         const q8a_sums* la2, __m256& acc0, __m256& acc1) {
+inline void planes_block(const uint8_t* c, const block_q8a& a, const block_q8a* a2, const BlockStart* st,
+                         __m256& acc0, __m256& acc1) {
   if constexpr (WT == BlockType::Q8_0 && TWO) {
     alignas(32) int16_t x16[32];  // Q8_0's widening costs less than its int8 path even for one token
     x16_of(a, *a2, x16);
@@ -216,16 +213,16 @@ inline void planes_block(const uint8_t* c, const block_q8a& a, const q8a_sums& l
   } else if constexpr (PlanesKind<WT>::kFifth && TWO) {
     auto slice = [&](int h, int k, __m256i& ul, __m256i& uh) { planes_chunk_slice<WT>(c, h, k, ul, uh); };
     __m256i S[1];
-    planes_dot<WT, TWO, 1>(slice, 0, a, la, a2, la2, S);
-    acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, acc0);
-    planes_dot<WT, TWO, 1>(slice, 1, a, la, a2, la2, S);
-    acc1 = planes_finish<WT, TWO>(c, 1, S[0], a, a2, acc1);
+    planes_dot<WT, TWO, 1>(slice, 0, a, a2, start_z<WT>(st), S);
+    acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, st, acc0);
+    planes_dot<WT, TWO, 1>(slice, 1, a, a2, start_z<WT>(st), S);
+    acc1 = planes_finish<WT, TWO>(c, 1, S[0], a, a2, st, acc1);
   } else {
     __m256i S[2];
     planes_dot<WT, TWO, 2>([&](int h, int k, __m256i& ul, __m256i& uh) { planes_chunk_slice<WT>(c, h, k, ul, uh); },
-                           0, a, la, a2, la2, S);
-    acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, acc0);
-    acc1 = planes_finish<WT, TWO>(c, 1, S[1], a, a2, acc1);
+                           0, a, a2, start_z<WT>(st), S);
+    acc0 = planes_finish<WT, TWO>(c, 0, S[0], a, a2, st, acc0);
+    acc1 = planes_finish<WT, TWO>(c, 1, S[1], a, a2, st, acc1);
   }
 }
 
@@ -235,11 +232,12 @@ template <BlockType WT, bool TWO>
 void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout& L, int row_begin, int row_end) {
   const block_q8a* x = (const block_q8a*)xv;
   const block_q8a* x2 = (const block_q8a*)((const uint8_t*)xv + q8a_row_bytes(L.cols));
-  const q8a_sums *xs = q8a_sums_of(x, L.cols), *xs2 = q8a_sums_of(x2, L.cols);
+  constexpr bool kStarts = kBlockStarts<WT>;
+  const BlockStart* st = kStarts ? block_starts<WT, TWO>((const uint8_t*)xv, 0, 1, L.cols) : nullptr;
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b)
-      planes_block<WT, TWO>(chunk(b), x[cb0 + b], xs[cb0 + b], x2 + cb0 + b, xs2 + cb0 + b, acc0, acc1);
+      planes_block<WT, TWO>(chunk(b), x[cb0 + b], x2 + cb0 + b, kStarts ? st + cb0 + b : nullptr, acc0, acc1);
     add_group(y + r, gg, acc0, acc1);
   });
 }
@@ -421,31 +419,32 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, con
                    int row_begin, int row_end) {
   const int nt = NT ? NT : nt_;
   // Token t's first-level block cb lies at xv + t * ab + cb * sizeof(block_q8a), its second level
-  // R bytes on (level2), and each level's sums for the block S bytes on from its block: one stride
-  // per token, so that the token loop steps a pointer instead of looking up per-token pointers.
+  // R bytes on (level2): one stride per token, so that the token loop steps a pointer instead of
+  // looking up per-token pointers; the blocks' start records (BlockStart) in the tokens' order.
   const size_t R = TWO ? q8a_row_bytes(L.cols) : 0;
+  constexpr bool kX16 = WT == BlockType::Q8_0 && TWO;  // both levels in 16 bits (planes_x16.h)
+  const BlockStart* st = kBlockStarts<WT> ? block_starts<WT, TWO>(xv, ab, nt, L.cols) : nullptr;
   walk_tokens<WT>(y, ldy, nt, w, L, row_begin, row_end, [&](const uint8_t* c, int cb, __m256 (*acc)[2]) {
     const uint8_t* x0 = (const uint8_t*)((const block_q8a*)xv + cb);  // token 0's block cb
     auto first = [&](int t) -> const block_q8a& { return *(const block_q8a*)(x0 + (size_t)t * ab); };
-    if constexpr (WT == BlockType::Q8_0 && TWO) {  // both levels in 16 bits (planes_x16.h)
+    if constexpr (kX16) {
       static_assert(kAvx2Group <= 16);
       q8_chunk_two_levels(c, nt, first, [&](int t) { return level2(&first(t), R); }, acc);
-      return;
-    }
-    const ptrdiff_t S = (const uint8_t*)(q8a_sums_of((const block_q8a*)xv, L.cols) + cb) - x0;
-    for (int h = 0; h < 2; ++h) {
-      __m256i u[8];  // the half's slices, unpacked once for every token
-      planes_unpack<WT>(c, h, u);
-      const auto slice = unpacked_slices<WT>(u);
-      const uint8_t* xt = x0;
-      for (int t = 0; t < nt; ++t, xt += ab) {
-        const block_q8a& a = *(const block_q8a*)xt;
-        const block_q8a* a2 = level2(&a, R);
-        const q8a_sums& la = *(const q8a_sums*)(xt + S);
-        const q8a_sums* la2 = (const q8a_sums*)(xt + R + S);
-        __m256i Sm[1];
-        planes_dot<WT, TWO, 1>(slice, h, a, la, a2, la2, Sm);
-        acc[t][h] = planes_finish<WT, TWO>(c, h, Sm[0], a, a2, acc[t][h]);
+    } else {
+      const BlockStart* st0 = kBlockStarts<WT> ? st + (size_t)cb * nt : nullptr;  // block cb's, token by token
+      for (int h = 0; h < 2; ++h) {
+        __m256i u[8];  // the half's slices, unpacked once for every token
+        planes_unpack<WT>(c, h, u);
+        const auto slice = unpacked_slices<WT>(u);
+        const uint8_t* xt = x0;
+        for (int t = 0; t < nt; ++t, xt += ab) {
+          const block_q8a& a = *(const block_q8a*)xt;
+          const block_q8a* a2 = level2(&a, R);
+          const BlockStart* s = kBlockStarts<WT> ? st0 + t : nullptr;
+          __m256i Sm[1];
+          planes_dot<WT, TWO, 1>(slice, h, a, a2, start_z<WT>(s), Sm);
+          acc[t][h] = planes_finish<WT, TWO>(c, h, Sm[0], a, a2, s, acc[t][h]);
+        }
       }
     }
   });

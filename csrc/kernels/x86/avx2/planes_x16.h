@@ -31,6 +31,58 @@ inline __m256 planes_finish(const uint8_t* c, int h, __m256i I, const block_q8a&
   return acc;
 }
 
+// What each 16-row chunk of one column block starts from, for one token of Q4_0 or Q5_0
+// (kBlockStarts): z, the integer dot's start value -kZero * (256 s1 + s2) with two levels (-kZero
+// s1 with one; s the integer sums of a level's bytes), and d, the activation scale of the finish
+// (the second level's with two). block_starts makes them once a call: made by every chunk for
+// itself, z was 14 scalar instructions of a Q4_0 chunk's 192 in the one-token GEMV, and twice that
+// in the batched pass, which met each block once a half and token (docs/KERNELS.md). The types
+// without an offset start from 0 and take their scales from the blocks: records for Q4_1's mins
+// too ran 2-4% more instructions than the blocks' own fields.
+struct BlockStart {
+  int32_t z;
+  float d;
+};
+template <BlockType WT>
+constexpr bool kBlockStarts = PlanesKind<WT>::kNib && PlanesKind<WT>::kZero != 0;
+template <BlockType WT>
+inline int32_t start_z(const BlockStart* st) {
+  if constexpr (kBlockStarts<WT>) return st->z;
+  return 0;
+}
+
+// planes_finish with the block's record where the type has one (the same operations on the same
+// values: st->d is a2->d, or a.d with one level).
+template <BlockType WT, bool TWO>
+inline __m256 planes_finish(const uint8_t* c, int h, __m256i I, const block_q8a& a, const block_q8a* a2,
+                            const BlockStart* st, __m256 acc) {
+  if constexpr (!kBlockStarts<WT>) return planes_finish<WT, TWO>(c, h, I, a, a2, acc);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16 * h)));
+  return _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(st->d)), _mm256_cvtepi32_ps(I), acc);
+}
+
+// The records of nt tokens' activation rows (token t's level 1 at x + t * ab, its level 2
+// q8a_row_bytes(cols) on), block-major: block b of token t at [b * nt + t], so that a chunk's
+// tokens read theirs in turn. A thread_local buffer, valid until the thread's next call.
+template <BlockType WT, bool TWO>
+inline const BlockStart* block_starts(const uint8_t* x, size_t ab, int nt, int cols) {
+  thread_local std::vector<BlockStart> v;
+  const int nb = cols / QK;
+  v.resize((size_t)nb * nt);
+  auto isum = [](const q8a_sums& s) { return s.lsum4[0] + s.lsum4[1] + s.lsum4[2] + s.lsum4[3]; };
+  for (int t = 0; t < nt; ++t) {
+    const block_q8a* a = (const block_q8a*)(x + t * ab);
+    const block_q8a* a2 = TWO ? level2(a, q8a_row_bytes(cols)) : a;
+    const q8a_sums *la = q8a_sums_of(a, cols), *la2 = q8a_sums_of(a2, cols);
+    for (int b = 0; b < nb; ++b) {
+      BlockStart& o = v[(size_t)b * nt + t];
+      o.z = -PlanesKind<WT>::kZero * (TWO ? 256 * isum(la[b]) + isum(la2[b]) : isum(la[b]));
+      o.d = TWO ? a2[b].d : a[b].d;
+    }
+  }
+  return v.data();
+}
+
 // A block's two levels as x16 = 256 q1 + q2, 32 int16.
 inline void x16_of(const block_q8a& a, const block_q8a& a2, int16_t (&x16)[32]) {
   for (int i = 0; i < 2; ++i) {
