@@ -320,6 +320,63 @@ inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, __
   }
 }
 
+// The types whose one-token GEMV takes both halves of a group at once (kplanes_isum_both): Q4_K
+// and Q5_K, whose scales ride the madds. Q6_K's runs start from its offsets and are multiplied by
+// the scales after, twice the accumulators: both halves at once would not fit AVX2's registers.
+template <BlockType WT>
+constexpr bool kBothHalves = KPlanesKind<WT>::kZero == 0;
+
+// kplanes_group_dot for both halves of group q (rows 0..7 into I[0], I2[0], rows 8..15 into I[1],
+// I2[1]): each activation slice is broadcast once for the two halves' slices, where a half at a
+// time broadcast it twice. The GEMV's instructions per (token, 16 x 32) under callgrind, 2026-12-04:
+// Q4_K 220 -> 180, Q5_K 288 -> 265 (docs/KERNELS.md). The same integers, so bit for bit as before.
+template <BlockType WT, bool TWO>
+inline void kplanes_group_dot_both(const uint8_t* c, int q, __m256i (&I)[2], __m256i (&I2)[2], const int8_t* q1,
+                                   const int8_t* q2) {
+  using K = KPlanesKind<WT>;
+  static_assert(K::kZero == 0, "the scales ride the madds");
+  constexpr int kPer16 = K::kMaxU == 15 ? 8 : 4;  // slices per int16 run
+  auto bcast = [](const int8_t* x, int s, int j) {
+    int32_t v;
+    std::memcpy(&v, x + K::kSubW * s + 4 * j, 4);
+    return _mm256_set1_epi32(v);
+  };
+#pragma GCC unroll 4
+  for (int r = 0; r < K::kSubs; ++r) {
+    const int s = K::sub(q, r);
+    __m256i m16[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i sc = kplanes_scale<WT>(c, h, s);
+      m16[h] = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+    }
+#pragma GCC unroll 8
+    for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
+      __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, p2[2] = {p[0], p[0]};
+#pragma GCC unroll 8
+      for (int j = j0; j < j0 + kPer16; ++j) {
+        const __m256i x1 = bcast(q1, s, j), x2 = TWO ? bcast(q2, s, j) : x1;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i u = kplanes_slice<WT>(c, h, q, r * K::kSlices + j);
+          p[h] = _mm256_add_epi16(p[h], _mm256_maddubs_epi16(u, x1));
+          keep_in_register(p[h]);
+          if (TWO) {
+            p2[h] = _mm256_add_epi16(p2[h], _mm256_maddubs_epi16(u, x2));
+            keep_in_register(p2[h]);
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        I[h] = _mm256_add_epi32(I[h], _mm256_madd_epi16(p[h], m16[h]));
+        if (TWO) I2[h] = _mm256_add_epi32(I2[h], _mm256_madd_epi16(p2[h], m16[h]));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      keep_in_register(I[h]);
+      if (TWO) keep_in_register(I2[h]);
+    }
+  }
+}
+
 // The one-token GEMV's I and I2 of rows 8h .. 8h+7: every group with each slice unpacked where it
 // is used (kplanes_slice), no slice array. Unpacking a group's 16 slices into an array first,
 // once per level (as before 2026-12-03), ran 1.5-2x slower on AVX2 (docs/KERNELS.md). The chunk
@@ -339,6 +396,22 @@ inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const blo
   for (int q = 0; q < 4; ++q) {
     if (h == 0) planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
     kplanes_group_dot<WT, TWO, true>([&](int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h, q, I, I2, q1, q2, z);
+  }
+}
+
+// kplanes_isum of both halves at once (kBothHalves: Q4_K, Q5_K), the chunk prefetched a quarter
+// per group as there.
+template <BlockType WT, bool TWO>
+inline void kplanes_isum_both(const uint8_t* c, const block_q8_K& a, const block_q8_K* a2, __m256i (&I)[2],
+                              __m256i (&I2)[2]) {
+  I[0] = I[1] = I2[0] = I2[1] = _mm256_setzero_si256();
+  const int8_t* q1 = a.qs;  // laundered, as in kplanes_isum
+  const int8_t* q2 = TWO ? a2->qs : a.qs;
+  __asm__("" : "+r"(q1), "+r"(q2));
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
+    kplanes_group_dot_both<WT, TWO>(c, q, I, I2, q1, q2);
   }
 }
 
@@ -379,9 +452,12 @@ void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayou
       const block_q8_K& a = x[cb0 + b];
       const block_q8_K* a2 = x2 + cb0 + b;
       const __m256i* z = K::kZero != 0 ? z0 + (size_t)(cb0 + b) * per : nullptr;
+      __m256i Ih[2], I2h[2];
+      if constexpr (kBothHalves<WT>) kplanes_isum_both<WT, TWO>(c, a, a2, Ih, I2h);
       for (int h = 0; h < 2; ++h) {
         __m256i I, I2;
-        kplanes_isum<WT, TWO>(c, h, a, a2, I, I2, z);
+        if constexpr (kBothHalves<WT>) I = Ih[h], I2 = I2h[h];
+        else kplanes_isum<WT, TWO>(c, h, a, a2, I, I2, z);
         __m256i mp[4];
         kplanes_min_pairs<WT>(c, h, mp);
         const __m256i M = kplanes_mins<WT>(mp, a), M2 = TWO ? kplanes_mins<WT>(mp, *a2) : M;
