@@ -1,7 +1,8 @@
-// Q8_0's planes against both activation levels at once, in 16 bits, at 256 bits, and the float
-// finish of the planes kernels: shared by the GEMV and its batched pass (gemv_avx2.cpp) and the
-// prefill GEMM (gemm_avx2.cpp: Q8_0 with two levels). Included inside namespace cflow::avx2
-// (anonymous), after <immintrin.h> and x86/planes_simd.h.
+// Q8_0's planes against both activation levels at once, in 16 bits, at 256 bits, the float
+// finish of the planes kernels and the blocks' start records (Q4_0, Q5_0: BlockStart): shared by
+// the GEMV and its batched pass (gemv_avx2.cpp) and the prefill GEMM (gemm_avx2.cpp: Q8_0 with two
+// levels). Included inside namespace cflow::avx2 (anonymous), after <immintrin.h>,
+// x86/planes_simd.h and isa_kernels.h.
 //
 // Without VNNI, Q8_0's signed weights meet int8 activations as |w| times sign(x, w) and a madd
 // per slice and level (no int16 runs: two pair sums can exceed 32767). Widened to int16 instead,
