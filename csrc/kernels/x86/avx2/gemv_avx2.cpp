@@ -250,9 +250,10 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
 // that madd, as int16 pairs (the same integers: sc * (pair + pair)); Q6_K's runs are summed
 // from -kZero * (the sub-block's sum of x) and the sum times its row scales (vpmulld): its
 // offset would need a madd of its own.
-// Rows 8h .. 8h+7: group q's share of I (and I2, the second level's) for one token, added in:
-// slice(k) gives the group's slice k unsigned (kplanes_unpack's u[k]), met by both levels'
-// broadcast activation bytes before the next, each int16 run kept in one register
+// Rows 8h .. 8h+7 of the NH halves h = h0 .. h0+NH-1: group q's share of I[h - h0] (and I2, the
+// second level's) for one token, added in: slice(h, k) gives half h's slice k of the group
+// unsigned (kplanes_unpack's u[k]), met by both levels' broadcast activation bytes (one broadcast
+// for the NH halves) before the next, each int16 run kept in one register
 // (keep_in_register), the loops unrolled so that with q a constant every plane index is one.
 // q1 and q2: the token's levels' bytes, as the caller lets the compiler see them; z (Q6_K): its
 // sub-blocks' start values for this super-block (kplanes_starts), unused by Q4_K and Q5_K.
@@ -262,129 +263,101 @@ void gemv_planes_q8(float* y, const void* xv, const uint8_t* w, const TileLayout
 // instructions (its 37 vector stores per half chunk gone) and about 6% faster, Q5_K's 5% fewer
 // and Q4_K's 1% (docs/KERNELS.md). The batched pass, whose slices come from L1, ran 3-5% more
 // instructions pinned for Q5_K and Q6_K, and is left as the compiler schedules it.
-template <BlockType WT, bool TWO, bool PIN = false, class SliceF>
-inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h, int q, __m256i& I, __m256i& I2,
+template <BlockType WT, bool TWO, bool PIN = false, int NH = 1, class SliceF>
+inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h0, int q, __m256i* I, __m256i* I2,
                               const int8_t* q1, const int8_t* q2, const __m256i* z) {
   using K = KPlanesKind<WT>;
   constexpr int kPer16 = K::kMaxU == 15 ? 8 : K::kMaxU == 31 ? 4 : 2;  // slices per int16 run
   static_assert(kPer16 * 2 * K::kMaxU * 127 <= 32767, "the int16 sums must not saturate");
+  // Q4_K, Q5_K (no offset): the row scales (0..63) ride the madds as int16 pairs, the runs go
+  // straight into I; Q6_K: the runs' sums start at -kZero * (the sub-block's sum of x) and are
+  // multiplied by the scales after (one half at a time: kBothHalves).
+  constexpr bool kScaleInMadd = K::kZero == 0;
+  static_assert(NH == 1 || kScaleInMadd, "two halves at once hold only their sums");
   const __m256i ones = _mm256_set1_epi16(1);
   auto bcast = [](const int8_t* x, int s, int j) {
     int32_t v;
     std::memcpy(&v, x + K::kSubW * s + 4 * j, 4);
     return _mm256_set1_epi32(v);
   };
-  // Q4_K, Q5_K (no offset): the row scales (0..63) ride the madds as int16 pairs, the runs go
-  // straight into I; Q6_K: the runs' sums start at -kZero * (the sub-block's sum of x) and are
-  // multiplied by the scales after.
-  constexpr bool kScaleInMadd = K::kZero == 0;
 #pragma GCC unroll 4
   for (int r = 0; r < K::kSubs; ++r) {
     const int s = K::sub(q, r);
-    __m256i m16 = ones, D = I, D2 = I2;
-    if constexpr (kScaleInMadd) {
-      const __m256i sc = kplanes_scale<WT>(c, h, s);
-      m16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-    } else {
-      D = _mm256_load_si256(z + s);
-      D2 = TWO ? _mm256_load_si256(z + K::kNumSub + s) : D;
-    }
-#pragma GCC unroll 8
-    for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
-      __m256i p = _mm256_setzero_si256(), p2 = p;
-#pragma GCC unroll 8
-      for (int j = j0; j < j0 + kPer16; ++j) {
-        const __m256i u = slice(r * K::kSlices + j);
-        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, bcast(q1, s, j)));
-        keep_in_register(p);
-        if (TWO) {
-          p2 = _mm256_add_epi16(p2, _mm256_maddubs_epi16(u, bcast(q2, s, j)));
-          keep_in_register(p2);
-        }
+    __m256i m16[NH], D[NH], D2[NH];
+    for (int i = 0; i < NH; ++i) {
+      m16[i] = ones, D[i] = I[i], D2[i] = I2[i];
+      if constexpr (kScaleInMadd) {
+        const __m256i sc = kplanes_scale<WT>(c, h0 + i, s);
+        m16[i] = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+      } else {
+        D[i] = _mm256_load_si256(z + s);
+        D2[i] = TWO ? _mm256_load_si256(z + K::kNumSub + s) : D[i];
       }
-      D = _mm256_add_epi32(D, _mm256_madd_epi16(p, m16));
-      if (TWO) D2 = _mm256_add_epi32(D2, _mm256_madd_epi16(p2, m16));
-    }
-    if constexpr (kScaleInMadd) {
-      I = D;
-      if (TWO) I2 = D2;
-    } else {
-      const __m256i sc = kplanes_scale<WT>(c, h, s);
-      I = _mm256_add_epi32(I, _mm256_mullo_epi32(D, sc));
-      if (TWO) I2 = _mm256_add_epi32(I2, _mm256_mullo_epi32(D2, sc));
-    }
-    if constexpr (PIN) {
-      keep_in_register(I);
-      if (TWO) keep_in_register(I2);
-    }
-  }
-}
-
-// The types whose one-token GEMV takes both halves of a group at once (kplanes_isum_both): Q4_K
-// and Q5_K, whose scales ride the madds. Q6_K's runs start from its offsets and are multiplied by
-// the scales after, twice the accumulators: both halves at once would not fit AVX2's registers.
-template <BlockType WT>
-constexpr bool kBothHalves = KPlanesKind<WT>::kZero == 0;
-
-// kplanes_group_dot for both halves of group q (rows 0..7 into I[0], I2[0], rows 8..15 into I[1],
-// I2[1]): each activation slice is broadcast once for the two halves' slices, where a half at a
-// time broadcast it twice. The GEMV's instructions per (token, 16 x 32) under callgrind, 2026-12-04:
-// Q4_K 220 -> 180, Q5_K 288 -> 265 (docs/KERNELS.md). The same integers, so bit for bit as before.
-template <BlockType WT, bool TWO>
-inline void kplanes_group_dot_both(const uint8_t* c, int q, __m256i (&I)[2], __m256i (&I2)[2], const int8_t* q1,
-                                   const int8_t* q2) {
-  using K = KPlanesKind<WT>;
-  static_assert(K::kZero == 0, "the scales ride the madds");
-  constexpr int kPer16 = K::kMaxU == 15 ? 8 : 4;  // slices per int16 run
-  auto bcast = [](const int8_t* x, int s, int j) {
-    int32_t v;
-    std::memcpy(&v, x + K::kSubW * s + 4 * j, 4);
-    return _mm256_set1_epi32(v);
-  };
-#pragma GCC unroll 4
-  for (int r = 0; r < K::kSubs; ++r) {
-    const int s = K::sub(q, r);
-    __m256i m16[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i sc = kplanes_scale<WT>(c, h, s);
-      m16[h] = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
     }
 #pragma GCC unroll 8
     for (int j0 = 0; j0 < K::kSlices; j0 += kPer16) {
-      __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, p2[2] = {p[0], p[0]};
+      __m256i p[NH], p2[NH];
+      for (int i = 0; i < NH; ++i) p[i] = p2[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int j = j0; j < j0 + kPer16; ++j) {
-        const __m256i x1 = bcast(q1, s, j), x2 = TWO ? bcast(q2, s, j) : x1;
-        for (int h = 0; h < 2; ++h) {
-          const __m256i u = kplanes_slice<WT>(c, h, q, r * K::kSlices + j);
-          p[h] = _mm256_add_epi16(p[h], _mm256_maddubs_epi16(u, x1));
-          keep_in_register(p[h]);
+        // each broadcast once for the NH halves, made where the first half meets it
+        const __m256i u0 = slice(h0, r * K::kSlices + j), x1 = bcast(q1, s, j);
+        p[0] = _mm256_add_epi16(p[0], _mm256_maddubs_epi16(u0, x1));
+        keep_in_register(p[0]);
+        const __m256i x2 = TWO ? bcast(q2, s, j) : x1;
+        if (TWO) {
+          p2[0] = _mm256_add_epi16(p2[0], _mm256_maddubs_epi16(u0, x2));
+          keep_in_register(p2[0]);
+        }
+        for (int i = 1; i < NH; ++i) {
+          const __m256i u = slice(h0 + i, r * K::kSlices + j);
+          p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(u, x1));
+          keep_in_register(p[i]);
           if (TWO) {
-            p2[h] = _mm256_add_epi16(p2[h], _mm256_maddubs_epi16(u, x2));
-            keep_in_register(p2[h]);
+            p2[i] = _mm256_add_epi16(p2[i], _mm256_maddubs_epi16(u, x2));
+            keep_in_register(p2[i]);
           }
         }
       }
-      for (int h = 0; h < 2; ++h) {
-        I[h] = _mm256_add_epi32(I[h], _mm256_madd_epi16(p[h], m16[h]));
-        if (TWO) I2[h] = _mm256_add_epi32(I2[h], _mm256_madd_epi16(p2[h], m16[h]));
+      for (int i = 0; i < NH; ++i) {
+        D[i] = _mm256_add_epi32(D[i], _mm256_madd_epi16(p[i], m16[i]));
+        if (TWO) D2[i] = _mm256_add_epi32(D2[i], _mm256_madd_epi16(p2[i], m16[i]));
       }
     }
-    for (int h = 0; h < 2; ++h) {
-      keep_in_register(I[h]);
-      if (TWO) keep_in_register(I2[h]);
+    for (int i = 0; i < NH; ++i) {
+      if constexpr (kScaleInMadd) {
+        I[i] = D[i];
+        if (TWO) I2[i] = D2[i];
+      } else {
+        const __m256i sc = kplanes_scale<WT>(c, h0 + i, s);
+        I[i] = _mm256_add_epi32(I[i], _mm256_mullo_epi32(D[i], sc));
+        if (TWO) I2[i] = _mm256_add_epi32(I2[i], _mm256_mullo_epi32(D2[i], sc));
+      }
+      if constexpr (PIN) {
+        keep_in_register(I[i]);
+        if (TWO) keep_in_register(I2[i]);
+      }
     }
   }
 }
 
-// The one-token GEMV's I and I2 of rows 8h .. 8h+7: every group with each slice unpacked where it
-// is used (kplanes_slice), no slice array. Unpacking a group's 16 slices into an array first,
+// The types whose one-token GEMV takes both halves of a chunk per activation broadcast
+// (kplanes_group_dot with NH 2): Q4_K and Q5_K, whose scales ride the madds. Broadcasting each
+// slice once per half instead cost them a sixth of their instructions (2026-12-04, callgrind:
+// Q4_K 220 -> 180, Q5_K 288 -> 265 per (token, 16 x 32); docs/KERNELS.md). Q6_K's runs start from
+// its offsets and are multiplied by the scales after, twice the sums: both halves at once would
+// not fit AVX2's registers.
+template <BlockType WT>
+constexpr bool kBothHalves = KPlanesKind<WT>::kZero == 0;
+
+// The one-token GEMV's I and I2 of NH halves from h0 (rows 8h .. 8h+7 of half h): every group with
+// each slice unpacked where it is used (kplanes_slice), no slice array. Unpacking a group's 16 slices into an array first,
 // once per level (as before 2026-12-03), ran 1.5-2x slower on AVX2 (docs/KERNELS.md). The chunk
 // is prefetched a quarter per group (planes_prefetch_quarter) on the first half's pass.
-template <BlockType WT, bool TWO>
-inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const block_q8_K* a2, __m256i& I, __m256i& I2,
+template <BlockType WT, bool TWO, int NH = 1>
+inline void kplanes_isum(const uint8_t* c, int h0, const block_q8_K& a, const block_q8_K* a2, __m256i* I, __m256i* I2,
                          const __m256i* z) {
-  I = I2 = _mm256_setzero_si256();
+  for (int i = 0; i < NH; ++i) I[i] = I2[i] = _mm256_setzero_si256();
   // The activation bytes through pointers the compiler cannot see through (as planes_dot):
   // otherwise it loads each 4-byte slice of both levels once for both halves and parks them all
   // on the stack, a scalar load and store each: the load/store unit then bound the loop, 14-19%
@@ -394,24 +367,9 @@ inline void kplanes_isum(const uint8_t* c, int h, const block_q8_K& a, const blo
   __asm__("" : "+r"(q1), "+r"(q2));
 #pragma GCC unroll 4
   for (int q = 0; q < 4; ++q) {
-    if (h == 0) planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
-    kplanes_group_dot<WT, TWO, true>([&](int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h, q, I, I2, q1, q2, z);
-  }
-}
-
-// kplanes_isum of both halves at once (kBothHalves: Q4_K, Q5_K), the chunk prefetched a quarter
-// per group as there.
-template <BlockType WT, bool TWO>
-inline void kplanes_isum_both(const uint8_t* c, const block_q8_K& a, const block_q8_K* a2, __m256i (&I)[2],
-                              __m256i (&I2)[2]) {
-  I[0] = I[1] = I2[0] = I2[1] = _mm256_setzero_si256();
-  const int8_t* q1 = a.qs;  // laundered, as in kplanes_isum
-  const int8_t* q2 = TWO ? a2->qs : a.qs;
-  __asm__("" : "+r"(q1), "+r"(q2));
-#pragma GCC unroll 4
-  for (int q = 0; q < 4; ++q) {
-    planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
-    kplanes_group_dot_both<WT, TWO>(c, q, I, I2, q1, q2);
+    if (h0 == 0) planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
+    kplanes_group_dot<WT, TWO, true, NH>([&](int h, int k) { return kplanes_slice<WT>(c, h, q, k); }, c, h0, q, I, I2,
+                                         q1, q2, z);
   }
 }
 
@@ -452,12 +410,12 @@ void gemv_kplanes_q8(float* y, const void* xv, const uint8_t* w, const TileLayou
       const block_q8_K& a = x[cb0 + b];
       const block_q8_K* a2 = x2 + cb0 + b;
       const __m256i* z = K::kZero != 0 ? z0 + (size_t)(cb0 + b) * per : nullptr;
-      __m256i Ih[2], I2h[2];
-      if constexpr (kBothHalves<WT>) kplanes_isum_both<WT, TWO>(c, a, a2, Ih, I2h);
+      __m256i Ib[2], I2b[2];  // both halves' sums (kBothHalves)
+      if constexpr (kBothHalves<WT>) kplanes_isum<WT, TWO, 2>(c, 0, a, a2, Ib, I2b, z);
       for (int h = 0; h < 2; ++h) {
         __m256i I, I2;
-        if constexpr (kBothHalves<WT>) I = Ih[h], I2 = I2h[h];
-        else kplanes_isum<WT, TWO>(c, h, a, a2, I, I2, z);
+        if constexpr (kBothHalves<WT>) I = Ib[h], I2 = I2b[h];
+        else kplanes_isum<WT, TWO>(c, h, a, a2, &I, &I2, z);  // a half at a time
         __m256i mp[4];
         kplanes_min_pairs<WT>(c, h, mp);
         const __m256i M = kplanes_mins<WT>(mp, a), M2 = TWO ? kplanes_mins<WT>(mp, *a2) : M;
@@ -548,7 +506,7 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, int nt_, co
         __m256i u[16];
         kplanes_unpack<WT>(c, h, q, u);
         for (int t = 0; t < nt; ++t)
-          kplanes_group_dot<WT, TWO>([&](int k) { return _mm256_load_si256(u + k); }, c, h, q, I[t], I2[t],
+          kplanes_group_dot<WT, TWO>([&](int, int k) { return _mm256_load_si256(u + k); }, c, h, q, I + t, I2 + t,
                                      x[t][cb].qs, TWO ? x2[t][cb].qs : x[t][cb].qs,
                                      K::kZero != 0 ? z0 + ((size_t)t * nsb + cb) * per : nullptr);
       }
