@@ -228,3 +228,74 @@ def test_bench_load_unstreamed_plots_request_latency(tiny_cflow, tmp_path, capsy
     rows = out.split("parallel   tok/s")[1].splitlines()[1:3]
     assert [row.split()[0] for row in rows] == ["1", "2"] and all(" - " in row for row in rows)
     assert "first token p50 " not in out and "  latency     p50" in out and png.stat().st_size > 0
+
+
+def test_admission_prefers_cached_prompts_but_passes_no_request_over_more_than_the_window(tiny_llm):
+    # The batcher's admission on the real engine and states, driven step by step (its thread is
+    # not started): one slot, whose last request asked A. Queued in order: B, then A again, then
+    # eight more A. The A requests go first, since their prompts are in the slot's cache, until B
+    # has been passed over REORDER_WINDOW times; then B goes, and the rest of the A follow.
+    import asyncio
+
+    from cflow.generate import Decoder
+    from cflow.server.batcher import REORDER_WINDOW, Batcher, Job
+
+    tok = tiny_llm.tokenizer
+    a_ids, b_ids = tok.encode("Once upon a time there was a fox"), tok.encode("The capital of France is")
+
+    async def run():
+        b = Batcher(tiny_llm.engine, 1, max_queue=64)
+        slot = b.slots[0]
+        tiny_llm.engine.forward([slot.state], [a_ids])  # what A's request left in its cache
+        jobs = [Job(b, Decoder(tok, b_ids, max_tokens=1))]
+        jobs += [Job(b, Decoder(tok, a_ids, max_tokens=1)) for _ in range(REORDER_WINDOW + 1)]
+        for j in jobs:
+            b.submit(j)
+        order = []
+        while b._waiting:
+            with b._cv:
+                b._admit()
+            job = slot.job
+            order.append((job, job.cached))
+            job.decoder.begin(slot.state, job.cached)
+            tiny_llm.engine.forward([slot.state], [job.decoder.prompt[job.decoder.cached:]])  # its prefill
+            with b._cv:
+                slot.job = None
+        return jobs, order
+
+    jobs, order = asyncio.run(run())
+    assert [job for job, _ in order] == jobs[1:REORDER_WINDOW + 1] + [jobs[0], jobs[-1]]
+    assert all(cached == len(a_ids) for _, cached in order[:REORDER_WINDOW])  # all of A's prompt there
+    assert order[-1][1] < len(a_ids) // 2  # after B ran, the slot held B's prompt
+    assert jobs[0].passed == REORDER_WINDOW
+
+
+def test_a_prompt_in_a_running_sequence_is_copied_from_it(tiny_llm):
+    # Two slots: the first runs A (its cache holds A's prompt and a generated token); A asked
+    # again takes the other slot with all of A's prompt copied from the running one.
+    import asyncio
+
+    from cflow.generate import Decoder
+    from cflow.server.batcher import Batcher, Job
+
+    tok = tiny_llm.tokenizer
+    a_ids = tok.encode("Once upon a time there was a fox")
+
+    async def run():
+        b = Batcher(tiny_llm.engine, 2, max_queue=4)
+        first, again = Job(b, Decoder(tok, a_ids, max_tokens=8)), Job(b, Decoder(tok, a_ids, max_tokens=8))
+        b.submit(first)
+        with b._cv:
+            b._admit()
+        running = first.slot
+        first.decoder.begin(running.state, first.cached)
+        logits = tiny_llm.engine.forward([running.state], [a_ids])[0]
+        tiny_llm.engine.forward([running.state], [[int(logits.argmax())]])
+        b.submit(again)
+        with b._cv:
+            b._admit()
+        return running, again
+
+    running, again = asyncio.run(run())
+    assert again.slot is not running and again.slot.job is again
+    assert again.cached == len(a_ids) and again.slot.state.tokens == a_ids

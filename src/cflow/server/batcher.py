@@ -8,15 +8,21 @@ logits of each row go to that request's Decoder (its own sampler, seed, stop str
 penalties); the resulting Chunk is handed to the request's asyncio queue on the event loop
 (`loop.call_soon_threadsafe`). The event loop never runs model code.
 
-Requests beyond N wait first come, first served (at most max_queue of them, then QueueFull).
-A request takes a free slot when it arrives or when one frees, keeping the other slots'
-histories for later requests where it can: a slot that loses nothing (empty, or all of its
-history a prefix of the prompt); else the slot sharing the longest prefix with the prompt (the
-earlier turns of a chat) when that prefix is at least half of what it holds; else the least
-recently used slot. The longest prefix any free slot shares with the prompt (a system prompt)
-is then copied into the taken slot (State.copy_prefix) when it holds less of it, and only the
-rest of the prompt is computed. A finished or cancelled sequence leaves at the next step; its
-state keeps its tokens for reuse.
+Requests wait in a queue (at most max_queue beyond the free slots, then QueueFull) and the
+batcher thread gives them slots between steps, when no forward runs, so that any sequence's KV
+cache can be read then. Which request goes next: among the first REORDER_WINDOW waiting, the one
+with the longest prompt prefix already in some slot's cache (running or free: a system prompt, a
+question another user asked a moment ago, the earlier turns of a chat), the earliest of equals;
+the one at the head of the queue goes next once it has been passed over REORDER_WINDOW times, so
+no request waits more than that many admissions longer than first come, first served would make
+it. This is the longest-prefix-match order of SGLang's scheduler, bounded.
+Which slot it takes, keeping the other slots' histories for later requests where it can: a free
+slot that loses nothing (empty, or all of its history a prefix of the prompt); else the free slot
+sharing the longest prefix with the prompt (the earlier turns of a chat) when that prefix is at
+least half of what it holds; else the least recently used free slot. The longest prefix any slot
+shares with the prompt is then copied into the taken slot (State.copy_prefix) when it holds less
+of it, and only the rest of the prompt is computed. A finished or cancelled sequence leaves at
+the next step; its state keeps its tokens for reuse.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from cflow.errors import CflowError
 from cflow.generate import PREFILL_CHUNK, Decoder
 
 END = object()  # put on a Job's queue after its last chunk (or its error)
+REORDER_WINDOW = 8  # waiting requests compared for prompt reuse; also the most one is passed over
 
 
 class QueueFull(Exception):
@@ -51,6 +58,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def _longest(reuse: tuple[int, Slot]) -> tuple[int, int]:
     """Key of a (shared prefix, slot) pair: the longest prefix, then the least recently used."""
     return reuse[0], -reuse[1].used
+
+
+def _reusable(prompt: list[int], held: dict) -> int:
+    """The longest prefix of prompt in any slot's history (held: slot -> its tokens), as much of
+    it as Decoder.begin keeps (it computes the last two prompt tokens again)."""
+    best = max((common_prefix(tokens, prompt) for tokens in held.values()), default=0)
+    return min(best, max(0, len(prompt) - 2))
 
 
 def _put_all(pairs) -> None:
@@ -79,6 +93,7 @@ class Job:
         self.slot: Slot | None = None
         self.cached = 0
         self.begun = False
+        self.passed = 0  # times a later request was admitted before it (REORDER_WINDOW)
         self._loop = asyncio.get_running_loop()
 
     def put(self, item) -> None:
@@ -131,18 +146,16 @@ class Batcher:
 
     @property
     def queued(self) -> int:
-        return len(self._waiting)
+        """Requests waiting for a slot (those that free slots will take at the next step aside)."""
+        return max(0, len(self._waiting) - sum(1 for s in self.slots if s.job is None))
 
     # ---- the event loop's side
     def submit(self, job: Job) -> None:
         """Give the job a slot now, or queue it; QueueFull when max_queue are already waiting."""
         with self._cv:
-            if not self._waiting and any(s.job is None for s in self.slots):
-                self._assign(job)
-            elif len(self._waiting) >= self.max_queue:
+            if len(self._waiting) - sum(1 for s in self.slots if s.job is None) >= self.max_queue:
                 raise QueueFull
-            else:
-                self._waiting.append(job)
+            self._waiting.append(job)
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:
@@ -170,39 +183,63 @@ class Batcher:
             for s in self.slots:
                 s.job = None
 
-    # ---- slots (under the lock)
-    def _assign(self, job: Job) -> None:
+    # ---- slots (the batcher thread, under the lock, between steps)
+    def _admit(self) -> None:
+        """Give free slots to waiting requests (module docstring: which goes next, which slot)."""
         free = [s for s in self.slots if s.job is None]
+        if not free or not self._waiting:
+            return
+        held = {s: s.state.tokens for s in self.slots}  # every slot's history, read once
+        while free and self._waiting:
+            window = list(itertools.islice(self._waiting, REORDER_WINDOW))
+            pick = 0
+            if window[0].passed < REORDER_WINDOW:
+                reuse = [_reusable(job.decoder.prompt, held) for job in window]
+                pick = max(range(len(window)), key=lambda i: (reuse[i], -i))
+            for job in window[:pick]:
+                job.passed += 1
+            job = window[pick]
+            del self._waiting[pick]
+            slot = self._assign(job, free, held)
+            free.remove(slot)
+            held[slot] = job.decoder.prompt[:job.cached]  # what its cache holds until it runs
+
+    def _assign(self, job: Job, free: list[Slot], held: dict) -> Slot:
         prompt = job.decoder.prompt
-        reuse = [(common_prefix(s.state.tokens, prompt), s) for s in free]
-        best = max(((c, s) for c, s in reuse if c > 0), key=_longest, default=None)
-        intact = [(c, s) for c, s in reuse if c == s.state.pos]  # empty, or all of it the prompt's
+        reuse = [(common_prefix(held[s], prompt), s) for s in free]
+        intact = [(c, s) for c, s in reuse if c == len(held[s])]  # empty, or all of it the prompt's
+        own = max(((c, s) for c, s in reuse if c > 0), key=_longest, default=None)
         if intact:  # a slot that loses nothing
             cached, slot = max(intact, key=_longest)
-        elif best and 2 * best[0] >= best[1].state.pos:  # mostly this prompt's own past
-            cached, slot = best
+        elif own and 2 * own[0] >= len(held[own[1]]):  # mostly this prompt's own past
+            cached, slot = own
         else:  # the least recently used slot
             cached, slot = min(reuse, key=lambda cs: cs[1].used)
-        if best and best[0] > cached:  # the longest shared prefix, copied from the slot that has it
+        # the longest shared prefix in any slot, running ones too (no forward runs now)
+        best = max(((common_prefix(t, prompt), s) for s, t in held.items() if s is not slot),
+                   key=lambda cs: cs[0], default=(0, None))
+        if best[0] > cached:
             slot.state.copy_prefix(best[1].state, best[0])
             cached = best[0]
         slot.job, slot.used = job, next(self._clock)
         job.slot, job.cached = slot, cached
+        return slot
 
     def _release(self, slot: Slot) -> None:
         slot.job.put(END)
         slot.job = None
-        while self._waiting and any(s.job is None for s in self.slots):
-            self._assign(self._waiting.popleft())
 
     # ---- the batcher thread
     def _run(self) -> None:
         while True:
             with self._cv:
-                for s in self.slots:
-                    if s.job is not None and s.job.cancelled:
-                        self._release(s)
-                while not self._stopping and all(s.job is None for s in self.slots):
+                while True:
+                    for s in self.slots:
+                        if s.job is not None and s.job.cancelled:
+                            self._release(s)
+                    self._admit()
+                    if self._stopping or any(s.job is not None for s in self.slots):
+                        break
                     self._cv.wait()
                 if self._stopping:
                     return
