@@ -345,10 +345,14 @@ def test_a_denormal_temperature_is_greedy(url, greedy, settings):
                                       {"top_k": 2 ** 70, "temperature": 1}, {"top_k": 1, "temperature": 2},
                                       {"seed": 0, "temperature": 1}, {"seed": 2 ** 64 - 1, "temperature": 1}])
 def test_extreme_but_valid_settings_generate(url, greedy, settings):
-    body = {"prompt": "Once upon a time once upon a time", "max_tokens": 8, **settings}
+    # seeded where the case sets no seed of its own, so that a failure can be replayed; a draw
+    # at temperature 1 may pick the end-of-sequence token before the 8th token (unseeded, about
+    # one run in ten), and that is a valid end too
+    body = {"prompt": "Once upon a time once upon a time", "max_tokens": 8, "seed": 1, **settings}
     r = post(url, T, body)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["finish_reason"] == "length"
+    n, finish = r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]
+    assert (n, finish) == (8, "length") or (n < 8 and finish == "stop")
     assert_healthy(url, greedy)
 
 
