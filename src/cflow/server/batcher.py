@@ -34,6 +34,8 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
+
 from cflow.engine import check_kv_memory
 from cflow.errors import CflowError
 from cflow.generate import PREFILL_CHUNK, Decoder
@@ -46,13 +48,13 @@ class QueueFull(Exception):
     pass
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists or integer arrays),
+    compared as arrays: a slot's history and a chat's prompt can be thousands of tokens, and an
+    admission compares up to REORDER_WINDOW prompts with every slot between two steps."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if diff.size else n
 
 
 def _longest(reuse: tuple[int, Slot]) -> tuple[int, int]:
@@ -63,7 +65,8 @@ def _longest(reuse: tuple[int, Slot]) -> tuple[int, int]:
 def _reusable(prompt: list[int], held: dict) -> int:
     """The longest prefix of prompt in any slot's history (held: slot -> its tokens), as much of
     it as Decoder.begin keeps (it computes the last two prompt tokens again)."""
-    best = max((common_prefix(tokens, prompt) for tokens in held.values()), default=0)
+    ids = np.asarray(prompt, dtype=np.int64)
+    best = max((common_prefix(tokens, ids) for tokens in held.values()), default=0)
     return min(best, max(0, len(prompt) - 2))
 
 
@@ -189,7 +192,7 @@ class Batcher:
         free = [s for s in self.slots if s.job is None]
         if not free or not self._waiting:
             return
-        held = {s: s.state.tokens for s in self.slots}  # every slot's history, read once
+        held = {s: np.asarray(s.state.tokens, dtype=np.int64) for s in self.slots}  # every history, read once
         while free and self._waiting:
             window = list(itertools.islice(self._waiting, REORDER_WINDOW))
             pick = 0
@@ -202,10 +205,10 @@ class Batcher:
             del self._waiting[pick]
             slot = self._assign(job, free, held)
             free.remove(slot)
-            held[slot] = job.decoder.prompt[:job.cached]  # what its cache holds until it runs
+            held[slot] = np.asarray(job.decoder.prompt[:job.cached], dtype=np.int64)  # its cache until it runs
 
     def _assign(self, job: Job, free: list[Slot], held: dict) -> Slot:
-        prompt = job.decoder.prompt
+        prompt = np.asarray(job.decoder.prompt, dtype=np.int64)
         reuse = [(common_prefix(held[s], prompt), s) for s in free]
         intact = [(c, s) for c, s in reuse if c == len(held[s])]  # empty, or all of it the prompt's
         own = max(((c, s) for c, s in reuse if c > 0), key=_longest, default=None)
