@@ -299,3 +299,34 @@ def test_a_prompt_in_a_running_sequence_is_copied_from_it(tiny_llm):
     running, again = asyncio.run(run())
     assert again.slot is not running and again.slot.job is again
     assert again.cached == len(a_ids) and again.slot.state.tokens == a_ids
+
+
+def test_an_unstreamed_answer_is_handed_over_once(tiny_llm):
+    # stream=False: the batcher holds a generation's chunks and hands out one at the end, with
+    # all the text and tokens of the streamed chunks and the last one's end and usage
+    import asyncio
+
+    from cflow.generate import Decoder
+    from cflow.server.batcher import END, Batcher, Job
+
+    tok = tiny_llm.tokenizer
+    ids = tok.encode("Once upon a time")
+
+    async def run(stream):
+        b = Batcher(tiny_llm.engine, 1, max_queue=1)
+        b.start()
+        try:
+            job = Job(b, Decoder(tok, ids, max_tokens=12, ignore_eos=True, temperature=0), stream=stream)
+            b.submit(job)
+            items = []
+            while (item := await job.next()) is not END:
+                items.append(item)
+            return items
+        finally:
+            await asyncio.to_thread(b.stop)
+
+    streamed, whole = asyncio.run(run(True)), asyncio.run(run(False))
+    assert len(streamed) == 12 and len(whole) == 1
+    assert whole[0].text == "".join(c.text for c in streamed)
+    assert whole[0].token_ids == [t for c in streamed for t in c.token_ids]
+    assert (whole[0].finish_reason, whole[0].usage) == (streamed[-1].finish_reason, streamed[-1].usage)

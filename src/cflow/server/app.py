@@ -264,7 +264,7 @@ class Server:
         sampling = self.sampling(req, prompt)
         t0 = time.perf_counter()
         try:
-            gen = Job(self.batcher, Decoder(self.llm.tokenizer, prompt, **sampling))
+            gen = Job(self.batcher, Decoder(self.llm.tokenizer, prompt, **sampling), stream=bool(req.stream))
         except CflowError as e:
             raise _model_error(e) from None
         try:
