@@ -18,8 +18,8 @@ def add_arguments(p):
                         f"{DEFAULT_MAX_CTX}; a value you give is used as given, beyond the model's own too)")
     p.add_argument("--parallel", "--max-concurrency", dest="parallel", type=int, default=1,
                    help="sequences decoded together, one engine step for all (continuous batching); later "
-                        "requests queue, in arrival order but for those whose prompts are cached. Their KV caches (parallel x n_ctx tokens) must fit "
-                        "in memory (default %(default)s)")
+                        "requests queue, in arrival order but for those whose prompts are cached. Their KV "
+                        "caches (parallel x n_ctx tokens) must fit in memory (default %(default)s)")
     p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait; more get 503 (default %(default)s)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $CFLOW_API_KEY, else open)")

@@ -405,7 +405,8 @@ def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None 
     parallel (max_concurrency: its former name): sequences decoded together, one engine step for
     all of them (server/batcher.py); their KV caches are made now, and a CflowError says so when
     they would not fit in memory. Later requests wait (at most max_queue of them, then 503), in
-    arrival order but for those whose prompts are cached (server/batcher.py). api_key: if set, /v1/* and /metrics need `Authorization: Bearer KEY`.
+    arrival order but for those whose prompts are cached (server/batcher.py). api_key: if set,
+    /v1/* and /metrics need `Authorization: Bearer KEY`.
     """
     n = parallel if parallel is not None else max_concurrency if max_concurrency is not None else 1
     srv = Server(llm, parallel=n, api_key=api_key, max_body=max_body, max_queue=max_queue,

@@ -171,7 +171,8 @@ class Batcher:
 
     # ---- the event loop's side
     def submit(self, job: Job) -> None:
-        """Give the job a slot now, or queue it; QueueFull when max_queue are already waiting."""
+        """Queue the job (the batcher thread gives it a slot at the next step, or when one frees);
+        QueueFull when max_queue requests already wait beyond the free slots."""
         with self._cv:
             if len(self._waiting) - sum(1 for s in self.slots if s.job is None) >= self.max_queue:
                 raise QueueFull
