@@ -115,10 +115,15 @@ class Decoder:
         prompt tokens are computed again (one if the prompt has one): the last one's logits start
         the generation, and a piece of two or more rows takes the same prefill path as a fresh
         prompt, so a cached prefix gives the tokens of an uncached run."""
-        self.cached = max(0, min(cached, len(self.prompt) - min(2, len(self.prompt))))
+        self.cached = self.reusable(cached)
         state.truncate(self.cached)
         self._todo = prefill_chunks(self.prompt[self.cached:])
         self.t0 = time.perf_counter()
+
+    def reusable(self, cached: int) -> int:
+        """How much of a cached prefix of `cached` prompt tokens begin() keeps (it computes the
+        last two prompt tokens again)."""
+        return max(0, min(cached, len(self.prompt) - min(2, len(self.prompt))))
 
     def next_input(self) -> list[int]:
         """The tokens the next step appends to this sequence's state."""

@@ -62,12 +62,10 @@ def _longest(reuse: tuple[int, Slot]) -> tuple[int, int]:
     return reuse[0], -reuse[1].used
 
 
-def _reusable(prompt: list[int], held: dict) -> int:
-    """The longest prefix of prompt in any slot's history (held: slot -> its tokens), as much of
-    it as Decoder.begin keeps (it computes the last two prompt tokens again)."""
-    ids = np.asarray(prompt, dtype=np.int64)
-    best = max((common_prefix(tokens, ids) for tokens in held.values()), default=0)
-    return min(best, max(0, len(prompt) - 2))
+def _reusable(job: Job, held: dict) -> int:
+    """The longest prefix of the job's prompt in any slot's history (held: slot -> its tokens), as
+    much of it as its Decoder keeps."""
+    return job.decoder.reusable(max((common_prefix(tokens, job.ids) for tokens in held.values()), default=0))
 
 
 def _put_all(pairs) -> None:
@@ -95,6 +93,7 @@ class Job:
         instead of one a token: at --parallel 8 the event loop was busy a fifth of the time, about
         half of it waking for tokens, on the two cores the engine runs on)."""
         self.batcher, self.decoder, self.stream = batcher, decoder, stream
+        self.ids = np.asarray(decoder.prompt, dtype=np.int64)  # the prompt, for prefix comparisons
         self._held: list[Chunk] = []
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
@@ -167,14 +166,18 @@ class Batcher:
     @property
     def queued(self) -> int:
         """Requests waiting for a slot (those that free slots will take at the next step aside)."""
-        return max(0, len(self._waiting) - sum(1 for s in self.slots if s.job is None))
+        return max(0, self._beyond_free())
+
+    def _beyond_free(self) -> int:
+        """Waiting requests less free slots (negative while slots are free)."""
+        return len(self._waiting) - sum(1 for s in self.slots if s.job is None)
 
     # ---- the event loop's side
     def submit(self, job: Job) -> None:
         """Queue the job (the batcher thread gives it a slot at the next step, or when one frees);
         QueueFull when max_queue requests already wait beyond the free slots."""
         with self._cv:
-            if len(self._waiting) - sum(1 for s in self.slots if s.job is None) >= self.max_queue:
+            if self._beyond_free() >= self.max_queue:
                 raise QueueFull
             self._waiting.append(job)
             self._cv.notify()
@@ -215,7 +218,7 @@ class Batcher:
             window = list(itertools.islice(self._waiting, REORDER_WINDOW))
             pick = 0
             if window[0].passed < REORDER_WINDOW:
-                reuse = [_reusable(job.decoder.prompt, held) for job in window]
+                reuse = [_reusable(job, held) for job in window]
                 pick = max(range(len(window)), key=lambda i: (reuse[i], -i))
             for job in window[:pick]:
                 job.passed += 1
@@ -223,10 +226,10 @@ class Batcher:
             del self._waiting[pick]
             slot = self._assign(job, free, held)
             free.remove(slot)
-            held[slot] = np.asarray(job.decoder.prompt[:job.cached], dtype=np.int64)  # its cache until it runs
+            held[slot] = job.ids[:job.cached]  # what its cache holds until it runs
 
     def _assign(self, job: Job, free: list[Slot], held: dict) -> Slot:
-        prompt = np.asarray(job.decoder.prompt, dtype=np.int64)
+        prompt = job.ids
         reuse = [(common_prefix(held[s], prompt), s) for s in free]
         intact = [(c, s) for c, s in reuse if c == len(held[s])]  # empty, or all of it the prompt's
         own = max(((c, s) for c, s in reuse if c > 0), key=_longest, default=None)

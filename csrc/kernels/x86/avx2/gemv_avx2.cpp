@@ -350,9 +350,10 @@ inline void kplanes_group_dot(SliceF&& slice, const uint8_t* c, int h0, int q, _
 template <BlockType WT>
 constexpr bool kBothHalves = KPlanesKind<WT>::kZero == 0;
 
-// The one-token GEMV's I and I2 of NH halves from h0 (rows 8h .. 8h+7 of half h): every group with
-// each slice unpacked where it is used (kplanes_slice), no slice array. Unpacking a group's 16 slices into an array first,
-// once per level (as before 2026-12-03), ran 1.5-2x slower on AVX2 (docs/KERNELS.md). The chunk
+// The one-token GEMV's I and I2 of NH halves from h0 (rows 8h .. 8h+7 of half h): every group
+// with each slice unpacked where it is used (kplanes_slice), no slice array. Unpacking a group's
+// 16 slices into an array first, once per level (as before 2026-12-03), ran 1.5-2x slower on
+// AVX2 (docs/KERNELS.md). The chunk
 // is prefetched a quarter per group (planes_prefetch_quarter) on the first half's pass.
 template <BlockType WT, bool TWO, int NH = 1>
 inline void kplanes_isum(const uint8_t* c, int h0, const block_q8_K& a, const block_q8_K* a2, __m256i* I, __m256i* I2,
