@@ -10,6 +10,7 @@ from cflow import plan as P
 from cflow.engine import ACTIVATIONS, Engine
 from cflow.engine_ref import RefEngine
 from cflow.errors import CflowError, CflowFormatError
+from cflow.kernels import best_isa
 from engine_util import tiny_hf, to_cflow
 
 pytest.importorskip("transformers")
@@ -82,6 +83,15 @@ def test_each_row_gets_exactly_what_its_sequence_gets_alone(layout, acts):
     eng.forward(d, IDS[:3])
     out = eng.forward([d, mixed], [[9], IDS[20:31]])
     assert np.array_equal(eng.forward(mixed, IDS[31:45]), whole) and np.array_equal(out[0], alone_after(eng, IDS[:3], 9))
+    # a cached prefix and the prompt's last token as a piece of one row: the whole prompt's numbers
+    # wherever the engine says a prompt row computes what a decode row does (the server then
+    # computes only that token again); every planes pack says so with AVX-512's int8 paths
+    planes = layout.get("pack") == "planes"
+    assert eng.prompt_rows_as_decode == (planes and acts != "fp32" and best_isa() == "avx512") or not planes
+    if eng.prompt_rows_as_decode:
+        one = eng.new_state()
+        eng.forward(one, IDS[:44])
+        assert np.array_equal(eng.forward(one, IDS[44:45]), whole)
 
 
 @pytest.mark.parametrize("acts", ["int8x2", "fp32"])

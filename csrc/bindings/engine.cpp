@@ -69,6 +69,8 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("kv_half", [](PyEngine& e) { return e.eng->kv_half(); },
                    "the states' KV cache holds IEEE halves (the int8 paths) rather than floats (fp32)")
       .def_prop_ro("vocab", [](PyEngine& e) { return e.eng->vocab(); })
+      .def_prop_ro("prompt_rows_as_decode", [](PyEngine& e) { return e.eng->prompt_rows_as_decode(); },
+                   "a prompt row computes bit for bit what a decode row computes")
       .def("profile", [](PyEngine& e) { return e.eng->profile(); })
       .def("byte_counts",
            [](PyEngine& e) {

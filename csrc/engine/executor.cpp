@@ -662,6 +662,29 @@ GemvFn Engine::decode_kernel(const TileLayout& L, bool precise, AType* at) const
   return gemv_fn(L.bt(), L.packing(), *at, isa_);
 }
 
+bool Engine::prompt_rows_as_decode() const {
+  if (!fast_) return false;  // fp32 prompt rows take the tile GEMM, decode rows the GEMV
+  bool same = true;
+  for (const Op& op : plan_.ops)
+    std::visit([&](const auto& o) {
+      using T = std::decay_t<decltype(o)>;
+      if constexpr (std::is_same_v<T, Matmul> || std::is_same_v<T, GateUp>) {
+        const TileLayout& L = W_[o.weight].L;
+        AType at;
+        // matmul_rows / gate_up_rows: prompt rows take the batched kernel where the decode
+        // kernel has one and either the type has no int8 GEMM or the batched GEMV beats it
+        if (!decode_kernel(L, o.two_level, &at) || !batch_kernel(L, at)) same = false;
+        if (has_int8_path(L.bt(), true) && !gemv_batch_beats_gemm(isa_)) same = false;
+        if constexpr (std::is_same_v<T, GateUp>) {
+          if (2 * o.chunk != L.tr) same = false;  // pieces that are not one stripe: the GEMM
+        }
+      } else if constexpr (std::is_same_v<T, Experts>) {
+        same = false;  // experts gather their rows per expert; not claimed
+      }
+    }, op);
+  return same;
+}
+
 // Thread tid's share of whole stripes: rows [r0, r1).
 static void stripe_share(const TileLayout& L, int tid, int nth, int* r0, int* r1) {
   const int S = (L.rows + L.tr - 1) / L.tr;

@@ -185,6 +185,13 @@ class EngineBase:
     def new_state(self):
         raise NotImplementedError
 
+    @property
+    def prompt_rows_as_decode(self) -> bool:
+        """Whether a prompt row computes bit for bit what a decode row computes, so that a prompt
+        whose prefix is cached needs only its last token computed again (else its last two: a
+        piece of two or more rows takes the prefill path of a fresh prompt)."""
+        return False
+
     def _forward(self, states: list, ids: list[np.ndarray], all_logits: bool) -> np.ndarray:
         """Run one step over the states' new tokens; logits rows as Engine.forward concatenates them."""
         raise NotImplementedError
@@ -434,6 +441,10 @@ class Engine(EngineBase):
         """How the KV cache stores keys and values: "f16" on the int8 paths (half the memory and
         the bytes attention reads, as llama.cpp's default cache), "f32" on the fp32 parity path."""
         return "f16" if self._core.kv_half else "f32"
+
+    @property
+    def prompt_rows_as_decode(self) -> bool:
+        return self._core.prompt_rows_as_decode  # AVX-512 fast paths: every matrix's batched kernel
 
     def new_state(self) -> State:
         """A fresh, empty sequence (its KV cache for n_ctx tokens is allocated here)."""

@@ -90,8 +90,9 @@ class Decoder:
     """
 
     def __init__(self, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
-                 stop: list[str] | None = None, ignore_eos: bool = False, **sampling):
+                 stop: list[str] | None = None, ignore_eos: bool = False, recompute: int = 2, **sampling):
         self.sample = make_sampler(**sampling)  # bad settings fail here, before any step
+        self.recompute = recompute  # prompt tokens computed again at least (begin)
         self.tok, self.prompt, self.max_tokens, self.ignore_eos = tok, list(prompt_ids), max_tokens, ignore_eos
         self.stops = [s for s in (stop or []) if s]
         self.history = list(prompt_ids)
@@ -111,10 +112,12 @@ class Decoder:
         return bool(self._todo)
 
     def begin(self, state, cached: int = 0) -> None:
-        """Start on `state`, whose first `cached` tokens are the prompt's. At least the last two
-        prompt tokens are computed again (one if the prompt has one): the last one's logits start
-        the generation, and a piece of two or more rows takes the same prefill path as a fresh
-        prompt, so a cached prefix gives the tokens of an uncached run."""
+        """Start on `state`, whose first `cached` tokens are the prompt's. At least the last
+        `recompute` prompt tokens are computed again (all of a shorter prompt): the last one's
+        logits start the generation. With recompute=2 (the default) the piece has two or more
+        rows and takes the same prefill path as a fresh prompt; 1 is for engines whose prompt
+        rows compute what decode rows do (`recompute_for`). Either way a cached prefix gives the
+        tokens of an uncached run."""
         self.cached = self.reusable(cached)
         state.truncate(self.cached)
         self._todo = prefill_chunks(self.prompt[self.cached:])
@@ -122,8 +125,8 @@ class Decoder:
 
     def reusable(self, cached: int) -> int:
         """How much of a cached prefix of `cached` prompt tokens begin() keeps (it computes the
-        last two prompt tokens again)."""
-        return max(0, min(cached, len(self.prompt) - min(2, len(self.prompt))))
+        last `recompute` prompt tokens again)."""
+        return max(0, min(cached, len(self.prompt) - min(self.recompute, len(self.prompt))))
 
     def next_input(self) -> list[int]:
         """The tokens the next step appends to this sequence's state."""
@@ -177,6 +180,12 @@ class Decoder:
         return Chunk(self.held, self.pending, self.finish, usage, timings)
 
 
+def recompute_for(engine) -> int:
+    """The prompt tokens a Decoder on `engine` computes again after a cached prefix: 1 where its
+    prompt rows compute bit for bit what its decode rows do, else 2."""
+    return 1 if getattr(engine, "prompt_rows_as_decode", False) else 2
+
+
 def generate_step(engine, state, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
                   stop: list[str] | None = None, cached: int = 0, ignore_eos: bool = False,
                   **sampling) -> Iterator[Chunk]:
@@ -184,7 +193,8 @@ def generate_step(engine, state, tok: Tokenizer, prompt_ids: list[int], *, max_t
 
     cached: tokens of prompt_ids already in `state` (prompt-cache reuse); the rest is prefilled.
     """
-    d = Decoder(tok, prompt_ids, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, **sampling)
+    d = Decoder(tok, prompt_ids, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
+                recompute=recompute_for(engine), **sampling)
     d.begin(state, cached)
     while not d.done:
         chunk = d.feed(engine.forward(state, d.next_input()))

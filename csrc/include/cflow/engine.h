@@ -128,6 +128,11 @@ class Engine {
   int vocab() const { return vocab_; }
   int n_ctx() const { return n_ctx_; }
   bool kv_half() const { return fast_; }  // the states' KV cache type (State)
+  // Whether a prompt row computes bit for bit what a decode row computes: every matrix takes its
+  // prompt rows through its batched decode kernel (AVX-512, fast paths, no experts). Then a
+  // cached prefix may stop one token short of a prompt, where it otherwise stops two short so
+  // that the computed rows take the prefill path of a fresh prompt.
+  bool prompt_rows_as_decode() const;
   int threads() const { return threads_; }
   // Wall time per op kind (the index in Op) summed over forwards, seconds (CFLOW_PROFILE=1).
   std::vector<double> profile() const;

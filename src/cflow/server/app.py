@@ -29,7 +29,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from cflow.errors import CflowError, ModelFileChanged
-from cflow.generate import Decoder
+from cflow.generate import Decoder, recompute_for
 from cflow.server.batcher import END, Batcher, Job, QueueFull
 from cflow.server.metrics import Metrics
 from cflow.server.schemas import (ApiError, ChatRequest, CompletionRequest, check_content_type, from_validation,
@@ -219,6 +219,7 @@ class Server:
         self.llm, self.api_key, self.max_body, self.default_max_tokens = llm, api_key, max_body, default_max_tokens
         self.name = _display_name(llm.name)
         self.batcher = Batcher(llm.engine, parallel, max_queue)
+        self.recompute = recompute_for(llm.engine)  # prompt tokens computed again after a cached prefix
         self.metrics = Metrics(self.batcher)
         self.created = int(time.time())
 
@@ -264,7 +265,7 @@ class Server:
         sampling = self.sampling(req, prompt)
         t0 = time.perf_counter()
         try:
-            gen = Job(self.batcher, Decoder(self.llm.tokenizer, prompt, **sampling), stream=bool(req.stream))
+            gen = Job(self.batcher, Decoder(self.llm.tokenizer, prompt, recompute=self.recompute, **sampling), stream=bool(req.stream))
         except CflowError as e:
             raise _model_error(e) from None
         try:
