@@ -106,6 +106,51 @@ def test_softmax(isa, rows, n, seed, spread):
     close(p, F.softmax(torch.from_numpy(x), -1).numpy(), atol=1e-7)
 
 
+# ---- the sampler's top-k --------------------------------------------------------------------
+
+def ref_top_k_ids(x, k):
+    """The k largest of x and every value equal to the k-th, in id order (sampling.top_k_filter's set)."""
+    kth = np.sort(x)[x.size - k]
+    return np.flatnonzero(x >= kth).tolist()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@fast
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**31), data=st.data(),
+       kind=st.sampled_from(["normal", "rounded", "peaked", "infinities"]))
+def test_top_k_ids(isa, n, seed, data, kind):
+    # ragged tails, k from 1 to n, many ties (rounded), a few tokens far above the rest (a real
+    # model's logits): always top_k_filter's set, in id order; values that are not finite: None
+    # (the sampler then takes its numpy path)
+    k = data.draw(st.integers(1, n))
+    r = rng(seed)
+    x = (r.standard_normal(n) * 3).astype(np.float32)
+    if kind == "rounded":
+        x = np.round(x)
+    elif kind == "peaked":
+        x[r.integers(0, n, size=3)] += 40
+    elif kind == "infinities":
+        x[r.integers(0, n)] = r.choice([np.inf, -np.inf])
+    got = core.ops.top_k_ids(x, k, isa)
+    if kind == "infinities":
+        assert got is None
+    else:
+        assert got.dtype == np.int32 and got.tolist() == ref_top_k_ids(x, k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_top_k_ids_refuses_values_not_finite_and_bad_k(isa):
+    x = np.arange(100, dtype=np.float32)
+    for at in (0, 50, 99):  # in a block, in the tail past the blocks (7 blocks of 14)
+        for bad in (np.nan, np.inf, -np.inf):
+            y = x.copy()
+            y[at] = bad
+            assert core.ops.top_k_ids(y, 7, isa) is None
+    for k in (0, 101):
+        with pytest.raises(ValueError, match="k must be"):
+            core.ops.top_k_ids(x, k, isa)
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 def test_bad_input_raises_cflow_error():

@@ -10,6 +10,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cflow/ops.h"
 
@@ -90,6 +91,25 @@ void bind_ops(nb::module_& root) {
           t.softmax(x.data(), rows, n);
         },
         "x"_a.noconvert(), "isa"_a = nb::none());
+
+  // The sampler's candidates (cflow.sampling): the indices of the k largest of x and of every
+  // value equal to the k-th, ascending (int32), or None where x holds a value that is not finite. It keeps the GIL:
+  // a few microseconds, between a server step's forwards.
+  m.def("top_k_ids",
+        [](CF32 x, int k, const Isa& isa) -> nb::object {
+          require(x.ndim() == 1, "top_k_ids: x must be 1-D, got " + shape_str(x));
+          const size_t n = x.shape(0);
+          require(n < (size_t(1) << 31), "top_k_ids: array too large");
+          require(k >= 1 && (size_t)k <= n, "top_k_ids: k must be in 1.." + std::to_string(n));
+          auto* ids = new std::vector<int32_t>();
+          if (!cflow::top_k_ids(pick(isa), x.data(), (int)n, k, *ids)) {
+            delete ids;
+            return nb::none();
+          }
+          nb::capsule owner(ids, [](void* p) noexcept { delete static_cast<std::vector<int32_t>*>(p); });
+          return nb::cast(nb::ndarray<nb::numpy, int32_t, nb::ndim<1>>(ids->data(), {ids->size()}, owner));
+        },
+        "x"_a, "k"_a, "isa"_a = nb::none());
 
   // h = f(g, u), element-wise.
   for (auto [name, fn] : {std::pair{"swiglu", &cflow::OpsTable::swiglu},

@@ -103,7 +103,40 @@ float exp_max(float* x, int n, float* mx) {
   return (float)sum;
 }
 
+float block_max_min(const float* x, int n, int k) {
+  const int b = n / k;
+  float bound = INFINITY;
+  for (int j = 0; j < k; ++j) bound = std::min(bound, *std::max_element(x + (size_t)j * b, x + (size_t)(j + 1) * b));
+  for (int i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return NAN;
+  return bound;
+}
+
+int at_least(const float* x, int n, float bound, int32_t* ids) {
+  int c = 0;
+  for (int i = 0; i < n; ++i)
+    if (x[i] >= bound) ids[c++] = i;
+  return c;
+}
+
 }  // namespace ref
+
+bool top_k_ids(const OpsTable& t, const float* x, int n, int k, std::vector<int32_t>& ids) {
+  const float bound = t.block_max_min(x, n, k);
+  if (std::isnan(bound)) return false;
+  thread_local std::vector<int32_t> near;  // room for every index, kept: zeroing n ints costs more than the search
+  thread_local std::vector<float> v;
+  if (near.size() < (size_t)n) near.resize(n);
+  const int c = t.at_least(x, n, bound, near.data());  // >= k: each block's maximum reaches bound
+  v.resize(c);
+  for (int i = 0; i < c; ++i) v[i] = x[near[i]];
+  std::nth_element(v.begin(), v.begin() + (c - k), v.end());
+  const float kth = v[c - k];  // the k-th largest
+  ids.clear();
+  for (int i = 0; i < c; ++i)
+    if (x[near[i]] >= kth) ids.push_back(near[i]);
+  return true;
+}
 
 // ---- dispatch ------------------------------------------------------------------------------
 

@@ -17,7 +17,10 @@ from typing import Callable
 
 import numpy as np
 
+from cflow._native import core
 from cflow.errors import CflowError
+
+_native_ops = core.ops
 
 Sampler = Callable[[np.ndarray, list[int]], int]
 
@@ -152,6 +155,10 @@ def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
     k values reach the smallest of those maxima, and the k largest are among them; one comparison
     over the vocabulary finds them, a selection among them the k-th. (A fixed margin below the
     maximum found a handful of Qwen's logits at 8 and nearly all of them at 32.)"""
+    if x.dtype == np.float32 and x.ndim == 1 and x.flags.c_contiguous:
+        ids = _native_ops.top_k_ids(x, k)  # the same set, the same order, 5x faster
+        if ids is not None:  # None: values that are not finite (penalised logits can be), below
+            return ids
     n = x.size // k * k
     bound = x[:n].reshape(k, -1).max(axis=1).min()
     near = np.flatnonzero(x >= bound)

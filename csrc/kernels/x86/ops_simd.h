@@ -129,6 +129,46 @@ float exp_max(float* x, int n, float* mx) {
   return exp_sum(x, n, m);
 }
 
+float block_max_min(const float* x, int n, int k) {
+  const int b = n / k;
+  float bound = INFINITY;
+  reg s0 = V::zero(), s1 = V::zero();  // sums of x - x: NaN where any value is not finite
+  for (int j = 0; j < k; ++j) {
+    const float* p = x + (size_t)j * b;
+    reg m0 = V::set1(-INFINITY), m1 = m0;  // two chains: a max waits for the one before
+    int i = 0;
+    for (; i + 2 * W <= b; i += 2 * W) {
+      const reg c0 = V::load(p + i), c1 = V::load(p + i + W);
+      m0 = V::max(m0, c0), m1 = V::max(m1, c1);
+      s0 = V::add(s0, V::sub(c0, c0)), s1 = V::add(s1, V::sub(c1, c1));
+    }
+    for (; i < b; i += W) {
+      const int r = std::min(W, b - i);
+      m0 = V::max(m0, V::load_n(p + i, r, -INFINITY));
+      const reg c = V::load_n(p + i, r);
+      s0 = V::add(s0, V::sub(c, c));
+    }
+    bound = std::min(bound, V::hmax(V::max(m0, m1)));
+  }
+  for (int i = k * b; i < n; ++i)
+    if (!std::isfinite(x[i])) return NAN;
+  return std::isnan(V::hsum(V::add(s0, s1))) ? NAN : bound;
+}
+
+int at_least(const float* x, int n, float bound, int32_t* ids) {
+  const reg bv = V::set1(bound);
+  int c = 0, i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {  // most runs of 4 W values hold none: one test for them
+    const reg m = V::max(V::max(V::load(x + i), V::load(x + i + W)), V::max(V::load(x + i + 2 * W), V::load(x + i + 3 * W)));
+    if (!V::ge_mask(m, bv)) continue;
+    for (int q = i; q < i + 4 * W; q += W)  // the lanes that reach it, in order
+      for (unsigned b = V::ge_mask(V::load(x + q), bv); b; b &= b - 1) ids[c++] = q + __builtin_ctz(b);
+  }
+  for (; i < n; ++i)
+    if (x[i] >= bound) ids[c++] = i;
+  return c;
+}
+
 void swiglu(float* h, const float* g, const float* u, int n) {
   map2(h, g, u, n, [](reg gv, reg uv) { return V::mul(vsilu(gv), uv); });
 }

@@ -67,6 +67,8 @@ struct Vec {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // Bit j set where lane j of a is >= b (clear for NaN lanes).
+  static unsigned ge_mask(reg a, reg b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
   static reg round(reg a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static reg ldexp(reg y, reg n) {  // two factors 2^n1 * 2^n2 keep each exponent in range
     const __m256i ni = _mm256_cvtps_epi32(n);

@@ -48,6 +48,8 @@ struct Vec {
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
   }
   static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
+  // Bit j set where lane j of a is >= b (clear for NaN lanes).
+  static unsigned ge_mask(reg a, reg b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
   static reg round(reg a) {
     return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
