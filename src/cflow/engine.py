@@ -222,14 +222,17 @@ class EngineBase:
         self.check_weights()
         before = [st.pos for st in states]
         if sum(a.size for a in ids) <= MAX_BATCH:
-            outs = self._split(self._forward(states, ids, all_logits), ids, all_logits)
+            whole = self._forward(states, ids, all_logits)
+            outs = self._split(whole, ids, all_logits)
+            finite = np.isfinite(whole).all()  # one pass for the step's rows (a server step: 8)
         else:  # long prompts: each sequence on its own, in pieces of MAX_BATCH rows
             outs = []
             for st, a in zip(states, ids):
                 parts = [self._forward([st], [a[s:s + MAX_BATCH]], all_logits) for s in range(0, a.size, MAX_BATCH)]
                 outs.append(np.concatenate(parts) if all_logits else parts[-1][0])
+            finite = all(np.isfinite(o).all() for o in outs)
         self.check_weights()  # the step may have read zeros or new bytes: its logits are not the model's
-        if not all(np.isfinite(o).all() for o in outs):
+        if not finite:
             # a file whose numbers pass every check can still overflow (huge weights or scales):
             # the step is undone and no one samples from NaN
             for st, n in zip(states, before):
