@@ -71,6 +71,27 @@ def test_sampling_on_candidates_is_the_whole_vocabulary_distribution(temperature
     assert np.allclose(p / p.sum(), full[ids] / full.sum(), rtol=1e-9, atol=0)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.8, 40, 0.95, 0.05), (0.7, 40, 1.0, 0.0),
+                                                           (1.3, 5, 0.5, 0.2), (1e-300, 40, 0.9, 0.05),
+                                                           (0.5, 3000, 0.99, 0.0), (2.0, 1, 1.0, 0.0)])
+def test_the_native_draw_is_the_numpy_draw(temperature, top_k, top_p, min_p):
+    # the sampler's one native call (top-k on, float32 logits) and its numpy steps pick the same
+    # token for the same uniform number, over the whole range of u
+    from cflow._native import core
+    from cflow.sampling import _top_k_top_p, pick
+
+    r = np.random.default_rng(top_k)
+    x = (r.standard_normal(32000) * 4).astype(np.float32)
+    x[r.integers(0, 32000, size=3)] += 12  # a few tokens far above the rest, as a model's logits
+    ids, p = _top_k_top_p(x, temperature, top_k, top_p)
+    p = min_p_filter(p, min_p)
+    us = np.concatenate([[0.0, 1 - 2**-53], np.random.default_rng(1).random(400)])
+    assert [core.ops.sample_top_k(x, top_k, temperature, top_p, min_p, u) for u in us] == \
+        [int(ids[pick(p, u)]) for u in us]
+    x[7] = np.inf  # not finite: None, and the sampler's numpy path
+    assert core.ops.sample_top_k(x, top_k, temperature, top_p, min_p, 0.5) is None
+
+
 @pytest.mark.parametrize("scale,top_k,lead", [(0.01, 40, 0), (40.0, 40, 0), (4.0, 5000, 0), (4.0, 40, 3)])
 def test_top_k_keeps_the_k_largest_and_their_ties(scale, top_k, lead):
     # whether the k largest lie near the maximum (narrow or wide logits, small or large k, a few

@@ -8,6 +8,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -110,6 +111,23 @@ void bind_ops(nb::module_& root) {
           return nb::cast(nb::ndarray<nb::numpy, int32_t, nb::ndim<1>>(ids->data(), {ids->size()}, owner));
         },
         "x"_a, "k"_a, "isa"_a = nb::none());
+
+  // One draw of the sampler with top-k on (cflow.sampling, `sample_top_k` in ops.h): the token,
+  // or None where x holds a value that is not finite.
+  m.def("sample_top_k",
+        [](CF32 x, int k, double temperature, double top_p, double min_p, double u, const Isa& isa) -> nb::object {
+          require(x.ndim() == 1, "sample_top_k: x must be 1-D, got " + shape_str(x));
+          const size_t n = x.shape(0);
+          require(n < (size_t(1) << 31), "sample_top_k: array too large");
+          require(k >= 1 && (size_t)k <= n, "sample_top_k: k must be in 1.." + std::to_string(n));
+          require(temperature > 0 && std::isfinite(temperature), "sample_top_k: temperature must be > 0");
+          require(top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1, "sample_top_k: top_p in (0, 1], min_p in [0, 1]");
+          require(u >= 0 && u < 1, "sample_top_k: u must be in [0, 1)");
+          const int id = cflow::sample_top_k(pick(isa), x.data(), (int)n, k, temperature, top_p, min_p, u);
+          if (id < 0) return nb::none();
+          return nb::int_(id);
+        },
+        "x"_a, "k"_a, "temperature"_a, "top_p"_a, "min_p"_a, "u"_a, "isa"_a = nb::none());
 
   // h = f(g, u), element-wise.
   for (auto [name, fn] : {std::pair{"swiglu", &cflow::OpsTable::swiglu},

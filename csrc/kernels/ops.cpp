@@ -138,6 +138,46 @@ bool top_k_ids(const OpsTable& t, const float* x, int n, int k, std::vector<int3
   return true;
 }
 
+int sample_top_k(const OpsTable& t, const float* x, int n, int k, double temperature, double top_p, double min_p,
+                 double u) {
+  thread_local std::vector<int32_t> ids;
+  thread_local std::vector<double> p;
+  thread_local std::vector<int> order;
+  if (!top_k_ids(t, x, n, k, ids)) return -1;
+  const int c = (int)ids.size();
+  p.resize(c);
+  double mx = -INFINITY, sum = 0;
+  for (int i = 0; i < c; ++i) mx = std::max(mx, p[i] = x[ids[i]]);
+  for (int i = 0; i < c; ++i) sum += p[i] = std::exp((p[i] - mx) / temperature);  // shifted first: no overflow
+  for (int i = 0; i < c; ++i) p[i] /= sum;
+  if (top_p < 1.0) {  // the fewest most likely whose mass reaches top_p; ties in id order
+    order.resize(c);
+    for (int i = 0; i < c; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
+    double total = 0;
+    for (int i = 0; i < c; ++i) total += p[order[i]];
+    const double reach = top_p * total;
+    double cum = 0;
+    int keep = c;
+    for (int i = 0; i < c; ++i)
+      if ((cum += p[order[i]]) >= reach) {
+        keep = i + 1;
+        break;
+      }
+    for (int i = keep; i < c; ++i) p[order[i]] = 0;
+  }
+  double top = 0;
+  for (int i = 0; i < c; ++i) top = std::max(top, p[i]);
+  double cdf = 0;
+  for (int i = 0; i < c; ++i) cdf += p[i] = p[i] >= min_p * top ? p[i] : 0;  // min_p
+  double run = 0;
+  for (int i = 0; i < c; ++i)
+    if (p[i] > 0 && (run += p[i]) / cdf > u) return ids[i];
+  for (int i = c - 1; i >= 0; --i)  // u past every rounded sum: the last token kept
+    if (p[i] > 0) return ids[i];
+  return ids[0];
+}
+
 // ---- dispatch ------------------------------------------------------------------------------
 
 static const OpsTable kScalar = CFLOW_OPS_TABLE(ref, Isa::Scalar);

@@ -91,6 +91,13 @@ int at_least(const float* x, int n, float bound, int32_t* ids);
 // the values that reach it: one comparison over x, then a selection among those few.
 bool top_k_ids(const OpsTable& t, const float* x, int n, int k, std::vector<int32_t>& ids);
 
+// One draw of cflow.sampling's sampler with top-k on (0 < k < n): softmax(x / temperature) over
+// top_k_ids, then top_p (1: off) and min_p (0: off) among them, in float64 as the numpy path
+// computes them, and the token whose cumulative probability first exceeds u (in [0, 1)). -1
+// where x holds a value that is not finite.
+int sample_top_k(const OpsTable& t, const float* x, int n, int k, double temperature, double top_p, double min_p,
+                 double u);
+
 // ---- dispatched entry points (what the engine calls) ---------------------------------------
 
 inline void rmsnorm(float* y, const float* x, const float* w, int rows, int n, float eps, float w_offset) {
