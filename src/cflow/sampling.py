@@ -17,10 +17,15 @@ from typing import Callable
 
 import numpy as np
 
-from cflow._native import core
 from cflow.errors import CflowError
 
-_native_ops = core.ops
+
+def _native():
+    """cflow._core.ops, imported at the first draw (not with this module: `cflow convert` and the
+    other paths that never sample run without the native core)."""
+    from cflow._native import core
+
+    return core.ops
 
 Sampler = Callable[[np.ndarray, list[int]], int]
 
@@ -146,7 +151,7 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
         if 0 < top_k < x.size and x.dtype == np.float32 and x.ndim == 1 and x.flags.c_contiguous:
             # the steps below in one native call (ops.h sample_top_k): the same arithmetic in
             # float64, 5x faster than the dozen numpy calls over a few dozen candidates
-            t = _native_ops.sample_top_k(x, top_k, temperature, top_p, min_p, u)
+            t = _native().sample_top_k(x, top_k, temperature, top_p, min_p, u)
             if t is not None:  # None: values that are not finite
                 return t
         ids, p = _top_k_top_p(x, temperature, top_k, top_p)
@@ -168,7 +173,7 @@ def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
     over the vocabulary finds them, a selection among them the k-th. (A fixed margin below the
     maximum found a handful of Qwen's logits at 8 and nearly all of them at 32.)"""
     if x.dtype == np.float32 and x.ndim == 1 and x.flags.c_contiguous:
-        ids = _native_ops.top_k_ids(x, k)  # the same set, the same order, 5x faster
+        ids = _native().top_k_ids(x, k)  # the same set, the same order, 5x faster
         if ids is not None:  # None: values that are not finite (penalised logits can be), below
             return ids
     n = x.size // k * k
