@@ -94,8 +94,8 @@ void bind_ops(nb::module_& root) {
         "x"_a.noconvert(), "isa"_a = nb::none());
 
   // The sampler's candidates (cflow.sampling): the indices of the k largest of x and of every
-  // value equal to the k-th, ascending (int32), or None where x holds a value that is not finite. It keeps the GIL:
-  // a few microseconds, between a server step's forwards.
+  // value equal to the k-th, ascending (int32), or None where x holds a value that is not
+  // finite. It keeps the GIL: a few microseconds, between a server step's forwards.
   m.def("top_k_ids",
         [](CF32 x, int k, const Isa& isa) -> nb::object {
           require(x.ndim() == 1, "top_k_ids: x must be 1-D, got " + shape_str(x));

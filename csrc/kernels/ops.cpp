@@ -124,7 +124,7 @@ int at_least(const float* x, int n, float bound, int32_t* ids) {
 bool top_k_ids(const OpsTable& t, const float* x, int n, int k, std::vector<int32_t>& ids) {
   const float bound = t.block_max_min(x, n, k);
   if (std::isnan(bound)) return false;
-  thread_local std::vector<int32_t> near;  // room for every index, kept: zeroing n ints costs more than the search
+  thread_local std::vector<int32_t> near;  // room for every index, kept (zeroing n costs more than the search)
   thread_local std::vector<float> v;
   if (near.size() < (size_t)n) near.resize(n);
   const int c = t.at_least(x, n, bound, near.data());  // >= k: each block's maximum reaches bound

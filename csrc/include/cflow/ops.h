@@ -53,8 +53,9 @@ struct OpsTable {
   // (an unnormalised softmax: attention over one span of keys, merged with the others later).
   float (*exp_max)(float* x, int n, float* mx);
   // The sampler's top-k (top_k_ids below). block_max_min: the smallest of the maxima of x's k
-  // blocks of n / k values (its first n / k * k), or NaN where any of its n values is not finite. at_least: the indices i < n with x[i] >= bound, ascending, into ids
-  // (room for n); returns how many.
+  // blocks of n / k values (its first n / k * k), or NaN where any of its n values is not
+  // finite. at_least: the indices i < n with x[i] >= bound, ascending, into ids (room for n);
+  // returns how many.
   float (*block_max_min)(const float* x, int n, int k);
   int (*at_least)(const float* x, int n, float bound, int32_t* ids);
 };
@@ -85,10 +86,10 @@ int at_least(const float* x, int n, float bound, int32_t* ids);
 }  // namespace ref
 
 // The indices of the k largest of x (n values, 0 < k <= n) and of every value equal to the k-th
-// largest, ascending, into ids; false where x holds a value that is not finite (the caller's slower
-// path handles those). Each of the k blocks
-// of block_max_min holds a value at least the smallest block maximum, so the k largest are among
-// the values that reach it: one comparison over x, then a selection among those few.
+// largest, ascending, into ids; false where x holds a value that is not finite (the caller's
+// slower path handles those). Each of the k blocks of block_max_min holds a value at least the
+// smallest block maximum, so the k largest are among the values that reach it: one comparison
+// over x, then a selection among those few.
 bool top_k_ids(const OpsTable& t, const float* x, int n, int k, std::vector<int32_t>& ids);
 
 // One draw of cflow.sampling's sampler with top-k on (0 < k < n): softmax(x / temperature) over
