@@ -121,7 +121,8 @@ void bind_ops(nb::module_& root) {
           require(n < (size_t(1) << 31), "sample_top_k: array too large");
           require(k >= 1 && (size_t)k <= n, "sample_top_k: k must be in 1.." + std::to_string(n));
           require(temperature > 0 && std::isfinite(temperature), "sample_top_k: temperature must be > 0");
-          require(top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1, "sample_top_k: top_p in (0, 1], min_p in [0, 1]");
+          require(top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1,
+                  "sample_top_k: top_p must be in (0, 1], min_p in [0, 1]");
           require(u >= 0 && u < 1, "sample_top_k: u must be in [0, 1)");
           const int id = cflow::sample_top_k(pick(isa), x.data(), (int)n, k, temperature, top_p, min_p, u);
           if (id < 0) return nb::none();

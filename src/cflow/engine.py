@@ -27,6 +27,7 @@ on disk").
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 
@@ -445,7 +446,7 @@ class Engine(EngineBase):
         the bytes attention reads, as llama.cpp's default cache), "f32" on the fp32 parity path."""
         return "f16" if self._core.kv_half else "f32"
 
-    @property
+    @functools.cached_property
     def prompt_rows_as_decode(self) -> bool:
         return self._core.prompt_rows_as_decode  # AVX-512 fast paths: every matrix's batched kernel
 

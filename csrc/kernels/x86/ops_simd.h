@@ -159,7 +159,8 @@ int at_least(const float* x, int n, float bound, int32_t* ids) {
   const reg bv = V::set1(bound);
   int c = 0, i = 0;
   for (; i + 4 * W <= n; i += 4 * W) {  // most runs of 4 W values hold none: one test for them
-    const reg m = V::max(V::max(V::load(x + i), V::load(x + i + W)), V::max(V::load(x + i + 2 * W), V::load(x + i + 3 * W)));
+    const reg m = V::max(V::max(V::load(x + i), V::load(x + i + W)),
+                         V::max(V::load(x + i + 2 * W), V::load(x + i + 3 * W)));
     if (!V::ge_mask(m, bv)) continue;
     for (int q = i; q < i + 4 * W; q += W)  // the lanes that reach it, in order
       for (unsigned b = V::ge_mask(V::load(x + q), bv); b; b &= b - 1) ids[c++] = q + __builtin_ctz(b);

@@ -219,7 +219,6 @@ class Server:
         self.llm, self.api_key, self.max_body, self.default_max_tokens = llm, api_key, max_body, default_max_tokens
         self.name = _display_name(llm.name)
         self.batcher = Batcher(llm.engine, parallel, max_queue)
-        self.recompute = recompute_for(llm.engine)  # prompt tokens computed again after a cached prefix
         self.metrics = Metrics(self.batcher)
         self.created = int(time.time())
 
@@ -265,7 +264,8 @@ class Server:
         sampling = self.sampling(req, prompt)
         t0 = time.perf_counter()
         try:
-            gen = Job(self.batcher, Decoder(self.llm.tokenizer, prompt, recompute=self.recompute, **sampling), stream=bool(req.stream))
+            decoder = Decoder(self.llm.tokenizer, prompt, recompute=recompute_for(self.llm.engine), **sampling)
+            gen = Job(self.batcher, decoder, stream=bool(req.stream))
         except CflowError as e:
             raise _model_error(e) from None
         try:
