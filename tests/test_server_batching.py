@@ -334,3 +334,29 @@ def test_an_unstreamed_answer_is_handed_over_once(tiny_llm):
     assert whole[0].text == "".join(c.text for c in streamed)
     assert whole[0].token_ids == [t for c in streamed for t in c.token_ids]
     assert (whole[0].finish_reason, whole[0].usage) == (streamed[-1].finish_reason, streamed[-1].usage)
+
+
+def test_bench_load_rounds_alternate_and_report_each_ratio(tiny_cflow, tmp_path, capsys):
+    # --rounds 2 runs 1,2 then 2,1 (a server each) and prints each round's ratio, its median and range
+    from cflow.cli import main
+
+    rc = main(["bench", "load", "-m", str(tiny_cflow), "--parallel", "1,2", "--rounds", "2", "--clients", "2",
+               "--requests", "2", "--max-tokens", "4", "--plot", str(tmp_path / "r.png")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "round 1 of 2: --parallel 1,2" in out and "round 2 of 2: --parallel 2,1" in out
+    assert out.count("errors      0 server (5xx or dropped), 0 other") == 4
+    phases = [line.split("parallel ")[1].split(",")[0] for line in out.splitlines() if line.startswith("load: ")]
+    assert phases == ["1", "2", "2", "1"]
+    line = out.split("round by round (median, range):")[1].splitlines()[1].split()
+    ratios = [float(x) for x in line[1:3]]
+    assert line[0] == "2" and all(x > 0 for x in ratios)
+    assert f"median {sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2:.2f}x" in " ".join(line)
+    assert "(medians over the rounds)" in out and (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_bench_load_rounds_need_two_values(tiny_cflow, capsys):
+    from cflow.cli import main
+
+    assert main(["bench", "load", "-m", str(tiny_cflow), "--parallel", "8", "--rounds", "3"]) == 2
+    assert "--rounds compares --parallel values" in capsys.readouterr().err

@@ -6,7 +6,10 @@ with --duration, until that time is up). Reports server errors, p50/p95 latency,
 completion tokens/s, time to first token and inter-token latency (streamed requests), and the
 server's resident memory before and after the run (growth should stay small: requests must not
 leak). --parallel 1,2,4,8 runs one phase per value, a server each, and plots throughput and
-latency against parallelism. --disconnect makes clients abandon streams mid-way (a soak)."""
+latency against parallelism; --rounds R runs that list R times, alternating its order (1,8 then
+8,1 ...), and reports each value's ratio to the first round by round, with the median and range
+(the host's drift over minutes is as large as many changes: a ratio of phases run side by side,
+repeated, is the figure to read). --disconnect makes clients abandon streams mid-way (a soak)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import asyncio
 import math
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +50,9 @@ def add_arguments(p):
     p.add_argument("--parallel", "--max-concurrency", dest="parallel", default="1",
                    help="sequences the started server decodes together; a list (1,2,4,8) runs one phase per "
                         "value, a server each, and plots them (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the --parallel list this many times, in alternating order, and report each "
+                        "value's ratio to the first per round: median and range (default %(default)s)")
     p.add_argument("--plot", default=None,
                    help="PNG of throughput and latency against parallelism (default with several --parallel "
                         "values: bench-load.png; needs matplotlib)")
@@ -293,6 +300,17 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None) -> d
                 rss_growth=growth)
 
 
+def _median_row(runs: list[dict]) -> dict:
+    """One value's phases over the rounds as one row: the median of each figure, errors summed."""
+    if len(runs) == 1:
+        return runs[0]
+    row = {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "lat50", "lat95", "ttft50", "ttft95",
+                                                             "itl50", "itl95")}
+    return dict(row, parallel=runs[0]["parallel"], server_errors=sum(r["server_errors"] for r in runs),
+                other_errors=sum(r["other_errors"] for r in runs), rss_growth=max(
+                    (r["rss_growth"] for r in runs if r["rss_growth"] is not None), default=None))
+
+
 def _plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib
 
@@ -339,17 +357,36 @@ def main(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise CflowError("the plot needs matplotlib: pip install 'cflow[train]' (or matplotlib)") from None
-    rows = [_phase(args, None if args.url else p) for p in values]
+    if args.rounds < 1:
+        raise CflowError("--rounds must be >= 1")
+    if args.rounds > 1 and len(values) < 2:
+        raise CflowError("--rounds compares --parallel values: give two or more (1,8)")
+    rounds = []  # per round, its rows in the order of `values`
+    for r in range(args.rounds):
+        order = list(range(len(values)))[::1 if r % 2 == 0 else -1]  # alternate: a drift hits both ends alike
+        if args.rounds > 1:
+            print(f"\nround {r + 1} of {args.rounds}: --parallel {','.join(str(values[i]) for i in order)}")
+        got = {i: _phase(args, None if args.url else values[i]) for i in order}
+        rounds.append([got[i] for i in range(len(values))])
+    rows = [_median_row([rnd[i] for rnd in rounds]) for i in range(len(values))]
     if len(rows) > 1:
         base = rows[0]["tok_s"]
-        print("\nparallel   tok/s  x first  latency p50/p95 s  first token p50/p95 s   inter-token p50/p95 ms   errors")
+        median = " (medians over the rounds)" if len(rounds) > 1 else ""
+        print(f"\nparallel   tok/s  x first  latency p50/p95 s  first token p50/p95 s   inter-token p50/p95 ms   "
+              f"errors{median}")
         for r in rows:
             ttft = f"{r['ttft50']:10.3f} {r['ttft95']:7.3f}" if math.isfinite(r["ttft50"]) else f"{'-':>10} {'-':>7}"
             itl = f"{1e3 * r['itl50']:13.1f} {1e3 * r['itl95']:7.1f}" if math.isfinite(r["itl50"]) else f"{'-':>13} {'-':>7}"
             print(f"{r['parallel']:>8} {r['tok_s']:7.1f} {r['tok_s'] / base:8.2f}  {r['lat50']:8.3f} {r['lat95']:7.3f}"
                   f"   {ttft}   {itl}   {r['server_errors']:6d}")
+    if len(rounds) > 1:
+        print(f"\ntok/s against --parallel {values[0]}, round by round (median, range):")
+        for i, p in enumerate(values[1:], 1):
+            ratios = [rnd[i]["tok_s"] / rnd[0]["tok_s"] for rnd in rounds]
+            print(f"{p:>8}  " + " ".join(f"{x:.2f}" for x in ratios)
+                  + f"   median {statistics.median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}")
     if plot:
         _plot(rows, plot, f"cflow bench load: {args.model or 'default model'}, {args.clients} clients, "
-                          f"max_tokens {args.max_tokens}")
+                          f"max_tokens {args.max_tokens}" + (f", medians of {len(rounds)} rounds" if len(rounds) > 1 else ""))
         print(f"plot: {plot}")
-    return 0 if all(r["server_errors"] == 0 for r in rows) else 1
+    return 0 if all(r["server_errors"] == 0 for rnd in rounds for r in rnd) else 1
