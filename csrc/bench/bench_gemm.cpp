@@ -7,6 +7,8 @@
 // --batched 1: the batched decode GEMV (gemv_batch_fn, any planes type, the K-quants included)
 // over the tokens in calls of --pass tokens (8: as a decode step of 8 sequences runs it), against
 // the one-token GEMV run token by token; also ns per (token, 16 x 32 weights).
+// --quantize 1: the activation quantizers instead (block_q8a rows of --cols, --levels levels, the
+// rows a step prepares: --tokens of them), per ISA: microseconds a row.
 // Defaults: SmolLM2-135M's gate+up (3072 x 576, Q4_1, planes at interleave 16, as `cflow
 // convert` writes it) against a 512-token prompt. Weights are random bytes with sane fp16
 // scales: a GEMM's speed does not depend on the values.
@@ -71,9 +73,39 @@ static int bench_batched(BlockType bt, const TileLayout& L, const std::vector<ui
   return 0;
 }
 
+// Every ISA's block_q8a quantizer (two levels: then level 2) over `tokens` rows of x.
+int bench_quantize(const std::vector<float>& x, int cols, int tokens, int levels, int repeats, const std::string& only) {
+  if (cols % QK) {
+    std::fprintf(stderr, "--cols: a multiple of %d\n", QK);
+    return 2;
+  }
+  std::printf("block_q8a activations, %d columns, %d level(s), %d rows a pass, 1 thread, best / median of %d\n", cols,
+              levels, tokens, repeats);
+  const size_t rb = q8a_row_bytes(cols);
+  std::vector<uint8_t> a((size_t)tokens * rb * levels);
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa) || (!only.empty() && only != isa_name(isa))) continue;
+    const KernelTable& T = kernel_table(isa);
+    std::vector<double> sec;
+    for (int r = 0; r < repeats; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int k = 0; k < tokens; ++k) {
+        block_q8a* l1 = (block_q8a*)(a.data() + (size_t)k * rb * levels);
+        T.quantize_q8a(l1, x.data() + (size_t)k * cols, cols);
+        if (levels == 2) T.quantize_q8a_level2((block_q8a*)((uint8_t*)l1 + rb), l1, x.data() + (size_t)k * cols, cols);
+      }
+      sec.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(sec.begin(), sec.end());
+    std::printf("  %-7s %7.3f / %7.3f us a row\n", isa_name(isa), sec[0] / tokens * 1e6, sec[sec.size() / 2] / tokens * 1e6);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::string type = "q4_1", pack = "planes", only;
-  int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1, batched = 0, tile_cols = 256, pass = 8;
+  int rows = 3072, cols = 576, tokens = 512, repeats = 7, levels = 1, batched = 0, tile_cols = 256, pass = 8,
+      quantize = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--type") type = v;
@@ -87,6 +119,7 @@ int main(int argc, char** argv) {
     else if (k == "--tile-cols") tile_cols = std::atoi(v.c_str());
     else if (k == "--pass") pass = std::atoi(v.c_str());
     else if (k == "--isa") only = v;
+    else if (k == "--quantize") quantize = std::atoi(v.c_str());
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
   BlockType bt;
@@ -114,6 +147,7 @@ int main(int argc, char** argv) {
   std::vector<float> x((size_t)tokens * cols), y((size_t)tokens * rows);
   std::uniform_real_distribution<float> u(-1, 1);
   for (auto& v : x) v = u(rng);
+  if (quantize) return bench_quantize(x, cols, tokens, levels, repeats, only);
   if (batched) return bench_batched(bt, L, w, x, tokens, levels, repeats, std::max(1, pass));
   QActs qa{tokens, cols, levels, nullptr};
   std::vector<uint8_t> b(qa.bytes());

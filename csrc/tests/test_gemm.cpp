@@ -237,7 +237,7 @@ TEST(avx2_q8_0_planes_gemm_is_the_gemv_bit_for_bit) {
 // Every ISA quantizes activations to exactly the reference's bytes (block_q8a rows with their
 // sums, and the K-quants' block_q8_K with bsums), large and tiny values, zero blocks included.
 TEST(activation_quantization_is_the_reference_on_every_isa) {
-  for (int cols : {256, 768, 4864 / 256 * 256}) {
+  for (int cols : {256, 512, 544, 768, 4864 / 256 * 256}) {  // 8 to 152 blocks: runs of 16 and their tails
     std::mt19937 rng(cols);
     std::normal_distribution<float> nd(0.f, 2.f);
     std::vector<float> x(cols);
