@@ -74,7 +74,7 @@ static int bench_batched(BlockType bt, const TileLayout& L, const std::vector<ui
 }
 
 // Every ISA's block_q8a quantizer (two levels: then level 2) over `tokens` rows of x.
-int bench_quantize(const std::vector<float>& x, int cols, int tokens, int levels, int repeats, const std::string& only) {
+static int bench_quantize(const std::vector<float>& x, int cols, int tokens, int levels, int repeats, const std::string& only) {
   if (cols % QK) {
     std::fprintf(stderr, "--cols: a multiple of %d\n", QK);
     return 2;
