@@ -14,6 +14,7 @@ repetition penalty as small as 1e-320 gives a huge but finite logit.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -150,9 +151,11 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     return sample
 
 
+@functools.cache
 def _native():
     """cflow._core.ops, imported at the first draw (not with this module: `cflow convert` and the
-    other paths that never sample run without the native core)."""
+    other paths that never sample run without the native core), then kept: the server draws
+    every sequence of every step."""
     from cflow._native import core
 
     return core.ops
