@@ -675,17 +675,19 @@ void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8_
 // The K-quants' activations of a pass in loop order (built once per call), as
 // PassActs: per super-block cb, slice i (4 bytes, 64 of them), token t and level l one int32 at
 // q[((cb * 64 + i) * NT + t) * L + l]; per (cb, sub-block s, t, l) the sub-block's start value
-// -kZero * (its sum of x) at st[((cb * kNumSub + s) * NT + t) * L + l].
+// -kZero * (its sum of x) at st[((cb * kNumSub + s) * NT + t) * L + l]; Q4_K and Q5_K: per
+// (cb, t, l) the 4 asum pairs of kplanes_mins_pairs at ms[((cb * NT + t) * L + l) * 4].
 template <BlockType WT, bool TWO, int NT>
 struct KPassActs {
   using Q = KPlanesKind<WT>;
-  static constexpr int L = TWO ? 2 : 1, kQ = 64 * NT * L, kS = Q::kNumSub * NT * L;
-  const int32_t *q, *st;
-  static size_t bytes(int nb) { return (size_t)nb * (kQ + kS) * sizeof(int32_t); }
+  static constexpr int L = TWO ? 2 : 1, kQ = 64 * NT * L, kS = Q::kNumSub * NT * L, kM = Q::kQ4 ? 4 * NT * L : 0;
+  const int32_t *q, *st, *ms;
+  static size_t bytes(int nb) { return (size_t)nb * (kQ + kS + kM) * sizeof(int32_t); }
   KPassActs(const TokenActs<block_q8_K, NT>& x, int nb, void* buf) {
     int32_t* qo = (int32_t*)buf;
     int32_t* so = qo + (size_t)nb * kQ;
-    q = qo, st = so;
+    int32_t* mo = so + (size_t)nb * kS;
+    q = qo, st = so, ms = mo;
     for (int cb = 0; cb < nb; ++cb)
       for (int t = 0; t < NT; ++t)
         for (int l = 0; l < L; ++l) {
@@ -693,6 +695,8 @@ struct KPassActs {
           for (int i = 0; i < 64; ++i) std::memcpy(qo + ((size_t)(cb * 64 + i) * NT + t) * L + l, a.qs + 4 * i, 4);
           for (int sb = 0; sb < Q::kNumSub; ++sb)
             so[((size_t)(cb * Q::kNumSub + sb) * NT + t) * L + l] = -Q::kZero * Q::asum(a, sb);
+          if constexpr (Q::kQ4)
+            for (int i = 0; i < 4; ++i) mo[(((size_t)cb * NT + t) * L + l) * 4 + i] = kplanes_asum_pair<WT>(a, i);
         }
   }
 };
@@ -701,8 +705,8 @@ struct KPassActs {
 // row scales, summed into I (two: I2), K (two: 2K) chains side by side. sl and st: the pass's
 // slices and start values of this super-block.
 template <BlockType WT, bool TWO, int NT, int K>
-inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* sl, const int32_t* st,
-                           int T0, __m512i* I, __m512i* I2) {
+inline void kplanes_groups(const __m512i (&u)[16], const __m512i (&scs)[KPlanesKind<WT>::kSubs], int q,
+                           const int32_t* sl, const int32_t* st, int T0, __m512i* I, __m512i* I2) {
   using Q = KPlanesKind<WT>;
   constexpr int L = TWO ? 2 : 1;
   for (int r = 0; r < Q::kSubs; ++r) {
@@ -718,7 +722,7 @@ inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, cons
         D[k] = _mm512_dpbusd_epi32(D[k], u[r * Q::kSlices + j], _mm512_set1_epi32(e[0]));
         if (TWO) T[k] = _mm512_dpbusd_epi32(T[k], u[r * Q::kSlices + j], _mm512_set1_epi32(e[1]));
       }
-    const __m512i sc = kplanes_scale<WT>(c, s);
+    const __m512i sc = scs[r];
     for (int k = 0; k < K; ++k) {
       I[k] = _mm512_add_epi32(I[k], _mm512_mullo_epi32(D[k], sc));
       if (TWO) I2[k] = _mm512_add_epi32(I2[k], _mm512_mullo_epi32(T[k], sc));
@@ -727,12 +731,12 @@ inline void kplanes_groups(const uint8_t* c, const __m512i (&u)[16], int q, cons
 }
 
 template <BlockType WT, bool TWO, int NT, int KMAX, int T0 = 0>
-inline void kplanes_groups_all(const uint8_t* c, const __m512i (&u)[16], int q, const int32_t* sl, const int32_t* st,
-                               __m512i* I, __m512i* I2) {
+inline void kplanes_groups_all(const __m512i (&u)[16], const __m512i (&scs)[KPlanesKind<WT>::kSubs], int q,
+                               const int32_t* sl, const int32_t* st, __m512i* I, __m512i* I2) {
   if constexpr (T0 < NT) {
     constexpr int K = NT - T0 < KMAX ? NT - T0 : KMAX;
-    kplanes_groups<WT, TWO, NT, K>(c, u, q, sl, st, T0, I + T0, I2 + T0);
-    kplanes_groups_all<WT, TWO, NT, KMAX, T0 + K>(c, u, q, sl, st, I, I2);
+    kplanes_groups<WT, TWO, NT, K>(u, scs, q, sl, st, T0, I + T0, I2 + T0);
+    kplanes_groups_all<WT, TWO, NT, KMAX, T0 + K>(u, scs, q, sl, st, I, I2);
   }
 }
 
@@ -763,11 +767,19 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8
         __m512i u[16];
         planes_prefetch_quarter(c, 16 * KPlanesKind<WT>::kBB, q);
         kplanes_unpack<WT>(c, q, u);
-        kplanes_groups_all<WT, TWO, NT, kGroupTokens<WT>>(c, u, q, sl, st, I, I2);
+        __m512i scs[KPlanesKind<WT>::kSubs];  // the group's sub-block scales, formed once for every token
+        for (int r = 0; r < KPlanesKind<WT>::kSubs; ++r) scs[r] = kplanes_scale<WT>(c, KPlanesKind<WT>::sub(q, r));
+        kplanes_groups_all<WT, TWO, NT, kGroupTokens<WT>>(u, scs, q, sl, st, I, I2);
       }
+      __m512i mp[4];
+      if constexpr (KPlanesKind<WT>::kQ4) kplanes_min_pairs<WT>(c, mp);
       for (int t = 0; t < NT; ++t) {
-        __m512i M, M2;
-        kplanes_mins<WT, TWO>(c, x.x[t][cb], x.x2[t] + cb, M, M2);
+        __m512i M = _mm512_setzero_si512(), M2 = M;
+        if constexpr (KPlanesKind<WT>::kQ4) {
+          const int32_t* ap = pa.ms + ((size_t)cb * NT + t) * P::L * 4;
+          M = kplanes_mins_pairs(mp, ap);
+          if (TWO) M2 = kplanes_mins_pairs(mp, ap + 4);
+        }
         acc[t] = kplanes_finish<WT, TWO>(c, I[t], M, I2[t], M2, x.x[t][cb], x.x2[t] + cb, acc[t]);
       }
     }

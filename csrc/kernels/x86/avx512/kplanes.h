@@ -73,23 +73,54 @@ inline __m512i kplanes_scale(const uint8_t* c, int s) {
   }
 }
 
-// Q4_K's (and Q5_K's) M of one or two levels (Q6_K: zero): sum_j m_j * asum_j, m_j from planes 1 and 2.
+// Q4_K's (and Q5_K's) sub-block j's 6-bit min m_j of the 16 rows (int32 lanes), from planes 1 and 2.
+template <BlockType WT>
+inline __m512i kplanes_min(const uint8_t* c, int j) {
+  const __m512i* pl = (const __m512i*)(c + KPlanesKind<WT>::kPlanes);
+  const __m512i B = _mm512_loadu_si512(pl + 1);
+  if (j < 4) return _mm512_and_si512(_mm512_srli_epi32(B, 8 * j), _mm512_set1_epi32(63));
+  const int k = 8 * (j - 4);
+  const __m512i C = _mm512_loadu_si512(pl + 2);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, k + 4), _mm512_set1_epi32(15)),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, k + 6), _mm512_set1_epi32(3)), 4));
+}
+
+// Q4_K's (and Q5_K's) M of one or two levels (Q6_K: zero): sum_j m_j * asum_j.
 template <BlockType WT, bool TWO>
 inline void kplanes_mins(const uint8_t* c, const block_q8_K& a, const block_q8_K* a2, __m512i& M, __m512i& M2) {
   using K = KPlanesKind<WT>;
   M = M2 = _mm512_setzero_si512();
   if constexpr (K::kQ4) {
-    const __m512i* pl = (const __m512i*)(c + K::kPlanes);
-    const __m512i B = _mm512_loadu_si512(pl + 1), C = _mm512_loadu_si512(pl + 2);
     for (int j = 0; j < 8; ++j) {
-      const int k = 8 * (j - 4);
-      const __m512i m = j < 4 ? _mm512_and_si512(_mm512_srli_epi32(B, 8 * j), _mm512_set1_epi32(63))
-                              : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, k + 4), _mm512_set1_epi32(15)),
-                                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, k + 6), _mm512_set1_epi32(3)), 4));
+      const __m512i m = kplanes_min<WT>(c, j);
       M = _mm512_add_epi32(M, _mm512_mullo_epi32(m, _mm512_set1_epi32(K::asum(a, j))));
       if (TWO) M2 = _mm512_add_epi32(M2, _mm512_mullo_epi32(m, _mm512_set1_epi32(K::asum(*a2, j))));
     }
   }
+}
+
+// The same M as vpdpwssd over int16 pairs, for kernels that meet one chunk with several tokens:
+// kplanes_min_pairs forms the chunk's mins once, mp[i] = m_2i | m_2i+1 << 16 per lane, and
+// kplanes_mins_pairs sums them against a token's asum pairs (kplanes_asum_pair): 4 vpdpwssd a
+// level where kplanes_mins takes 8 extractions, 8 vpmulld and 8 adds (each |asum| <= 32 * 128
+// and m <= 63 fit int16; the int32 sums are exact, so M is the same integer).
+template <BlockType WT>
+inline void kplanes_min_pairs(const uint8_t* c, __m512i (&mp)[4]) {
+  for (int i = 0; i < 4; ++i)
+    mp[i] = _mm512_or_si512(kplanes_min<WT>(c, 2 * i), _mm512_slli_epi32(kplanes_min<WT>(c, 2 * i + 1), 16));
+}
+
+template <BlockType WT>
+inline int32_t kplanes_asum_pair(const block_q8_K& a, int i) {
+  using K = KPlanesKind<WT>;
+  return (int32_t)(((uint32_t)(uint16_t)(int16_t)K::asum(a, 2 * i)) | ((uint32_t)(uint16_t)(int16_t)K::asum(a, 2 * i + 1) << 16));
+}
+
+// ap: the token's 4 asum pairs of one level.
+inline __m512i kplanes_mins_pairs(const __m512i (&mp)[4], const int32_t* ap) {
+  __m512i M = _mm512_setzero_si512();
+  for (int i = 0; i < 4; ++i) M = _mm512_dpwssd_epi32(M, mp[i], _mm512_set1_epi32(ap[i]));
+  return M;
 }
 
 // acc + d (d_a I + d_a2 I2) - dmin (d_a M + d_a2 M2) (TWO), or acc + (d d_a) I - (dmin d_a) M.
