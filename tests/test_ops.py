@@ -139,6 +139,23 @@ def test_top_k_ids(isa, n, seed, data, kind):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n", [49152, 151936, 262144 + 77])
+def test_top_k_ids_over_a_vocabulary(isa, n):
+    # runs of 256 values (R = n // 256 maxima, a ragged tail past them): logits with a long
+    # tail of unlikely tokens, a few far above the rest, many ties at the k-th, the largest value
+    # in the tail, every k from 1 to the whole vocabulary
+    r = rng(n)
+    x = (r.standard_normal(n) * 2 - 8 * (r.random(n) < 0.5)).astype(np.float32)
+    x[r.integers(0, n, size=5)] += 30
+    x[n - 3] = x.max() + 1
+    for k in (1, 40, 41, 256, 1000, n // 256, n // 256 + 1, n - 1, n):
+        assert core.ops.top_k_ids(x, k, isa).tolist() == ref_top_k_ids(x, k)
+    y = np.round(x)  # ties
+    for k in (1, 40, 1000):
+        assert core.ops.top_k_ids(y, k, isa).tolist() == ref_top_k_ids(y, k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_top_k_ids_refuses_values_not_finite_and_bad_k(isa):
     x = np.arange(100, dtype=np.float32)
     for at in (0, 50, 99):  # in a block, in the tail past the blocks (7 blocks of 14)

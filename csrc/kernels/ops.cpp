@@ -103,13 +103,11 @@ float exp_max(float* x, int n, float* mx) {
   return (float)sum;
 }
 
-float block_max_min(const float* x, int n, int k) {
-  const int b = n / k;
-  float bound = INFINITY;
-  for (int j = 0; j < k; ++j) bound = std::min(bound, *std::max_element(x + (size_t)j * b, x + (size_t)(j + 1) * b));
+bool block_maxima(const float* x, int n, int run, float* out) {
+  for (int j = 0; j < n / run; ++j) out[j] = *std::max_element(x + (size_t)j * run, x + (size_t)(j + 1) * run);
   for (int i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) return NAN;
-  return bound;
+    if (!std::isfinite(x[i])) return false;
+  return true;
 }
 
 int at_least(const float* x, int n, float bound, int32_t* ids) {
@@ -121,13 +119,19 @@ int at_least(const float* x, int n, float bound, int32_t* ids) {
 
 }  // namespace ref
 
+constexpr int kTopKRun = 256;  // values per run of top_k_ids' bound
+
 bool top_k_ids(const OpsTable& t, const float* x, int n, int k, std::vector<int32_t>& ids) {
-  const float bound = t.block_max_min(x, n, k);
-  if (std::isnan(bound)) return false;
+  const int run = std::max(1, std::min(kTopKRun, n / k)), R = n / run;  // R >= k runs
+  thread_local std::vector<float> mx;
+  mx.resize(R);
+  if (!t.block_maxima(x, n, run, mx.data())) return false;
+  std::nth_element(mx.begin(), mx.begin() + (R - k), mx.end());
+  const float bound = mx[R - k];  // the k-th largest run maximum
   thread_local std::vector<int32_t> near;  // room for every index, kept (zeroing n costs more than the search)
   thread_local std::vector<float> v;
   if (near.size() < (size_t)n) near.resize(n);
-  const int c = t.at_least(x, n, bound, near.data());  // >= k: each block's maximum reaches bound
+  const int c = t.at_least(x, n, bound, near.data());  // >= k: the k runs' maxima reach bound
   v.resize(c);
   for (int i = 0; i < c; ++i) v[i] = x[near[i]];
   std::nth_element(v.begin(), v.begin() + (c - k), v.end());

@@ -129,9 +129,8 @@ float exp_max(float* x, int n, float* mx) {
   return exp_sum(x, n, m);
 }
 
-float block_max_min(const float* x, int n, int k) {
-  const int b = n / k;
-  float bound = INFINITY;
+bool block_maxima(const float* x, int n, int run, float* out) {
+  const int b = run, k = n / run;
   reg s0 = V::zero(), s1 = V::zero();  // sums of x - x: NaN where any value is not finite
   for (int j = 0; j < k; ++j) {
     const float* p = x + (size_t)j * b;
@@ -148,11 +147,11 @@ float block_max_min(const float* x, int n, int k) {
       const reg c = V::load_n(p + i, r);
       s0 = V::add(s0, V::sub(c, c));
     }
-    bound = std::min(bound, V::hmax(V::max(m0, m1)));
+    out[j] = V::hmax(V::max(m0, m1));
   }
   for (int i = k * b; i < n; ++i)
-    if (!std::isfinite(x[i])) return NAN;
-  return std::isnan(V::hsum(V::add(s0, s1))) ? NAN : bound;
+    if (!std::isfinite(x[i])) return false;
+  return !std::isnan(V::hsum(V::add(s0, s1)));
 }
 
 int at_least(const float* x, int n, float bound, int32_t* ids) {
