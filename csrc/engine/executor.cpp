@@ -768,6 +768,16 @@ static float* output_rows(bool accumulate, std::vector<float>& scratch, float* d
 // r0; x: the tokens' prepared activations, adjacent. The kernel passes over its rows once per
 // group of 8 or more tokens (kernels.h): more tokens than that take the rows in runs of about
 // kVisitBytes of weights, each run passed over by every group while it is in cache.
+// While alive, the thread's GEMV kernels may keep the pass activations they laid out for the
+// decode rows' prepared activations (acts_stamp, kernels.h): the calls over a thread's runs of
+// rows in one op then lay them out once. Made right after the rows are prepared.
+struct SameActs {
+  SameActs() { set_acts_stamp(new_acts_stamp()); }
+  ~SameActs() { set_acts_stamp(0); }
+  SameActs(const SameActs&) = delete;
+  SameActs& operator=(const SameActs&) = delete;
+};
+
 static void batched_runs(GemvBatchFn batch, const TileLayout& L, const uint8_t* w, const void* x, int n, int r0,
                          int r1, float* y, int ldy) {
   const int run = n <= kBatchGroupMin ? r1 - r0 : visit_rows(L);
@@ -873,6 +883,7 @@ void Engine::matmul_single(const Matmul& op, Team& t, const float* src, int lds,
     if (gemv) prepare_act(L.bt(), at, s.xa.data() + k * ab, in.x, L.cols);
     else std::memcpy(s.xa.data() + k * ab, in.x, ab);
   }
+  const SameActs same;
   // rows in units of gemv_share's kind (the fp32 fallback: interleave groups), handed out
   const bool groups = !gemv || L.packing() == Pack::Planes;
   const int stripes = (L.rows + L.tr - 1) / L.tr;
@@ -978,6 +989,7 @@ void Engine::gate_up_rows(const GateUp& op, Team& t, const float* src, int lds, 
     Input in = prepare(t, src + (size_t)(k0 + k) * lds, lds, 1, C, op.norm, false, false);
     prepare_act(L.bt(), at, s.xa.data() + k * ab, in.x, C);
   }
+  const SameActs same;
   // the single rows' pieces handed out among the team (UnitShare)
   UnitShare share = t.share(P, layout_nbytes(L));
   grow(s.y, (size_t)2 * std::min(c, F));

@@ -248,6 +248,13 @@ GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa) {
 #endif
 }
 
+namespace {
+thread_local uint64_t t_acts_stamp = 0, t_acts_stamps = 0;
+}
+uint64_t new_acts_stamp() { return ++t_acts_stamps; }
+void set_acts_stamp(uint64_t stamp) { t_acts_stamp = stamp; }
+uint64_t acts_stamp() { return t_acts_stamp; }
+
 bool gemv_batch_beats_gemm(Isa isa) {
 #if defined(CFLOW_X86)
   return isa == Isa::Avx512;

@@ -388,3 +388,51 @@ TEST(batched_gemv_is_bitwise_the_gemv_of_each_token) {
   if (!any) std::fprintf(stderr, "  (no batched GEMV on this CPU: nothing to compare)\n");
 }
 
+// Activation stamps (kernels.h): calls under one stamp over the same activations give what calls
+// without one give; new bytes at the same pointer under a new stamp are laid out anew, as is
+// another token count under the same stamp.
+TEST(acts_stamp_keeps_a_layout_only_for_the_same_activations) {
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    if (!isa_supported(isa)) continue;
+    for (BlockType wt : {BlockType::Q4_1, BlockType::Q5_0, BlockType::Q4_K, BlockType::Q6_K})
+      for (AType at : {AType::Q8, AType::Q8x2}) {
+        const Tiling ts{96, 256, 16, Pack::Planes};
+        GemvBatchFn batch = gemv_batch_fn(wt, ts.pack, at, isa);
+        GemvFn one = gemv_fn(wt, ts.pack, at, isa);
+        CHECK(batch && one);
+        if (!batch || !one) continue;
+        const int rows = 200, cols = block_elems(wt) == 256 ? 1024 : 576, ldy = rows, h = 96;
+        const auto tiled = pack(wt, random_rows(wt, rows, cols), rows, cols, ts);
+        const TileLayout L = layout(wt, rows, cols, ts);
+        const size_t ab = act_bytes(wt, at, cols);
+        std::vector<uint8_t> xa(8 * ab);
+        auto fill = [&] {
+          for (int k = 0; k < 8; ++k) prepare_act(wt, at, xa.data() + k * ab, random_x(cols).data(), cols);
+          return xa;
+        };
+        // rows [r0, r1) of m tokens of activations a (m == 1: the one-token GEMV), under `stamp`
+        auto run = [&](const std::vector<uint8_t>& a, int m, int r0, int r1, uint64_t stamp) {
+          std::vector<float> y((size_t)m * ldy);
+          set_acts_stamp(stamp);
+          if (m == 1) one(y.data(), a.data(), tiled.data(), L, r0, r1);
+          else batch(y.data(), ldy, a.data(), m, tiled.data(), L, r0, r1);
+          set_acts_stamp(0);
+          return y;
+        };
+        auto same = [&](const std::vector<float>& a, const std::vector<float>& b) {
+          return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(float) * a.size()) == 0;
+        };
+        const auto A = fill();
+        const uint64_t s1 = new_acts_stamp(), s2 = new_acts_stamp();
+        CHECK(s1 && s2 && s1 != s2);
+        const auto a_lo = run(xa, 8, 0, h, s1), a_hi = run(xa, 8, h, rows, s1);  // the second keeps A's layout
+        const auto B = fill();  // new bytes at the same pointer, under a new stamp: laid out anew
+        const auto b_hi = run(xa, 8, h, rows, s2), b_lo = run(xa, 8, 0, h, s2);
+        const auto b3 = run(xa, 3, h, rows, s2), b1 = run(xa, 1, h, rows, s2);  // other counts, same stamp
+        CHECK(same(a_lo, run(A, 8, 0, h, 0)) && same(a_hi, run(A, 8, h, rows, 0)));
+        CHECK(same(b_hi, run(B, 8, h, rows, 0)) && same(b_lo, run(B, 8, 0, h, 0)));
+        CHECK(same(b3, run(B, 3, h, rows, 0)) && same(b1, run(B, 1, h, rows, 0)));
+      }
+  }
+}
+

@@ -96,6 +96,18 @@ GemvBatchFn gemv_batch_fn(BlockType bt, Pack pack, AType at, Isa isa);
 // is, on AMX and on VNNI alike (docs/KERNELS.md); at 256 bits the GEMM is.
 bool gemv_batch_beats_gemm(Isa isa);
 
+// Several calls over the same prepared activations. A GEMV kernel of the planes pack first lays
+// a call's activations out in the order of its dot products (for a pass of 8 two-level tokens
+// over 4864 columns, some 40 KB), and a caller whose rows are handed out in runs calls it several
+// times over the same activations. While the calling thread holds a nonzero stamp
+// (set_acts_stamp), a kernel that laid out the same activations (pointer, token count, shape)
+// under that stamp on this thread last keeps its layout. The caller takes a new stamp
+// (new_acts_stamp) whenever the bytes at its activation pointer change, and sets 0 when it is
+// done; with 0 (the default) every call lays its activations out anew.
+uint64_t new_acts_stamp();
+void set_acts_stamp(uint64_t stamp);
+uint64_t acts_stamp();
+
 // Scalar references outside the table.
 namespace ref {
 void quantize_q8a(block_q8a* xq, const float* x, int cols);     // a row and its sums; cols % 32 == 0

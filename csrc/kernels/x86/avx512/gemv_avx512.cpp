@@ -526,12 +526,13 @@ struct PassActs {
   const int32_t* q;
   const PassScale* sc;
   static size_t bytes(int nb) { return (size_t)nb * (kQ * sizeof(int32_t) + NT * sizeof(PassScale)); }
-  // buf: bytes(cols / 32), 64-byte aligned.
-  PassActs(const uint8_t* xv, size_t ab, int cols, void* buf) {
+  // buf: bytes(cols / 32), 64-byte aligned; have: buf already holds this layout (pass_scratch_for).
+  PassActs(const uint8_t* xv, size_t ab, int cols, void* buf, bool have = false) {
     const int nb = cols / QK;
     int32_t* qo = (int32_t*)buf;
     PassScale* so = (PassScale*)(qo + (size_t)nb * kQ);
     q = qo, sc = so;
+    if (have) return;
     const TokenActs<block_q8a, NT> x(xv, ab, cols);
     auto start = [](const q8a_sums& l) {
       return -PlanesKind<WT>::kZero * (l.lsum4[0] + l.lsum4[1] + l.lsum4[2] + l.lsum4[3]);
@@ -551,13 +552,14 @@ struct PassActs {
 };
 
 // A thread's scratch for PassActs, grown as needed, 64-byte aligned.
-inline void* pass_scratch(size_t n) {
+inline void* pass_scratch(size_t n, bool* kept = nullptr) {
   struct Buf {
     void* p = nullptr;
     size_t n = 0;
     ~Buf() { std::free(p); }
   };
   thread_local Buf b;
+  if (kept) *kept = b.n >= n;
   if (b.n < n) {
     std::free(b.p);
     b.n = (n + 4095) & ~(size_t)4095;
@@ -565,6 +567,26 @@ inline void* pass_scratch(size_t n) {
     if (!b.p) throw std::bad_alloc();
   }
   return b.p;
+}
+
+// The scratch for a call's pass activations, and whether it still holds them (acts_stamp in
+// kernels.h): the same nonzero stamp, activation pointer, kernel (type, levels, tokens) and
+// columns as the layout this thread made last, which no call has overwritten since.
+struct PassKey {
+  uint64_t stamp;
+  const void* x;
+  int wt, two, nt, cols;
+  bool operator==(const PassKey& o) const {
+    return stamp == o.stamp && x == o.x && wt == o.wt && two == o.two && nt == o.nt && cols == o.cols;
+  }
+};
+inline void* pass_scratch_for(size_t n, const PassKey& key, bool* have) {
+  thread_local PassKey last{};
+  bool kept;
+  void* p = pass_scratch(n, &kept);
+  *have = key.stamp && kept && key == last;
+  last = key;
+  return p;
 }
 
 // K tokens T0 .. T0+K-1 of the pass on one unpacked chunk u: their integer dot products as K
@@ -640,7 +662,9 @@ template <BlockType WT, bool TWO, int NT>
 void planes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8_t* w, const TileLayout& L,
                    int row_begin, int row_end) {
   using P = PassActs<WT, TWO, NT>;
-  const P x(xv, ab, L.cols, pass_scratch(P::bytes(L.cols / QK)));
+  bool have;
+  void* buf = pass_scratch_for(P::bytes(L.cols / QK), {acts_stamp(), xv, (int)WT, TWO, NT, L.cols}, &have);
+  const P x(xv, ab, L.cols, buf, have);
   auto group = [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m512 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
@@ -683,11 +707,12 @@ struct KPassActs {
   static constexpr int L = TWO ? 2 : 1, kQ = 64 * NT * L, kS = Q::kNumSub * NT * L, kM = Q::kQ4 ? 4 * NT * L : 0;
   const int32_t *q, *st, *ms;
   static size_t bytes(int nb) { return (size_t)nb * (kQ + kS + kM) * sizeof(int32_t); }
-  KPassActs(const TokenActs<block_q8_K, NT>& x, int nb, void* buf) {
+  KPassActs(const TokenActs<block_q8_K, NT>& x, int nb, void* buf, bool have = false) {
     int32_t* qo = (int32_t*)buf;
     int32_t* so = qo + (size_t)nb * kQ;
     int32_t* mo = so + (size_t)nb * kS;
     q = qo, st = so, ms = mo;
+    if (have) return;
     for (int cb = 0; cb < nb; ++cb)
       for (int t = 0; t < NT; ++t)
         for (int l = 0; l < L; ++l) {
@@ -752,7 +777,9 @@ void kplanes_tokens(float* y, int ldy, const uint8_t* xv, size_t ab, const uint8
                     int row_begin, int row_end) {
   using P = KPassActs<WT, TWO, NT>;
   const TokenActs<block_q8_K, NT> x(xv, ab, L.cols);
-  const P pa(x, L.cols / QK_K, pass_scratch(P::bytes(L.cols / QK_K)));
+  bool have;
+  void* buf = pass_scratch_for(P::bytes(L.cols / QK_K), {acts_stamp(), xv, (int)WT, TWO, NT, L.cols}, &have);
+  const P pa(x, L.cols / QK_K, buf, have);
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
     __m512 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
