@@ -764,10 +764,6 @@ static float* output_rows(bool accumulate, std::vector<float>& scratch, float* d
   return scratch.data();
 }
 
-// Rows [r0, r1) of L (r0 on an interleave group) for n tokens through a batched GEMV: y (n, ldy) from row
-// r0; x: the tokens' prepared activations, adjacent. The kernel passes over its rows once per
-// group of 8 or more tokens (kernels.h): more tokens than that take the rows in runs of about
-// kVisitBytes of weights, each run passed over by every group while it is in cache.
 // While alive, the thread's GEMV kernels may keep the pass activations they laid out for the
 // decode rows' prepared activations (acts_stamp, kernels.h): the calls over a thread's runs of
 // rows in one op then lay them out once. Made right after the rows are prepared.
@@ -778,6 +774,10 @@ struct SameActs {
   SameActs& operator=(const SameActs&) = delete;
 };
 
+// Rows [r0, r1) of L (r0 on an interleave group) for n tokens through a batched GEMV: y (n, ldy) from row
+// r0; x: the tokens' prepared activations, adjacent. The kernel passes over its rows once per
+// group of 8 or more tokens (kernels.h): more tokens than that take the rows in runs of about
+// kVisitBytes of weights, each run passed over by every group while it is in cache.
 static void batched_runs(GemvBatchFn batch, const TileLayout& L, const uint8_t* w, const void* x, int n, int r0,
                          int r1, float* y, int ldy) {
   const int run = n <= kBatchGroupMin ? r1 - r0 : visit_rows(L);
