@@ -127,12 +127,12 @@ def _usage(res: Result, usage: dict) -> None:
     res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
-async def _stream(http, url, body, headers, res: Result, cut: int | None, t0: float) -> None:
+async def _stream(conn, body, headers, res: Result, cut: int | None, t0: float) -> None:
     import json
 
-    async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
-        res.status, last, seen = r.status_code, None, 0
-        async for line in r.aiter_lines():
+    async with conn.stream("/v1/chat/completions", body, headers) as r:
+        res.status, last, seen = r.status, None, 0
+        async for line in r.lines():
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
@@ -152,49 +152,49 @@ async def _stream(http, url, body, headers, res: Result, cut: int | None, t0: fl
                 _usage(res, event["usage"])
 
 
-async def _client(http, url, headers, args, k, results, bar, deadline):
-    import httpx
+async def _client(url, headers, args, k, results, bar, deadline):
+    """Client k: its requests one after another on one keep-alive connection (bench/http.py)."""
+    import json
+
+    from cflow.bench.http import Connection, HttpError
 
     rng = random.Random(args.seed * 7919 + k)
-    i = 0
-    while (time.perf_counter() < deadline) if deadline is not None else (i < args.requests):
-        body = {"messages": [{"role": "user", "content": QUESTIONS[(k + i) % len(QUESTIONS)]}],
-                "max_tokens": args.max_tokens, "temperature": 0.7, "seed": k * 1000 + i, "stream": args.stream}
-        i += 1
-        res, t0 = Result(), time.perf_counter()
-        try:
-            if args.stream:
-                body["stream_options"] = {"include_usage": True}
-                cut = rng.randint(1, max(1, args.max_tokens - 1)) if rng.random() < args.disconnect else None
-                await _stream(http, url, body, headers, res, cut, t0)
-            else:
-                r = await http.post(url + "/v1/chat/completions", json=body, headers=headers)
-                res.status = r.status_code
-                if res.status == 200:
-                    _usage(res, r.json()["usage"])
-        except httpx.HTTPError:
-            res.status = -1
-        res.latency = time.perf_counter() - t0
-        results.append(res)
-        bar.update(1)
+    conn, i = Connection(url), 0
+    try:
+        while (time.perf_counter() < deadline) if deadline is not None else (i < args.requests):
+            body = {"messages": [{"role": "user", "content": QUESTIONS[(k + i) % len(QUESTIONS)]}],
+                    "max_tokens": args.max_tokens, "temperature": 0.7, "seed": k * 1000 + i, "stream": args.stream}
+            i += 1
+            res, t0 = Result(), time.perf_counter()
+            try:
+                if args.stream:
+                    body["stream_options"] = {"include_usage": True}
+                    cut = rng.randint(1, max(1, args.max_tokens - 1)) if rng.random() < args.disconnect else None
+                    await _stream(conn, body, headers, res, cut, t0)
+                else:
+                    res.status, raw = await conn.post_json("/v1/chat/completions", body, headers)
+                    if res.status == 200:
+                        _usage(res, json.loads(raw)["usage"])
+            except HttpError:
+                res.status = -1
+            res.latency = time.perf_counter() - t0
+            results.append(res)
+            bar.update(1)
+    finally:
+        await conn.close()
 
 
 async def _load(url, args) -> tuple[list[Result], float]:
-    import httpx
-
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     results: list[Result] = []
-    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
     from tqdm import tqdm
 
     total = None if args.duration else args.clients * args.requests
     with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, mininterval=1.0) as bar:
-        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(3600.0)) as http:
-            t0 = time.perf_counter()
-            deadline = t0 + args.duration if args.duration else None
-            await asyncio.gather(*(_client(http, url, headers, args, k, results, bar, deadline)
-                                   for k in range(args.clients)))
-            return results, time.perf_counter() - t0
+        t0 = time.perf_counter()
+        deadline = t0 + args.duration if args.duration else None
+        await asyncio.gather(*(_client(url, headers, args, k, results, bar, deadline) for k in range(args.clients)))
+        return results, time.perf_counter() - t0
 
 
 async def _warm(url, headers, n: int, max_tokens: int) -> None:

@@ -1,0 +1,155 @@
+"""The load generator's HTTP/1.1 client: one keep-alive connection per simulated client, h11
+(the sans-IO protocol library uvicorn serves with) over asyncio streams.
+
+Why not httpx: `cflow bench load` runs its clients on the server's own machine, so every cycle
+a client spends is taken from the engine's threads, and a step of several sequences waits at
+its barriers for a thread that lost its core (docs/SERVER.md, "The load generator"). Measured on
+a 2-vCPU VM: httpx's AsyncClient took about 3 ms of CPU a request, and 3 ms more a request
+(busy-waited in the client) cut `--parallel 8` throughput by 13%. A connection here is a socket,
+an h11 state machine and a read buffer; no pool, no redirects, no auth flows, no anyio layer.
+
+    conn = Connection("http://127.0.0.1:8000")
+    status, body = await conn.post_json("/v1/chat/completions", {...}, headers)
+    async with conn.stream("/v1/chat/completions", {...}, headers) as r:   # r.status
+        async for line in r.lines(): ...                                    # SSE lines, no EOL
+    await conn.close()
+
+A dropped connection, a refused one or a malformed response raises HttpError; the next request
+on the Connection opens a new socket. Leaving `stream` before the end closes the connection
+(the server sees the client go), as a browser tab closed mid-answer does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from urllib.parse import urlsplit
+
+import h11
+
+READ_BYTES = 1 << 16
+
+
+async def _within(aw, seconds: float):
+    if hasattr(asyncio, "timeout"):  # 3.11+: no task per read
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)
+
+
+class HttpError(Exception):
+    """The connection failed, was dropped, or the response broke the protocol."""
+
+
+class Connection:
+    def __init__(self, url: str, timeout: float = 3600.0):
+        u = urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"an http:// URL is needed, got {url!r}")
+        self.host, self.port, self.timeout = u.hostname, u.port or 80, timeout
+        self._authority = u.netloc.encode()
+        self._reader = self._writer = self._h11 = None
+
+    async def _open(self) -> None:
+        try:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        except OSError as e:
+            raise HttpError(f"cannot connect to {self.host}:{self.port}: {e}") from e
+        self._h11 = h11.Connection(h11.CLIENT)
+
+    async def close(self) -> None:
+        w, self._reader, self._writer, self._h11 = self._writer, None, None, None
+        if w is not None:
+            w.close()
+            with contextlib.suppress(OSError):
+                await w.wait_closed()
+
+    async def _send(self, method: str, path: str, body: bytes, headers: dict) -> None:
+        if self._h11 is not None and self._h11.our_state is h11.IDLE and self._h11.their_state is h11.IDLE:
+            pass  # a kept-alive connection, ready for the next request
+        else:
+            await self.close()
+            await self._open()
+        hs = [(b"host", self._authority), (b"content-type", b"application/json"),
+              (b"content-length", str(len(body)).encode())]
+        hs += [(k.encode(), v.encode()) for k, v in headers.items()]
+        try:
+            data = self._h11.send(h11.Request(method=method, target=path, headers=hs))
+            data += self._h11.send(h11.Data(data=body)) + self._h11.send(h11.EndOfMessage())
+            self._writer.write(data)
+            await self._writer.drain()
+        except (OSError, h11.ProtocolError) as e:
+            await self.close()
+            raise HttpError(f"sending the request failed: {e}") from e
+
+    async def _event(self):
+        """The next h11 event of the response, reading from the socket as needed."""
+        try:
+            while True:
+                ev = self._h11.next_event()
+                if ev is not h11.NEED_DATA:
+                    if isinstance(ev, h11.ConnectionClosed):
+                        raise HttpError("the server closed the connection mid-response")
+                    return ev
+                data = await _within(self._reader.read(READ_BYTES), self.timeout)
+                self._h11.receive_data(data)  # b"": the peer closed
+        except (OSError, TimeoutError, h11.ProtocolError) as e:
+            await self.close()
+            raise HttpError(f"reading the response failed: {e!r}") from e
+        except HttpError:
+            await self.close()
+            raise
+
+    async def _head(self) -> int:
+        ev = await self._event()
+        while isinstance(ev, h11.InformationalResponse):
+            ev = await self._event()
+        return ev.status_code
+
+    def _done(self) -> None:
+        """After EndOfMessage: keep the connection for the next request, if both sides may."""
+        if self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE:
+            self._h11.start_next_cycle()
+
+    async def post_json(self, path: str, obj, headers: dict | None = None) -> tuple[int, bytes]:
+        """POST obj as JSON; the status and the whole body."""
+        await self._send("POST", path, json.dumps(obj).encode(), headers or {})
+        status, parts = await self._head(), []
+        while not isinstance(ev := await self._event(), h11.EndOfMessage):
+            parts.append(ev.data)
+        self._done()
+        return status, b"".join(parts)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, path: str, obj, headers: dict | None = None):
+        """POST obj as JSON and read the response as it comes (`lines()`); leaving early closes
+        the connection."""
+        await self._send("POST", path, json.dumps(obj).encode(), headers or {})
+        r = _Streamed(self, await self._head())
+        try:
+            yield r
+        finally:
+            if not r.ended:
+                await self.close()
+
+
+class _Streamed:
+    def __init__(self, conn: Connection, status: int):
+        self.conn, self.status, self.ended = conn, status, False
+
+    async def lines(self):
+        """The body's lines as str, without their line ends, as they arrive."""
+        buf = b""
+        while True:
+            ev = await self.conn._event()
+            if isinstance(ev, h11.EndOfMessage):
+                self.ended = True
+                self.conn._done()
+                if buf:
+                    yield buf.decode()
+                return
+            buf += ev.data
+            *done, buf = buf.split(b"\n")
+            for line in done:
+                yield line.rstrip(b"\r").decode()
