@@ -5,6 +5,7 @@ breaks the protocol. Waits are on server state; TIMEOUT only bounds a hang."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 
@@ -24,6 +25,18 @@ def url(tiny_llm):
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+
+
+@contextlib.asynccontextmanager
+async def raw_server(answer):
+    """A plain asyncio TCP server on a loopback port, answer(reader, writer) per connection:
+    yields its http:// base URL."""
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 def local_port(conn: Connection) -> int:
@@ -140,19 +153,45 @@ def test_a_server_that_breaks_the_protocol_raises_http_error(reply):
             await writer.drain()
             writer.close()
 
-        server = await asyncio.start_server(answer, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        conn = Connection(f"http://127.0.0.1:{port}")
-        try:
-            with pytest.raises(HttpError):
-                await conn.post_json("/", {"a": 1})
-            assert conn._writer is None  # the broken connection is dropped, not reused
-            with pytest.raises(HttpError):
-                async with conn.stream("/", {"a": 1}) as r:
-                    [x async for x in r.lines()]
-        finally:
-            await conn.close()
-            server.close()
-            await server.wait_closed()
+        async with raw_server(answer) as url:
+            conn = Connection(url)
+            try:
+                with pytest.raises(HttpError):
+                    await conn.post_json("/", {"a": 1})
+                assert conn._writer is None  # the broken connection is dropped, not reused
+                with pytest.raises(HttpError):
+                    async with conn.stream("/", {"a": 1}) as r:
+                        [x async for x in r.lines()]
+            finally:
+                await conn.close()
 
     run(go())
+
+
+def test_the_request_carries_the_urls_path_host_and_json_body():
+    async def go():
+        seen = {}
+
+        async def answer(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            headers = {k.lower(): v for k, v in (x.split(": ", 1) for x in lines[1:] if x)}
+            seen.update(line=lines[0], headers=headers, body=await reader.readexactly(int(headers["content-length"])))
+            writer.write(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+
+        async with raw_server(answer) as url:
+            conn = Connection(url + "/llm/")
+            try:
+                got = await conn.post_json("/v1/chat/completions", {"a": [1, "é"]}, {"Authorization": "Bearer k"})
+            finally:
+                await conn.close()
+        return seen, got, url.rsplit(":", 1)[1]
+
+    seen, got, port = run(go())
+    assert got == (201, b"ok")
+    assert seen["line"] == "POST /llm/v1/chat/completions HTTP/1.1"
+    assert seen["headers"]["host"] == f"127.0.0.1:{port}" and seen["headers"]["authorization"] == "Bearer k"
+    assert seen["headers"]["content-type"] == "application/json"
+    assert json.loads(seen["body"]) == {"a": [1, "é"]}

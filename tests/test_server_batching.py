@@ -363,3 +363,17 @@ def test_bench_load_rounds_need_two_values(tiny_cflow, capsys):
 
     assert main(["bench", "load", "-m", str(tiny_cflow), "--parallel", "8", "--rounds", "3"]) == 2
     assert "--rounds compares --parallel values" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--url", "https://127.0.0.1:8000"], "--url takes http://HOST:PORT"),
+    (["--url", "127.0.0.1:8000"], "--url takes http://HOST:PORT"),
+    (["--url", "http://127.0.0.1:8000", "--parallel", "1,8"], "leave out --url"),
+    (["--disconnect", "0.5"], "add --stream"),
+    (["--parallel", "0"], "must be >= 1"),
+])
+def test_bench_load_refuses_bad_arguments_before_any_request(argv, message, capsys):
+    from cflow.cli import main
+
+    assert main(["bench", "load", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -49,6 +49,7 @@ class Connection:
             raise ValueError(f"an http:// URL is needed, got {url!r}")
         self.host, self.port, self.timeout = u.hostname, u.port or 80, timeout
         self._authority = u.netloc.encode()
+        self._prefix = u.path.rstrip("/")  # a server behind a path (http://host/llm): its routes below it
         self._reader = self._writer = self._h11 = None
 
     async def _open(self) -> None:
@@ -75,7 +76,7 @@ class Connection:
               (b"content-length", str(len(body)).encode())]
         hs += [(k.encode(), v.encode()) for k, v in headers.items()]
         try:
-            data = self._h11.send(h11.Request(method=method, target=path, headers=hs))
+            data = self._h11.send(h11.Request(method=method, target=self._prefix + path, headers=hs))
             data += self._h11.send(h11.Data(data=body)) + self._h11.send(h11.EndOfMessage())
             self._writer.write(data)
             await self._writer.drain()

@@ -36,7 +36,8 @@ QUESTIONS = [
 
 def add_arguments(p):
     p.add_argument("-m", "--model", default=None, help="model to serve (default: the built-in default model)")
-    p.add_argument("--url", default=None, help="load an already running server instead of starting one")
+    p.add_argument("--url", default=None,
+                   help="load an already running server (http://HOST:PORT, as `cflow serve` speaks) instead of starting one")
     p.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for its memory")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients (default %(default)s)")
     p.add_argument("--requests", type=int, default=50, help="requests per client (default %(default)s)")
@@ -347,6 +348,8 @@ def main(args) -> int:
         raise CflowError(f"--parallel takes a number or a list such as 1,2,4,8, got {args.parallel!r}") from None
     if not values or min(values) < 1:
         raise CflowError("--parallel values must be >= 1")
+    if args.url is not None and not args.url.startswith("http://"):
+        raise CflowError(f"--url takes http://HOST:PORT (cflow serve speaks plain HTTP), got {args.url!r}")
     if args.url is not None and len(values) > 1:
         raise CflowError("several --parallel values start a server each: leave out --url")
     if args.disconnect and not args.stream:
