@@ -4,9 +4,10 @@
 Why not httpx: `cflow bench load` runs its clients on the server's own machine, so every cycle
 a client spends is taken from the engine's threads, and a step of several sequences waits at
 its barriers for a thread that lost its core (docs/SERVER.md, "The load generator"). Measured on
-a 2-vCPU VM: httpx's AsyncClient took about 3 ms of CPU a request, and 3 ms more a request
-(busy-waited in the client) cut `--parallel 8` throughput by 13%. A connection here is a socket,
-an h11 state machine and a read buffer; no pool, no redirects, no auth flows, no anyio layer.
+a 2-vCPU VM: httpx's AsyncClient took 1.6-2.6 ms of CPU a request (5.5 streamed), this client
+0.5-0.6 (2.5), and 3 ms more a request (busy-waited in the client) cut `--parallel 8` throughput
+by 13%. A connection here is a socket, an h11 state machine and a read buffer; no pool, no
+redirects, no auth flows, no anyio layer.
 
     conn = Connection("http://127.0.0.1:8000")
     status, body = await conn.post_json("/v1/chat/completions", {...}, headers)
