@@ -195,3 +195,70 @@ def test_the_request_carries_the_urls_path_host_and_json_body():
     assert seen["headers"]["host"] == f"127.0.0.1:{port}" and seen["headers"]["authorization"] == "Bearer k"
     assert seen["headers"]["content-type"] == "application/json"
     assert json.loads(seen["body"]) == {"a": [1, "é"]}
+
+
+async def read_request(reader) -> bytes:
+    """One whole request from the socket (content-length bodies): its head and body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    n = next(int(x.split(b":")[1]) for x in head.lower().split(b"\r\n") if x.startswith(b"content-length:"))
+    return head + await reader.readexactly(n)
+
+
+def test_a_kept_connection_the_server_closed_while_idle_is_retried_once():
+    async def go():
+        conns, closed = [], asyncio.Event()
+
+        async def answer(reader, writer):
+            conns.append(0)
+            k = len(conns)
+            await read_request(reader)
+            conns[k - 1] += 1
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n" + str(k).encode())
+            await writer.drain()
+            if k == 1:  # the first connection: kept alive by the answer, then closed while idle
+                writer.close()
+                await writer.wait_closed()
+                closed.set()
+            else:
+                await reader.read()  # until the client goes
+
+        async with raw_server(answer) as url:
+            conn = Connection(url)
+            try:
+                first = await conn.post_json("/", {})
+                await closed.wait()
+                second = await conn.post_json("/", {})
+            finally:
+                await conn.close()
+        return first, second, conns
+
+    first, second, conns = run(go())
+    assert first == (200, b"1") and second == (200, b"2")
+    assert conns == [1, 1]  # each connection saw one request: the second was sent again, on a new one
+
+
+def test_a_response_cut_off_on_a_kept_connection_is_not_sent_again():
+    async def go():
+        requests = []
+
+        async def answer(reader, writer):
+            await read_request(reader)
+            requests.append(1)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nx")
+            await read_request(reader)
+            requests.append(2)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-le")  # a part of the answer's head, then gone
+            await writer.drain()
+            writer.close()
+
+        async with raw_server(answer) as url:
+            conn = Connection(url)
+            try:
+                assert await conn.post_json("/", {}) == (200, b"x")
+                with pytest.raises(HttpError):
+                    await conn.post_json("/", {})
+            finally:
+                await conn.close()
+        return requests
+
+    assert run(go()) == [1, 2]  # no second copy of the cut-off request

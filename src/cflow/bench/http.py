@@ -16,8 +16,10 @@ redirects, no auth flows, no anyio layer.
     await conn.close()
 
 A dropped connection, a refused one or a malformed response raises HttpError; the next request
-on the Connection opens a new socket. Leaving `stream` before the end closes the connection
-(the server sees the client go), as a browser tab closed mid-answer does.
+on the Connection opens a new socket. A request on a kept-alive connection that the server closed
+while it idled (no byte of an answer) goes once more on a new one. Leaving `stream` before the
+end closes the connection (the server sees the client go), as a browser tab closed mid-answer
+does.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Connection:
         self._authority = u.netloc.encode()
         self._prefix = u.path.rstrip("/")  # a server behind a path (http://host/llm): its routes below it
         self._reader = self._writer = self._h11 = None
+        self._received = 0  # bytes of the response read so far
 
     async def _open(self) -> None:
         try:
@@ -67,15 +70,18 @@ class Connection:
             with contextlib.suppress(OSError):
                 await w.wait_closed()
 
+    def _kept(self) -> bool:
+        """Whether an open connection is ready for the next request (kept alive)."""
+        return self._h11 is not None and self._h11.our_state is h11.IDLE and self._h11.their_state is h11.IDLE
+
     async def _send(self, method: str, path: str, body: bytes, headers: dict) -> None:
-        if self._h11 is not None and self._h11.our_state is h11.IDLE and self._h11.their_state is h11.IDLE:
-            pass  # a kept-alive connection, ready for the next request
-        else:
+        if not self._kept():  # none yet, or one the last exchange left unusable
             await self.close()
             await self._open()
         hs = [(b"host", self._authority), (b"content-type", b"application/json"),
               (b"content-length", str(len(body)).encode())]
         hs += [(k.encode(), v.encode()) for k, v in headers.items()]
+        self._received = 0
         try:
             data = self._h11.send(h11.Request(method=method, target=self._prefix + path, headers=hs))
             data += self._h11.send(h11.Data(data=body)) + self._h11.send(h11.EndOfMessage())
@@ -84,6 +90,21 @@ class Connection:
         except (OSError, h11.ProtocolError) as e:
             await self.close()
             raise HttpError(f"sending the request failed: {e}") from e
+
+    async def _request(self, path: str, obj, headers: dict | None) -> int:
+        """POST obj as JSON; the response's status. A kept-alive connection that the server had
+        closed while it idled (it answers nothing, not a byte) is opened anew and the request sent
+        once more, as browsers do: the server never saw it."""
+        body, headers = json.dumps(obj).encode(), headers or {}
+        kept = self._kept()
+        try:
+            await self._send("POST", path, body, headers)
+            return await self._head()
+        except HttpError:
+            if not kept or self._received:
+                raise
+        await self._send("POST", path, body, headers)
+        return await self._head()
 
     async def _event(self):
         """The next h11 event of the response, reading from the socket as needed."""
@@ -95,8 +116,9 @@ class Connection:
                         raise HttpError("the server closed the connection mid-response")
                     return ev
                 data = await _within(self._reader.read(READ_BYTES), self.timeout)
+                self._received += len(data)
                 self._h11.receive_data(data)  # b"": the peer closed
-        except (OSError, TimeoutError, h11.ProtocolError) as e:
+        except (OSError, asyncio.TimeoutError, h11.ProtocolError) as e:  # 3.10: not TimeoutError
             await self.close()
             raise HttpError(f"reading the response failed: {e!r}") from e
         except HttpError:
@@ -116,8 +138,7 @@ class Connection:
 
     async def post_json(self, path: str, obj, headers: dict | None = None) -> tuple[int, bytes]:
         """POST obj as JSON; the status and the whole body."""
-        await self._send("POST", path, json.dumps(obj).encode(), headers or {})
-        status, parts = await self._head(), []
+        status, parts = await self._request(path, obj, headers), []
         while not isinstance(ev := await self._event(), h11.EndOfMessage):
             parts.append(ev.data)
         self._done()
@@ -127,8 +148,7 @@ class Connection:
     async def stream(self, path: str, obj, headers: dict | None = None):
         """POST obj as JSON and read the response as it comes (`lines()`); leaving early closes
         the connection."""
-        await self._send("POST", path, json.dumps(obj).encode(), headers or {})
-        r = _Streamed(self, await self._head())
+        r = _Streamed(self, await self._request(path, obj, headers))
         try:
             yield r
         finally:
