@@ -39,6 +39,13 @@ async def raw_server(answer):
         await server.wait_closed()
 
 
+async def read_request(reader) -> bytes:
+    """One whole request from the socket (content-length bodies): its head and body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    n = next(int(x.split(b":")[1]) for x in head.lower().split(b"\r\n") if x.startswith(b"content-length:"))
+    return head + await reader.readexactly(n)
+
+
 def local_port(conn: Connection) -> int:
     return conn._writer.get_extra_info("sockname")[1]
 
@@ -148,7 +155,7 @@ def test_a_refused_connection_raises_and_a_bad_url_is_refused():
 def test_a_server_that_breaks_the_protocol_raises_http_error(reply):
     async def go():
         async def answer(reader, writer):
-            await reader.readuntil(b"\r\n\r\n")
+            await read_request(reader)
             writer.write(reply)
             await writer.drain()
             writer.close()
@@ -173,10 +180,10 @@ def test_the_request_carries_the_urls_path_host_and_json_body():
         seen = {}
 
         async def answer(reader, writer):
-            head = await reader.readuntil(b"\r\n\r\n")
+            head, body = (await read_request(reader)).split(b"\r\n\r\n", 1)
             lines = head.decode().split("\r\n")
-            headers = {k.lower(): v for k, v in (x.split(": ", 1) for x in lines[1:] if x)}
-            seen.update(line=lines[0], headers=headers, body=await reader.readexactly(int(headers["content-length"])))
+            headers = {k.lower(): v for k, v in (x.split(": ", 1) for x in lines[1:])}
+            seen.update(line=lines[0], headers=headers, body=body)
             writer.write(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok")
             await writer.drain()
             writer.close()
@@ -195,13 +202,6 @@ def test_the_request_carries_the_urls_path_host_and_json_body():
     assert seen["headers"]["host"] == f"127.0.0.1:{port}" and seen["headers"]["authorization"] == "Bearer k"
     assert seen["headers"]["content-type"] == "application/json"
     assert json.loads(seen["body"]) == {"a": [1, "é"]}
-
-
-async def read_request(reader) -> bytes:
-    """One whole request from the socket (content-length bodies): its head and body."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    n = next(int(x.split(b":")[1]) for x in head.lower().split(b"\r\n") if x.startswith(b"content-length:"))
-    return head + await reader.readexactly(n)
 
 
 def test_a_kept_connection_the_server_closed_while_idle_is_retried_once():

@@ -74,7 +74,7 @@ class Connection:
         """Whether an open connection is ready for the next request (kept alive)."""
         return self._h11 is not None and self._h11.our_state is h11.IDLE and self._h11.their_state is h11.IDLE
 
-    async def _send(self, method: str, path: str, body: bytes, headers: dict) -> None:
+    async def _send(self, path: str, body: bytes, headers: dict) -> None:
         if not self._kept():  # none yet, or one the last exchange left unusable
             await self.close()
             await self._open()
@@ -83,7 +83,7 @@ class Connection:
         hs += [(k.encode(), v.encode()) for k, v in headers.items()]
         self._received = 0
         try:
-            data = self._h11.send(h11.Request(method=method, target=self._prefix + path, headers=hs))
+            data = self._h11.send(h11.Request(method="POST", target=self._prefix + path, headers=hs))
             data += self._h11.send(h11.Data(data=body)) + self._h11.send(h11.EndOfMessage())
             self._writer.write(data)
             await self._writer.drain()
@@ -98,12 +98,12 @@ class Connection:
         body, headers = json.dumps(obj).encode(), headers or {}
         kept = self._kept()
         try:
-            await self._send("POST", path, body, headers)
+            await self._send(path, body, headers)
             return await self._head()
         except HttpError:
             if not kept or self._received:
                 raise
-        await self._send("POST", path, body, headers)
+        await self._send(path, body, headers)
         return await self._head()
 
     async def _event(self):
@@ -111,9 +111,9 @@ class Connection:
         try:
             while True:
                 ev = self._h11.next_event()
+                if isinstance(ev, h11.ConnectionClosed):  # an OSError: handled below
+                    raise ConnectionError("the server closed the connection mid-response")
                 if ev is not h11.NEED_DATA:
-                    if isinstance(ev, h11.ConnectionClosed):
-                        raise HttpError("the server closed the connection mid-response")
                     return ev
                 data = await _within(self._reader.read(READ_BYTES), self.timeout)
                 self._received += len(data)
@@ -121,9 +121,6 @@ class Connection:
         except (OSError, asyncio.TimeoutError, h11.ProtocolError) as e:  # 3.10: not TimeoutError
             await self.close()
             raise HttpError(f"reading the response failed: {e!r}") from e
-        except HttpError:
-            await self.close()
-            raise
 
     async def _head(self) -> int:
         ev = await self._event()

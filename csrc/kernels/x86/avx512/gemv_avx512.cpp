@@ -551,15 +551,16 @@ struct PassActs {
   }
 };
 
-// A thread's scratch for PassActs, grown as needed, 64-byte aligned.
-inline void* pass_scratch(size_t n, bool* kept = nullptr) {
+// A thread's scratch for PassActs, grown as needed, 64-byte aligned; kept: it was not grown (what
+// it held is still there).
+inline void* pass_scratch(size_t n, bool* kept) {
   struct Buf {
     void* p = nullptr;
     size_t n = 0;
     ~Buf() { std::free(p); }
   };
   thread_local Buf b;
-  if (kept) *kept = b.n >= n;
+  *kept = b.n >= n;
   if (b.n < n) {
     std::free(b.p);
     b.n = (n + 4095) & ~(size_t)4095;
