@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cflow.errors import CflowError
 from cflow.sampling import make_sampler, min_p_filter, top_k_filter, top_p_filter
@@ -90,6 +92,48 @@ def test_the_native_draw_is_the_numpy_draw(temperature, top_k, top_p, min_p):
         [int(ids[pick(p, u)]) for u in us]
     x[7] = np.inf  # not finite: None, and the sampler's numpy path
     assert core.ops.sample_top_k(x, top_k, temperature, top_p, min_p, 0.5) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([7, 64, 5000, 49152]),
+       scale=st.sampled_from([0.01, 1.0, 4.0]), offset=st.sampled_from([0.0, -20.0]), rounded=st.booleans(),
+       history=st.sampled_from([0, 1, 5, 30, 90, 400, 3000]),
+       penalty=st.sampled_from([1e-300, 0.5, 0.9, 1.1, 1.5, 10.0]),
+       temperature=st.sampled_from([0.0, 1e-300, 0.7, 2.0]),
+       top_k=st.sampled_from([1, 3, 40, 4990]), top_p=st.sampled_from([1.0, 0.95, 0.5]),
+       min_p=st.sampled_from([0.0, 0.05, 0.5]))
+def test_a_penalised_draw_is_the_whole_penalised_vocabularys(seed, vocab, scale, offset, rounded, history, penalty,
+                                                               temperature, top_k, top_p, min_p):
+    # the sampler penalises only the history's tokens and takes the k largest of the rest (one
+    # native call); the token it draws for a uniform number is the one that penalising every
+    # logit in float64 and filtering give. Rounded logits make ties, small vocabularies make k + h reach the
+    # vocabulary (the whole path), penalties below 1 raise the history's logits, an offset makes
+    # every logit negative (multiplied, not divided), and half the histories hold the largest
+    # logits, where the penalty moves the k-th. Histories past 256 distinct tokens take the copy
+    # with their values lowered instead of the k + h largest.
+    from cflow.sampling import _penalised_draw, _top_k_top_p, apply_repetition_penalty, pick
+
+    r = np.random.default_rng(seed)
+    x = (r.standard_normal(vocab) * scale + offset).astype(np.float32)
+    if rounded:
+        x = np.round(x).astype(np.float32)
+    x[r.integers(0, vocab, size=2)] += 8  # a few tokens far above the rest, as a model's logits
+    hist = [int(t) for t in r.integers(0, vocab, size=history)]
+    if r.random() < 0.5:
+        hist += [int(t) for t in np.argsort(-x)[:top_k + 2]]
+    z = apply_repetition_penalty(x.astype(np.float64), hist, penalty)
+    if temperature == 0.0:
+        assert make_sampler(0.0, top_k, top_p, min_p, penalty)(x, hist) == int(np.argmax(z))
+        return
+    ids, p = _top_k_top_p(z, temperature, top_k if top_k < vocab else 0, top_p)
+    p = min_p_filter(p, min_p)
+    u = np.random.default_rng(seed).random()  # the sampler's one draw
+    assert make_sampler(temperature, top_k, top_p, min_p, penalty, seed=seed)(x, hist) == int(ids[pick(p, u)])
+    us = np.concatenate([[0.0, 1 - 2**-53], r.random(60)])  # the native draw over the range of u
+    native = [_penalised_draw(x, hist, penalty, top_k, temperature, top_p, min_p, u) for u in us]
+    assert (native[0] is None) == (top_k + len(set(hist)) >= vocab)  # the native call where it applies
+    if native[0] is not None:
+        assert native == [int(ids[pick(p, u)]) for u in us]
 
 
 @pytest.mark.parametrize("scale,top_k,lead", [(0.01, 40, 0), (40.0, 40, 0), (4.0, 5000, 0), (4.0, 40, 3)])

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
+#include <limits>
 #include <vector>
 
 #include "cflow/blocks.h"
@@ -142,16 +144,13 @@ bool top_k_ids(const OpsTable& t, const float* x, int n, int k, std::vector<int3
   return true;
 }
 
-int sample_top_k(const OpsTable& t, const float* x, int n, int k, double temperature, double top_p, double min_p,
-                 double u) {
-  thread_local std::vector<int32_t> ids;
-  thread_local std::vector<double> p;
+// The draw of sample_top_k over candidates ids (ascending) with float64 logits p (overwritten).
+static int draw(const std::vector<int32_t>& ids, std::vector<double>& p, double temperature, double top_p,
+                double min_p, double u) {
   thread_local std::vector<int> order;
-  if (!top_k_ids(t, x, n, k, ids)) return -1;
   const int c = (int)ids.size();
-  p.resize(c);
   double mx = -INFINITY, sum = 0;
-  for (int i = 0; i < c; ++i) mx = std::max(mx, p[i] = x[ids[i]]);
+  for (int i = 0; i < c; ++i) mx = std::max(mx, p[i]);
   for (int i = 0; i < c; ++i) sum += p[i] = std::exp((p[i] - mx) / temperature);  // shifted first: no overflow
   for (int i = 0; i < c; ++i) p[i] /= sum;
   if (top_p < 1.0) {  // the fewest most likely whose mass reaches top_p; ties in id order
@@ -180,6 +179,102 @@ int sample_top_k(const OpsTable& t, const float* x, int n, int k, double tempera
   for (int i = c - 1; i >= 0; --i)  // u past every rounded sum: the last token kept
     if (p[i] > 0) return ids[i];
   return ids[0];
+}
+
+int sample_top_k(const OpsTable& t, const float* x, int n, int k, double temperature, double top_p, double min_p,
+                 double u) {
+  thread_local std::vector<int32_t> ids;
+  thread_local std::vector<double> p;
+  if (!top_k_ids(t, x, n, k, ids)) return -1;
+  p.resize(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) p[i] = x[ids[i]];
+  return draw(ids, p, temperature, top_p, min_p, u);
+}
+
+// Distinct history tokens up to which penalised_top_k selects the k + h largest of x itself;
+// beyond, the k largest of a copy with the history's values lowered (a copy of the vocabulary
+// costs less than a selection of thousands).
+constexpr int kPenaltyDirect = 256;
+
+bool penalised_top_k(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len,
+                     double penalty, std::vector<int32_t>& ids, std::vector<double>& vals) {
+  thread_local std::vector<uint8_t> mark;  // per token: 1 in the history; all zero between calls
+  thread_local std::vector<int32_t> seen, top;
+  thread_local std::vector<float> rest;
+  thread_local std::vector<std::pair<int32_t, double>> cand;
+  thread_local std::vector<double> v;
+  if (mark.size() < (size_t)n) mark.resize(n, 0);
+  seen.clear();
+  for (int i = 0; i < len; ++i)
+    if (!mark[history[i]]) {
+      mark[history[i]] = 1;
+      seen.push_back(history[i]);
+    }
+  const int h = (int)seen.size();
+  auto unmark = [&] {
+    for (int32_t s : seen) mark[s] = 0;
+  };
+  if (k + h >= n) {  // the caller penalises the whole vocabulary
+    unmark();
+    return false;
+  }
+  bool finite = true;
+  if (h <= kPenaltyDirect) {
+    finite = top_k_ids(t, x, n, k + h, top);
+  } else {  // a long history: the k largest of the tokens outside it, from a copy without it
+    rest.assign(x, x + n);
+    for (int32_t s : seen) {
+      finite &= std::isfinite(x[s]);  // what the copy hides: not finite fails as top_k_ids does
+      rest[s] = -std::numeric_limits<float>::max();
+    }
+    finite = finite && top_k_ids(t, rest.data(), n, k, top);
+  }
+  if (!finite) {
+    unmark();
+    return false;
+  }
+  // The tokens outside the history among `top`: at least k, unmoved; the k-th largest of them
+  // bounds the answer's k-th value from below, so a history token penalised under it is out.
+  v.clear();
+  for (int32_t i : top)
+    if (!mark[i]) v.push_back(x[i]);
+  if (v.size() < (size_t)k) {  // logits at -FLT_MAX tied with the hidden ones: the whole vocabulary
+    unmark();
+    return false;
+  }
+  std::nth_element(v.begin(), v.begin() + (v.size() - k), v.end());
+  const double floor = v[v.size() - k];
+  const double big = std::numeric_limits<double>::max() / 4;
+  auto penalised = [&](double a) { return std::clamp(a > 0 ? a / penalty : a * penalty, -big, big); };
+  cand.clear();
+  for (int32_t i : top)
+    if (!mark[i]) cand.emplace_back(i, x[i]);
+  for (int32_t s : seen) {
+    const double a = penalised(x[s]);
+    if (a >= floor) cand.emplace_back(s, a);
+  }
+  unmark();
+  v.clear();
+  for (auto& c : cand) v.push_back(c.second);
+  std::nth_element(v.begin(), v.begin() + (v.size() - k), v.end());
+  const double kth = v[v.size() - k];  // the k-th largest penalised value
+  std::sort(cand.begin(), cand.end());  // id order
+  ids.clear();
+  vals.clear();
+  for (auto& [i, a] : cand)
+    if (a >= kth) {
+      ids.push_back(i);
+      vals.push_back(a);
+    }
+  return true;
+}
+
+int sample_top_k_penalised(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len,
+                           double penalty, double temperature, double top_p, double min_p, double u) {
+  thread_local std::vector<int32_t> ids;
+  thread_local std::vector<double> p;
+  if (!penalised_top_k(t, x, n, k, history, len, penalty, ids, p)) return -1;
+  return draw(ids, p, temperature, top_p, min_p, u);
 }
 
 // ---- dispatch ------------------------------------------------------------------------------

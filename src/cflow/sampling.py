@@ -4,7 +4,8 @@ make_sampler(...) returns sample(logits, history) -> token id. Order: repetition
 then temperature; greedy when temperature == 0; otherwise top-k, top-p, min-p filters on the
 probabilities and a draw from the seeded generator. With top-k on and float32 logits (the
 engine's), the filters and the draw run in one native call (`cflow._core.ops.sample_top_k`, the
-same float64 arithmetic for the generator's same uniform number); other inputs take numpy.
+same float64 arithmetic for the generator's same uniform number; `sample_top_k_penalised` with a
+repetition penalty, which moves only the history's logits); other inputs take numpy.
 
 No setting gives NaN probabilities: the logits are shifted by their maximum before they are
 divided by the temperature, so a temperature as small as 5e-324 gives the limit of the
@@ -134,12 +135,16 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
         if temperature == 0.0 and repetition_penalty == 1.0:
             return int(np.argmax(logits))  # the argmax of the float64 copy, without the copy
         x = np.asarray(logits)
+        u = rng.random() if temperature > 0.0 else 0.0  # one draw a token, none when greedy
         if repetition_penalty != 1.0:
+            t = _penalised_draw(x, history, repetition_penalty, 1 if temperature == 0.0 else top_k, temperature,
+                                top_p, min_p, u)
+            if t is not None:
+                return t
             x = apply_repetition_penalty(x.astype(np.float64), history, repetition_penalty)
         if temperature == 0.0:
             return int(np.argmax(x))
-        u = rng.random()
-        if 0 < top_k < x.size and x.dtype == np.float32 and x.ndim == 1 and x.flags.c_contiguous:
+        if 0 < top_k < x.size and _native_vector(x):
             # the steps below in one native call (ops.h sample_top_k): the same arithmetic in
             # float64, 4x faster than the dozen numpy calls over a few dozen candidates
             t = _native().sample_top_k(x, top_k, temperature, top_p, min_p, u)
@@ -184,6 +189,30 @@ def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
         near = np.arange(x.size)
     kth = np.partition(x[near], near.size - k)[near.size - k]
     return near[x[near] >= kth]
+
+
+def _native_vector(x: np.ndarray) -> bool:
+    """Whether x is what the native sampler reads: a contiguous float32 vector (the engine's logits)."""
+    return x.dtype == np.float32 and x.ndim == 1 and x.flags.c_contiguous
+
+
+def _penalised_draw(x: np.ndarray, history: list[int], penalty: float, k: int, temperature: float, top_p: float,
+                    min_p: float, u: float) -> int | None:
+    """The token of a draw (greedy at temperature 0, then k = 1) from x with the repetition penalty
+    on the history's tokens, as penalising the whole vocabulary and filtering give, in one native
+    call (ops.h penalised_top_k: only the history's tokens move, so the answer lies among them and
+    the k largest of the other tokens): 27 us a draw on Qwen2.5's 151936 logits with 60 history
+    tokens, where penalising a float64 copy of the vocabulary and selecting in numpy took 1.2 ms,
+    and a server step samples every sequence in turn. None where the native call does not apply
+    (top-k off, logits that are not a float32 vector or not finite, history ids out of range, or
+    k plus the history's distinct tokens reaching the vocabulary); the caller then penalises the
+    whole vocabulary."""
+    if not (0 < k < x.size and _native_vector(x)):
+        return None
+    ids = np.asarray(history, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= x.size):  # as the whole path would: IndexError there
+        return None
+    return _native().sample_top_k_penalised(x, k, ids.astype(np.int32), penalty, temperature, top_p, min_p, u)
 
 
 def _top_k_top_p(x: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:

@@ -102,6 +102,22 @@ bool top_k_ids(const OpsTable& t, const float* x, int n, int k, std::vector<int3
 int sample_top_k(const OpsTable& t, const float* x, int n, int k, double temperature, double top_p, double min_p,
                  double u);
 
+// A repetition penalty on the tokens of `history` (len ids, each < n, in any order, repeated or
+// not): their values divided by `penalty` where positive, multiplied where not, in float64,
+// clipped to +-DBL_MAX / 4 (cflow.sampling.apply_repetition_penalty). penalised_top_k: the k
+// largest of the penalised x and every value equal to the k-th, ascending, with their float64
+// values; false where x holds a value that is not finite, or where k plus the history's h
+// distinct tokens reach n (the caller then penalises the whole vocabulary). Only the h tokens
+// move, so the answer lies among the history and the k largest of the other tokens (with ties):
+// found as the k + h largest of x for a short history, else as the k largest of a copy of x
+// with the history's values lowered; and a history token whose penalised value falls under the
+// k-th largest of those others is out. No penalised copy of the vocabulary is made.
+bool penalised_top_k(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len, double penalty,
+                     std::vector<int32_t>& ids, std::vector<double>& vals);
+// sample_top_k's draw over penalised_top_k; -1 where penalised_top_k is false.
+int sample_top_k_penalised(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len,
+                           double penalty, double temperature, double top_p, double min_p, double u);
+
 // ---- dispatched entry points (what the engine calls) ---------------------------------------
 
 inline void rmsnorm(float* y, const float* x, const float* w, int rows, int n, float eps, float w_offset) {
