@@ -221,14 +221,16 @@ def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_pat
 
 def test_bench_load_unstreamed_plots_request_latency(tiny_cflow, tmp_path, capsys):
     # no first-token or inter-token times without streams: the table says "-" and the plot
-    # shows request latency (a log axis of nothing used to fail here)
+    # shows request latency (a log axis of nothing used to fail here); the requests carry a
+    # frequency penalty, which the server answers without errors
     from cflow.cli import main
 
     png = tmp_path / "load.png"
     rc = main(["bench", "load", "-m", str(tiny_cflow), "--parallel", "1,2", "--clients", "2", "--requests", "2",
-               "--max-tokens", "4", "--plot", str(png)])
+               "--max-tokens", "4", "--plot", str(png), "--frequency-penalty", "0.5"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    assert out.count("frequency_penalty 0.5") == 2 and out.count("errors      0 server (5xx or dropped), 0 other") == 2
     rows = out.split("parallel   tok/s")[1].splitlines()[1:3]
     assert [row.split()[0] for row in rows] == ["1", "2"] and all(" - " in row for row in rows)
     assert "first token p50 " not in out and "  latency     p50" in out and png.stat().st_size > 0
@@ -371,6 +373,7 @@ def test_bench_load_rounds_need_two_values(tiny_cflow, capsys):
     (["--url", "http://127.0.0.1:8000", "--parallel", "1,8"], "leave out --url"),
     (["--disconnect", "0.5"], "add --stream"),
     (["--parallel", "0"], "must be >= 1"),
+    (["--frequency-penalty", "2.5"], "--frequency-penalty must be in -2..2"),
 ])
 def test_bench_load_refuses_bad_arguments_before_any_request(argv, message, capsys):
     from cflow.cli import main

@@ -48,6 +48,8 @@ def add_arguments(p):
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default %(default)s)")
     p.add_argument("--stream", action="store_true", help="streamed requests (server-sent events): also "
                    "time to first token and inter-token latency")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help="frequency_penalty of each request (-2..2; default: not sent, no penalty)")
     p.add_argument("--parallel", "--max-concurrency", dest="parallel", default="1",
                    help="sequences the started server decodes together; a list (1,2,4,8) runs one phase per "
                         "value, a server each, and plots them (default %(default)s)")
@@ -165,6 +167,8 @@ async def _client(url, headers, args, k, results, bar, deadline):
         while (time.perf_counter() < deadline) if deadline is not None else (i < args.requests):
             body = {"messages": [{"role": "user", "content": QUESTIONS[(k + i) % len(QUESTIONS)]}],
                     "max_tokens": args.max_tokens, "temperature": 0.7, "seed": k * 1000 + i, "stream": args.stream}
+            if args.frequency_penalty is not None:
+                body["frequency_penalty"] = args.frequency_penalty
             i += 1
             res, t0 = Result(), time.perf_counter()
             try:
@@ -269,7 +273,9 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None) -> d
     from cflow.kernels import kernels_name
 
     print(f"load: {model} at {url}, parallel {slots}, {args.clients} clients {runs} = {len(results)}, "
-          f"max_tokens {args.max_tokens}{', streamed' if args.stream else ''}, {kernels_name()} kernels")
+          f"max_tokens {args.max_tokens}{', streamed' if args.stream else ''}"
+          f"{'' if args.frequency_penalty is None else f', frequency_penalty {args.frequency_penalty:g}'}, "
+          f"{kernels_name()} kernels")
     print(f"  errors      {server_err} server (5xx or dropped), {other_err} other"
           + (f"; {abandoned} abandoned mid-stream by their client" if abandoned else ""))
     print(f"  latency     p50 {_pct(lat, 0.50):.3f} s   p95 {_pct(lat, 0.95):.3f} s   max {lat[-1]:.3f} s")
@@ -354,6 +360,8 @@ def main(args) -> int:
         raise CflowError("several --parallel values start a server each: leave out --url")
     if args.disconnect and not args.stream:
         raise CflowError("--disconnect abandons streams: add --stream")
+    if args.frequency_penalty is not None and not -2.0 <= args.frequency_penalty <= 2.0:
+        raise CflowError(f"--frequency-penalty must be in -2..2 (the API's range), got {args.frequency_penalty:g}")
     plot = args.plot or ("bench-load.png" if len(values) > 1 else None)
     if plot:
         try:
