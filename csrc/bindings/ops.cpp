@@ -8,7 +8,6 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
-#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -132,9 +131,9 @@ void bind_ops(nb::module_& root) {
         "x"_a, "k"_a, "temperature"_a, "top_p"_a, "min_p"_a, "u"_a, "isa"_a = nb::none());
 
   // The same draw after a repetition penalty on the tokens of `history` (int32 ids, each < x's
-  // size, in any order): `sample_top_k_penalised` in ops.h; temperature 0: the largest
-  // penalised value, the first of ties. None where x holds a value that is not finite or k plus
-  // the history's distinct tokens reach x's size (the caller penalises the whole vocabulary).
+  // size, in any order): `sample_top_k_penalised` in ops.h (temperature 0: greedy). None where x
+  // holds a value that is not finite or k plus the history's distinct tokens reach x's size (the
+  // caller penalises the whole vocabulary).
   m.def("sample_top_k_penalised",
         [](CF32 x, int k, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> history,
            double penalty, double temperature, double top_p, double min_p, double u, const Isa& isa) -> nb::object {
@@ -151,17 +150,8 @@ void bind_ops(nb::module_& root) {
           require(top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1,
                   "sample_top_k_penalised: top_p must be in (0, 1], min_p in [0, 1]");
           require(u >= 0 && u < 1, "sample_top_k_penalised: u must be in [0, 1)");
-          int id;
-          if (temperature == 0) {  // greedy: the largest penalised value, the first of ties
-            thread_local std::vector<int32_t> ids;
-            thread_local std::vector<double> vals;
-            if (!cflow::penalised_top_k(pick(isa), x.data(), (int)n, 1, hs, (int)len, penalty, ids, vals))
-              return nb::none();
-            id = ids[std::max_element(vals.begin(), vals.end()) - vals.begin()];
-          } else {
-            id = cflow::sample_top_k_penalised(pick(isa), x.data(), (int)n, k, hs, (int)len, penalty, temperature,
-                                               top_p, min_p, u);
-          }
+          const int id = cflow::sample_top_k_penalised(pick(isa), x.data(), (int)n, k, hs, (int)len, penalty,
+                                                       temperature, top_p, min_p, u);
           if (id < 0) return nb::none();
           return nb::int_(id);
         },

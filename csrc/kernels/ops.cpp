@@ -273,7 +273,8 @@ int sample_top_k_penalised(const OpsTable& t, const float* x, int n, int k, cons
                            double penalty, double temperature, double top_p, double min_p, double u) {
   thread_local std::vector<int32_t> ids;
   thread_local std::vector<double> p;
-  if (!penalised_top_k(t, x, n, k, history, len, penalty, ids, p)) return -1;
+  if (!penalised_top_k(t, x, n, temperature == 0 ? 1 : k, history, len, penalty, ids, p)) return -1;
+  if (temperature == 0) return ids[std::max_element(p.begin(), p.end()) - p.begin()];  // the first of ties
   return draw(ids, p, temperature, top_p, min_p, u);
 }
 
