@@ -189,3 +189,42 @@ def test_bench_decode_vs_llama_cpp(gguf_path):
     assert vs["ratio_decode"] == pytest.approx(rec["decode_tok_s"] / vs["decode_tok_s"], rel=0.01)
     assert vs["ratio_decode_step"] == pytest.approx(vs["decode_step_ms_median"] / rec["decode_step_ms_median"],
                                                     rel=0.01)
+
+
+def test_llama_cpp_runs_sequences_side_by_side(gguf_path):
+    """`bench decode --batch N --vs llama.cpp` times llama.cpp's own steps of N sequences: each
+    sequence of a batch gets the logits it gets alone, so the step is N real sequences."""
+    pytest.importorskip("llama_cpp")
+    from cflow.bench.decode import LlamaCppRunner
+    from cflow.errors import CflowError
+
+    runner = LlamaCppRunner(str(gguf_path), 1, 1024, n_seq=4)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(100, 5000, 3 + 4 * i)] for i in range(4)]
+    together = runner.batched_logits(prompts)
+    for p, got in zip(prompts, together):
+        alone = runner.batched_logits([p])[0]
+        assert got.argmax() == alone.argmax()
+        np.testing.assert_allclose(got, alone, rtol=1e-3, atol=1e-3 * np.abs(alone).max())
+    assert len({int(x.argmax()) for x in together}) > 1  # four different sequences, not one four times
+    steps = runner.batched_steps(prompts[-1], 4, 3)
+    assert len(steps) == 3 and min(steps) > 0
+    with pytest.raises(CflowError, match="opened for 4"):
+        runner.batched_steps(prompts[-1], 5, 1)
+
+
+def test_bench_decode_batch_vs_llama_cpp(gguf_path):
+    pytest.importorskip("llama_cpp")
+    from cflow.bench.decode import report, run
+    from cflow.engine import Engine
+    from cflow.llm import load_model
+
+    eng = Engine(load_model(str(gguf_path), quiet=True), threads=1, n_ctx=1024)
+    rec = run(eng, name="smollm2-135m", threads=1, gguf=str(gguf_path), runs=2, tokens=3, prompt_len=16, batch=2,
+              log=lambda *a: None)
+    ours, theirs = rec["batch"], rec["vs"]["llama.cpp"]["batch"]
+    for b in (ours, theirs):
+        assert b["sequences"] == 2 and b["step_ms_median"] > 0 and b["one_step_ms_median"] > 0
+        assert b["x_one"] == pytest.approx(2 * b["one_step_ms_median"] / b["step_ms_median"], rel=0.01)
+    assert theirs["ratio_step"] == pytest.approx(theirs["step_ms_median"] / ours["step_ms_median"], rel=0.01)
+    assert "llama.cpp: 2 sequences: median step" in report(rec)

@@ -11,6 +11,11 @@ Two probes: the standard one (PROBE_MIB, beyond what this machine's cache holds:
 bandwidth) and one over the model's own bytes per token, which says what the memory system
 delivers for a working set of that size (a model that fits a large L3 reads faster than memory).
 Every run's figures are in the JSON record too (decode_runs, prefill_runs), and the ISA that ran.
+
+--batch N also times decode steps that advance N sequences together (the server's --parallel N)
+against steps of one, and with --vs llama.cpp llama.cpp's own steps of N sequences (one
+llama_decode of N tokens, each its own sequence, as llama-server batches its slots), both timed
+by the wall clock: what continuous batching can gain on this machine, engine against engine.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def add_arguments(p):
     add_activation_arguments(p)
     p.add_argument("--batch", type=int, default=1, metavar="N",
                    help="also time decode steps of N sequences together (the server's --parallel N), "
-                        "against one (default 1: not measured)")
+                        "against one, and llama.cpp's with --vs (default 1: not measured)")
     p.add_argument("--agreement", type=int, default=0, metavar="N",
                    help="with --vs llama.cpp: feed the first N prompt tokens one at a time to both engines and "
                         "report how often their greedy next tokens agree, and how often each picks what cflow's "
@@ -115,12 +120,14 @@ def _cpu_has_amx() -> bool:
 
 
 @contextlib.contextmanager
-def _model_params(**fields):
-    """llama_cpp.Llama builds its llama_model_params from llama_model_default_params() and has
-    no argument for some fields: set them by wrapping that function while the model loads."""
+def _default_params(which: str, **fields):
+    """llama_cpp.Llama builds its llama_model_params and llama_context_params from
+    llama_{which}_default_params() and has no argument for some fields: set them by wrapping that
+    function while the model loads."""
     import llama_cpp.llama as module
 
-    orig = module.llama_cpp.llama_model_default_params
+    name = f"llama_{which}_default_params"
+    orig = getattr(module.llama_cpp, name)
 
     def params():
         p = orig()
@@ -128,18 +135,18 @@ def _model_params(**fields):
             setattr(p, k, v)
         return p
 
-    module.llama_cpp.llama_model_default_params = params
+    setattr(module.llama_cpp, name, params)
     try:
         yield
     finally:
-        module.llama_cpp.llama_model_default_params = orig
+        setattr(module.llama_cpp, name, orig)
 
 
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python's low-level API, timed by its perf counters."""
 
     def __init__(self, gguf: str, threads: int, n_ctx: int, extra_bufts: bool | None = None,
-                 logits_all: bool = False):
+                 logits_all: bool = False, n_seq: int = 1):
         try:
             import llama_cpp
         except ImportError as e:
@@ -153,10 +160,14 @@ class LlamaCppRunner:
         # extra_bufts=False also keeps the weights in the mapping (CPU_REPACK copies the matrices it
         # takes into anonymous memory), as a memory-limited run needs.
         self.extra_bufts = not _cpu_has_amx() if extra_bufts is None else bool(extra_bufts)
-        with _model_params(use_extra_bufts=self.extra_bufts):
+        # n_seq > 1: a context for that many sequences at once (batched_steps), their KV cells in
+        # one buffer of n_ctx (kv_unified; a buffer per sequence stepped as fast)
+        with (_default_params("model", use_extra_bufts=self.extra_bufts),
+              _default_params("context", n_seq_max=n_seq, kv_unified=True) if n_seq > 1 else contextlib.nullcontext()):
             self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                                        n_threads_batch=threads, logits_all=logits_all, verbose=False)
         self.ctx = self.llm._ctx.ctx
+        self.n_seq = n_seq
         self.steps: list[float] = []  # seconds of every decode step timed so far
 
     def _perf(self):
@@ -199,6 +210,61 @@ class LlamaCppRunner:
             total_ms += p.t_eval_ms
             self.steps.append(p.t_eval_ms / 1e3)
         return n / (total_ms / 1e3)
+
+    def _decode_batch(self, items: list[tuple[int, int, int, bool]]) -> float:
+        """One llama_decode of items (token, position, sequence, wants logits), synchronized:
+        its wall-clock seconds, the batch filled before the clock starts."""
+        lc, n = self.lc, len(items)
+        batch = lc.llama_batch_init(n, 0, 1)
+        try:
+            batch.n_tokens = n
+            for i, (tok, pos, seq, want) in enumerate(items):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, want
+                batch.seq_id[i][0] = seq
+            self._outputs = [i for i, item in enumerate(items) if item[3]]  # the batch indices with logits
+            t = time.perf_counter()
+            if (r := lc.llama_decode(self.ctx, batch)) != 0:
+                raise CflowError(f"llama.cpp: llama_decode of {n} tokens returned {r}")
+            lc.llama_synchronize(self.ctx)
+            return time.perf_counter() - t
+        finally:
+            lc.llama_batch_free(batch)
+
+    def _logits(self, k: int) -> np.ndarray:
+        # the logits of the last batch's k-th token that asked for them (llama_get_logits_ith
+        # takes the token's index in the batch)
+        p = self.lc.llama_get_logits_ith(self.ctx, self._outputs[k])
+        return np.ctypeslib.as_array(p, shape=(self.llm.n_vocab(),))
+
+    def _clear(self) -> None:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        self.llm.reset()
+
+    def _start(self, prompts: list[list[int]]) -> None:
+        # a fresh context holding each prompt as its own sequence s, decoded in one batch
+        if not 0 < len(prompts) <= self.n_seq:
+            raise CflowError(f"llama.cpp: {len(prompts)} sequences in a context opened for {self.n_seq}")
+        self._clear()
+        self._decode_batch([(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)])
+
+    def batched_logits(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Each prompt as its own sequence, all in one batch: each one's last-token logits."""
+        self._start(prompts)
+        out = [self._logits(s).copy() for s in range(len(prompts))]
+        self._clear()
+        return out
+
+    def batched_steps(self, prompt: list[int], n_seq: int, n: int) -> list[float]:
+        """Seconds of n decode steps that advance n_seq sequences (prompt, then greedy) together,
+        one llama_decode of n_seq tokens each, as CflowRunner.batched_steps runs cflow."""
+        self._start([prompt[i:] + prompt[:i] for i in range(n_seq)])  # distinct prompts
+        steps, pos = [], len(prompt)
+        for _ in range(n):
+            nxt = [int(np.argmax(self._logits(s))) for s in range(n_seq)]
+            steps.append(self._decode_batch([(t, pos, s, True) for s, t in enumerate(nxt)]))
+            pos += 1
+        self._clear()
+        return steps
 
     def prefill(self, prompt: list[int]) -> float:
         llm = self.llm
@@ -278,13 +344,27 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
         rec["bytes_per_token_by_stream"] = {k: round(v) for k, v in read.items()}
         rec["critical_path_bytes"] = int(engine.critical_path_bytes)
     if batch > 1:  # steps of `batch` sequences, interleaved with single steps run by run
-        many, one = [], []
+        # llama.cpp the same way, in a context of its own opened for `batch` sequences (the one
+        # above keeps llama.cpp's single-sequence setup); timed by the wall clock around each
+        # llama_decode, as its counters charge a step of several tokens as prompt
+        theirs_b = LlamaCppRunner(gguf, threads, max(1024, batch * (16 + tokens + 8)), n_seq=batch) if gguf else None
+        steps = {"one": [], "many": [], "lc_one": [], "lc_many": []}
         for _ in range(runs):
-            one += ours.batched_steps(short, 1, tokens)
-            many += ours.batched_steps(short, batch, tokens)
-        m1, mb = round(1e3 * statistics.median(one), 4), round(1e3 * statistics.median(many), 4)  # ms
-        rec["batch"] = {"sequences": batch, "step_ms_median": mb, "one_step_ms_median": m1,
-                        "tok_s": round(1e3 * batch / mb, 2), "x_one": round(batch * m1 / mb, 3)}
+            steps["one"] += ours.batched_steps(short, 1, tokens)
+            steps["many"] += ours.batched_steps(short, batch, tokens)
+            if theirs_b:
+                steps["lc_one"] += theirs_b.batched_steps(short, 1, tokens)
+                steps["lc_many"] += theirs_b.batched_steps(short, batch, tokens)
+
+        def batched(one, many):
+            m1, mb = round(1e3 * statistics.median(one), 4), round(1e3 * statistics.median(many), 4)  # ms
+            return {"sequences": batch, "step_ms_median": mb, "one_step_ms_median": m1,
+                    "tok_s": round(1e3 * batch / mb, 2), "x_one": round(batch * m1 / mb, 3)}
+
+        rec["batch"] = batched(steps["one"], steps["many"])
+        if theirs_b:
+            their_batch = batched(steps["lc_one"], steps["lc_many"])
+            their_batch["ratio_step"] = round(their_batch["step_ms_median"] / rec["batch"]["step_ms_median"], 3)
     if theirs:
         ld, lp = statistics.median(ldec), statistics.median(lpre)
         rec["vs"]["llama.cpp"] = {"decode_tok_s": round(ld, 2), "prefill_tok_s": round(lp, 2),
@@ -296,6 +376,8 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
                                   "decode_step_ms_median": round(1e3 * statistics.median(theirs.steps), 3),
                                   "ratio_decode_step": round(statistics.median(theirs.steps)
                                                              / statistics.median(ours.steps), 3)}
+        if batch > 1:
+            rec["vs"]["llama.cpp"]["batch"] = their_batch
         if agreement:  # teacher-forced greedy picks of the two engines on the same tokens
             seq = long_[:agreement]
             a, b = ours.teacher_argmax(seq), theirs.teacher_argmax(seq)
@@ -334,6 +416,11 @@ def report(rec: dict) -> str:
                      f"(per run {span(v['ratio_prefill_runs'])})"
                      + ("" if v.get("extra_bufts", True) else "; extra buffer types (AMX) off"))
         lines.append(f"  {k}: median step {v['decode_step_ms_median']:.2f} ms, cflow x{v['ratio_decode_step']:.2f}")
+        if "batch" in v:
+            b = v["batch"]
+            lines.append(f"  {k}: {b['sequences']} sequences: median step {b['step_ms_median']:.2f} ms = "
+                         f"{b['tok_s']:.1f} tok/s, x{b['x_one']:.2f} one sequence's ({b['one_step_ms_median']:.2f} ms "
+                         f"a step); cflow's step of {b['sequences']} x{b['ratio_step']:.2f}")
         if "top1_agreement" in v:
             lines.append(f"  {k}: greedy next token the same at {100 * v['top1_agreement']:.1f}% of "
                          f"{v['agreement_positions']} teacher-forced positions")
