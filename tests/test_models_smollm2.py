@@ -194,7 +194,7 @@ def test_bench_decode_vs_llama_cpp(gguf_path):
 def test_llama_cpp_runs_sequences_side_by_side(gguf_path):
     """`bench decode --batch N --vs llama.cpp` times llama.cpp's own steps of N sequences: each
     sequence of a batch gets the logits it gets alone, so the step is N real sequences."""
-    pytest.importorskip("llama_cpp")
+    llama_cpp = pytest.importorskip("llama_cpp")
     from cflow.bench.decode import LlamaCppRunner
     from cflow.errors import CflowError
 
@@ -211,6 +211,9 @@ def test_llama_cpp_runs_sequences_side_by_side(gguf_path):
     assert len(steps) == 3 and min(steps) > 0
     with pytest.raises(CflowError, match="opened for 4"):
         runner.batched_steps(prompts[-1], 5, 1)
+    most = llama_cpp.llama_max_parallel_sequences()
+    with pytest.raises(CflowError, match=f"at most {most} sequences"):
+        LlamaCppRunner(str(gguf_path), 1, 1024, n_seq=most + 1)
 
 
 def test_bench_decode_batch_vs_llama_cpp(gguf_path):

@@ -152,6 +152,8 @@ class LlamaCppRunner:
         except ImportError as e:
             raise CflowError("--vs llama.cpp needs llama-cpp-python: pip install 'cflow[bench]'") from e
         self.lc = llama_cpp
+        if n_seq > (most := llama_cpp.llama_max_parallel_sequences()):
+            raise CflowError(f"llama.cpp runs at most {most} sequences at once, not {n_seq}")
         # On CPUs with AMX, ggml's AMX buffer type takes this model's Q4_1 matrices and its
         # ggml_backend_amx_mul_mat segfaults (llama-cpp-python 0.3.36, Xeon with amx_int8), so
         # extra buffer types are turned off there: llama.cpp then runs its AVX-512/VNNI CPU
@@ -301,6 +303,10 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
     short, long_ = _prompt(vocab, 16, 1), _prompt(vocab, prompt_len, 2)
     ours = CflowRunner(engine)
     theirs = LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32)) if gguf else None
+    # llama.cpp's steps of `batch` sequences run in a context of its own, opened for them (the one
+    # above keeps llama.cpp's single-sequence setup)
+    theirs_b = (LlamaCppRunner(gguf, threads, max(1024, batch * (16 + tokens + 8)), n_seq=batch)
+                if gguf and batch > 1 else None)
     # warm-up (page in the weights, spin up the threads)
     ours.decode(short, 8)
     ours.prefill(long_[:64])
@@ -344,10 +350,8 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
         rec["bytes_per_token_by_stream"] = {k: round(v) for k, v in read.items()}
         rec["critical_path_bytes"] = int(engine.critical_path_bytes)
     if batch > 1:  # steps of `batch` sequences, interleaved with single steps run by run
-        # llama.cpp the same way, in a context of its own opened for `batch` sequences (the one
-        # above keeps llama.cpp's single-sequence setup); timed by the wall clock around each
-        # llama_decode, as its counters charge a step of several tokens as prompt
-        theirs_b = LlamaCppRunner(gguf, threads, max(1024, batch * (16 + tokens + 8)), n_seq=batch) if gguf else None
+        # llama.cpp the same way, timed by the wall clock around each llama_decode, as its
+        # counters charge a step of several tokens as prompt
         steps = {"one": [], "many": [], "lc_one": [], "lc_many": []}
         for _ in range(runs):
             steps["one"] += ours.batched_steps(short, 1, tokens)
