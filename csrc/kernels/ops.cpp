@@ -235,20 +235,19 @@ bool penalised_top_k(const OpsTable& t, const float* x, int n, int k, const int3
   }
   // The tokens outside the history among `top`: at least k, unmoved; the k-th largest of them
   // bounds the answer's k-th value from below, so a history token penalised under it is out.
-  v.clear();
+  cand.clear();
   for (int32_t i : top)
-    if (!mark[i]) v.push_back(x[i]);
-  if (v.size() < (size_t)k) {  // logits at -FLT_MAX tied with the hidden ones: the whole vocabulary
+    if (!mark[i]) cand.emplace_back(i, x[i]);
+  if (cand.size() < (size_t)k) {  // logits at -FLT_MAX tied with the hidden ones: the whole vocabulary
     unmark();
     return false;
   }
+  v.clear();
+  for (auto& c : cand) v.push_back(c.second);
   std::nth_element(v.begin(), v.begin() + (v.size() - k), v.end());
   const double floor = v[v.size() - k];
   const double big = std::numeric_limits<double>::max() / 4;
   auto penalised = [&](double a) { return std::clamp(a > 0 ? a / penalty : a * penalty, -big, big); };
-  cand.clear();
-  for (int32_t i : top)
-    if (!mark[i]) cand.emplace_back(i, x[i]);
   for (int32_t s : seen) {
     const double a = penalised(x[s]);
     if (a >= floor) cand.emplace_back(s, a);

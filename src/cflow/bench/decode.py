@@ -59,6 +59,11 @@ def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(100, min(vocab, 30000), size=n)]
 
 
+def _rotations(prompt: list[int], n: int) -> list[list[int]]:
+    # n distinct prompts of one length, for the sequences of a batched step
+    return [prompt[i:] + prompt[:i] for i in range(n)]
+
+
 class CflowRunner:
     def __init__(self, engine):
         self.eng = engine
@@ -102,7 +107,7 @@ class CflowRunner:
     def batched_steps(self, prompt: list[int], n_seq: int, n: int) -> list[float]:
         """Seconds of n decode steps that advance n_seq sequences (prompt, then greedy) together."""
         states = [self.eng.new_state() for _ in range(n_seq)]
-        outs = self.eng.forward(states, [prompt[i:] + prompt[:i] for i in range(n_seq)])  # distinct prompts
+        outs = self.eng.forward(states, _rotations(prompt, n_seq))
         steps = []
         for _ in range(n):
             t = time.perf_counter()
@@ -259,7 +264,7 @@ class LlamaCppRunner:
     def batched_steps(self, prompt: list[int], n_seq: int, n: int) -> list[float]:
         """Seconds of n decode steps that advance n_seq sequences (prompt, then greedy) together,
         one llama_decode of n_seq tokens each, as CflowRunner.batched_steps runs cflow."""
-        self._start([prompt[i:] + prompt[:i] for i in range(n_seq)])  # distinct prompts
+        self._start(_rotations(prompt, n_seq))
         steps, pos = [], len(prompt)
         for _ in range(n):
             nxt = [int(np.argmax(self._logits(s))) for s in range(n_seq)]
