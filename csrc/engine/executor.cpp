@@ -2,6 +2,7 @@
 // workspace of its own (one pool.run per forward). Sequential schedule: barriers only where the
 // plan places them; pipeline schedule: teams of threads per lane, waiting on each other's ops
 // only where the ops' buffers say they must (plan_schedule).
+#include <sys/mman.h>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -223,9 +224,20 @@ static void grow(std::vector<T>& v, size_t n) {
 State::State(int n_ctx, const std::vector<int>& kv_widths, const std::vector<int>& kv_head_dims, bool kv_half)
     : n_ctx_(n_ctx), kv_width_(kv_widths), kv_hd_(kv_head_dims), kv_half_(kv_half) {
   for (int w : kv_width_) {
-    k_.emplace_back(new uint8_t[(size_t)n_ctx * w * kv_elem()]);
-    v_.emplace_back(new uint8_t[(size_t)n_ctx * w * kv_elem()]);
+    k_.push_back(map_kv((size_t)n_ctx * w * kv_elem()));
+    v_.push_back(map_kv((size_t)n_ctx * w * kv_elem()));
   }
+}
+
+void State::Unmap::operator()(uint8_t* p) const {
+  if (p) munmap(p, n);
+}
+
+State::KvBuffer State::map_kv(size_t n) {
+  if (!n) return KvBuffer(nullptr, Unmap{0});
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  return KvBuffer((uint8_t*)p, Unmap{n});
 }
 
 void State::truncate(int n) {

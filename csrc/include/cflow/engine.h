@@ -41,7 +41,7 @@ namespace cflow {
 
 // One sequence: its tokens so far and, per KV slot of the plan, its keys and values
 // (n_ctx, n_kv_head * head_dim) fp32. The cache rows are left uninitialized: only positions
-// below pos() are read, and pages are committed as they fill.
+// below pos() are read, and pages are committed as they fill (anonymous mappings, map_kv).
 class State {
  public:
   // kv_half: K and V stored as IEEE halves (the int8 paths' cache: half the memory and the
@@ -71,8 +71,16 @@ class State {
   int n_ctx_;
   std::vector<int> kv_width_, kv_hd_;
   bool kv_half_;
+  // An anonymous private mapping of n bytes: its pages are committed as they are first written
+  // and go back to the system with the state, whatever the C library does with large blocks.
+  struct Unmap {
+    size_t n = 0;
+    void operator()(uint8_t* p) const;
+  };
+  using KvBuffer = std::unique_ptr<uint8_t, Unmap>;
+  static KvBuffer map_kv(size_t n);
   // per slot: (n_ctx, width) keys and values, floats or halves (kv_half_)
-  std::vector<std::unique_ptr<uint8_t[]>> k_, v_;
+  std::vector<KvBuffer> k_, v_;
   size_t kv_elem() const { return kv_half_ ? 2 : 4; }
   std::vector<int32_t> tokens_;
   std::atomic<bool> busy_{false};  // in a forward now
