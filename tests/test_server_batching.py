@@ -10,6 +10,7 @@ import json
 import threading
 
 import httpx
+import numpy as np
 import pytest
 from cflow.generate import recompute_for
 from server_util import FOREVER, TIMEOUT, health, long_llm, serving, wait_for
@@ -194,6 +195,78 @@ def test_a_shared_prefix_is_copied_and_the_other_histories_kept(tiny_llm):
         assert ask(u, "Name three mountains, please.")["choices"][0]["message"] == b["choices"][0]["message"]
 
 
+def test_a_conversation_that_left_every_slot_comes_back_from_the_prompt_cache(tiny_llm):
+    # One slot: a's history leaves it when b comes, and waits in the prompt cache; a's question
+    # asked again starts from all of it, with a's tokens. Without the cache only what a and b
+    # share (the system prompt) is found, in b's history.
+    def ask(u, question):
+        return chat(u, [{"role": "system", "content": "You are a terse assistant. " * 8},
+                        {"role": "user", "content": question}])
+
+    recompute = recompute_for(tiny_llm.engine)
+    for cache_ram in (0, None):  # off; the default
+        with serving(tiny_llm, parallel=1, **({} if cache_ram is None else {"cache_ram": cache_ram})) as u:
+            a = ask(u, "Name three rivers.")
+            b = ask(u, "Name three mountains, please.")
+            again = ask(u, "Name three rivers.")
+            metrics = httpx.get(u + "/metrics", timeout=TIMEOUT).text
+        shared = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert again["choices"][0]["message"] == a["choices"][0]["message"]
+        assert again["timings"]["prompt_n"] == again["usage"]["prompt_tokens"] - cached
+        if cache_ram is None:
+            assert cached == a["usage"]["prompt_tokens"] - recompute
+            # b's system prompt came from a's kept history too, and both histories are kept
+            assert "cflow_prompt_cache_hits 2.0" in metrics and "cflow_prompt_cache_entries 2.0" in metrics
+        else:
+            assert 0 < cached == shared < a["usage"]["prompt_tokens"] - recompute
+            assert "cflow_prompt_cache_hits 0.0" in metrics and "cflow_prompt_cache_entries 0.0" in metrics
+
+
+def test_the_prompt_cache_keeps_its_budget_and_drops_what_a_newer_history_offers(tiny_llm):
+    # PromptCache on the engine's real states: each parked state's KV pages count against the
+    # budget; the least recently used go first (a hit makes one the most recent), their states
+    # handed back emptied for the slot to go on with; a history holding another's whole prompt
+    # replaces it; one larger than the budget is not kept.
+    from cflow.engine import kv_bytes_held
+    from cflow.server.batcher import PromptCache
+
+    eng = tiny_llm.engine
+    histories = {name: list(range(1 + 40 * i, 1 + 40 * i + 30)) for i, name in enumerate("abcd")}
+
+    def state_of(tokens):
+        st = eng.new_state()
+        eng.forward([st], [tokens])
+        return st
+
+    one = kv_bytes_held(eng, 30)
+    cache = PromptCache(eng, 3 * one)
+    states = {n: state_of(t) for n, t in histories.items()}
+    for n in "abc":
+        fresh = cache.park(states[n], histories[n], prompt_len=20)
+        assert fresh is not states[n] and fresh.pos == 0
+    assert len(cache) == 3 and cache.bytes == 3 * one
+    cache.hit(states["a"])  # a is now the most recent: b goes first
+    back = cache.park(states["d"], histories["d"], prompt_len=20)
+    assert back is states["b"] and back.pos == 0 and cache.evicted == 1
+    assert set(cache.held()) == {states["a"], states["c"], states["d"]} and cache.bytes == 3 * one
+    # c's prompt (its first 20 tokens) with another answer: it replaces c
+    c2 = histories["c"][:20] + [7, 7, 7]
+    back = cache.park(state_of(c2), c2, prompt_len=20)
+    assert back is states["c"] and states["c"] not in cache.held() and len(cache) == 3
+    assert [list(t) for t in cache.held().values()][-1] == c2
+    # a kept history is whole: a's state goes on as a fresh run of a's tokens does
+    assert np.array_equal(eng.forward([states["a"]], [[5]])[0], eng.forward([state_of(histories["a"])], [[5]])[0])
+    n = 30
+    while kv_bytes_held(eng, n) <= cache.max_bytes:
+        n += 30
+    big = [1 + i % 400 for i in range(n)]
+    st = state_of(big)
+    assert cache.park(st, big, prompt_len=n) is st and st not in cache.held() and len(cache) == 3
+    with pytest.raises(Exception, match="budget"):
+        PromptCache(eng, -1)
+
+
 def test_kv_caches_that_do_not_fit_fail_at_start(tiny_cflow, capsys):
     from cflow.cli import main
 
@@ -250,7 +323,7 @@ def test_admission_prefers_cached_prompts_but_passes_no_request_over_more_than_t
     a_ids, b_ids = tok.encode("Once upon a time there was a fox"), tok.encode("The capital of France is")
 
     async def run():
-        b = Batcher(tiny_llm.engine, 1, max_queue=64)
+        b = Batcher(tiny_llm.engine, 1, max_queue=64, cache_bytes=0)  # the slot alone: no prompt cache
         slot = b.slots[0]
         tiny_llm.engine.forward([slot.state], [a_ids])  # what A's request left in its cache
         jobs = [Job(b, Decoder(tok, b_ids, max_tokens=1))]

@@ -42,6 +42,7 @@ from cflow.errors import CflowError, CflowFormatError, ModelFileChanged
 ROLES = ("qkv", "attn_output", "gate_up", "down", "head")
 MAX_BATCH = 512  # rows per native call when prefilling (bounds the scratch)
 DEFAULT_MAX_CTX = 8192  # default context: the model's, at most this (KV pages and RoPE tables grow with it)
+CACHE_RAM_MIB = 256  # the server's prompt cache by default (cflow serve --cache-ram): MiB of KV pages
 
 ACTIVATIONS = {"int8x2": dict(fast=True, precise=True), "int8": dict(fast=True, precise=False),
                "fp32": dict(fast=False, precise=False)}
@@ -54,6 +55,16 @@ def kv_bytes_per_token(engine) -> int:
     engine.kv_dtype stores them (f16: 2 bytes, f32: 4)."""
     size = 2 if engine.kv_dtype == "f16" else 4
     return sum(2 * h * d * size for h, d in _plan().kv_slots(engine.plan))
+
+
+PAGE = 4096  # the pages a state's KV cache is committed in
+
+
+def kv_bytes_held(engine, n: int) -> int:
+    """Bytes of memory a state holding n tokens has committed: each KV head's positions are one
+    region of n_ctx (State's head-major layout), committed in whole pages as it fills."""
+    size = 2 if engine.kv_dtype == "f16" else 4
+    return sum(2 * h * -(-n * d * size // PAGE) * PAGE for h, d in _plan().kv_slots(engine.plan))
 
 
 def available_memory() -> int | None:

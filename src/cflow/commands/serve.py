@@ -5,7 +5,7 @@ HELP = "serve a model over an OpenAI-compatible HTTP API, with a chat page at /"
 
 def add_arguments(p):
     from cflow.commands.generate import add_activation_arguments
-    from cflow.engine import DEFAULT_MAX_CTX
+    from cflow.engine import CACHE_RAM_MIB, DEFAULT_MAX_CTX
 
     p.add_argument("-m", "--model", default=None,
                    help="model name known to `cflow pull`, .cflow / .gguf path or HF directory (default: the built-in default model)")
@@ -21,6 +21,10 @@ def add_arguments(p):
                         "requests queue, in arrival order but for those whose prompts are cached. Their KV "
                         "caches (parallel x n_ctx tokens) must fit in memory (default %(default)s)")
     p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait; more get 503 (default %(default)s)")
+    p.add_argument("--cache-ram", type=int, default=CACHE_RAM_MIB, metavar="MIB",
+                   help="MiB of memory for the prompt cache: the KV caches of histories that left the slots, "
+                        "so that a conversation coming back starts from its earlier turns; 0 turns it off "
+                        "(default %(default)s)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $CFLOW_API_KEY, else open)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -41,12 +45,14 @@ def main(args) -> int:
 
     if args.parallel < 1:
         raise CflowError("--parallel must be at least 1")
+    if args.cache_ram < 0:
+        raise CflowError("--cache-ram must be >= 0 (MiB; 0 turns the prompt cache off)")
     from cflow.commands.generate import activation_kwargs
 
     kw = dict(threads=args.threads, n_ctx=args.n_ctx, **activation_kwargs(args))
     llm = LLM(args.model, **kw) if args.model else LLM(**kw)
     api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None
-    app = create_app(llm, parallel=args.parallel, api_key=api_key, max_queue=args.max_queue)
+    app = create_app(llm, parallel=args.parallel, api_key=api_key, max_queue=args.max_queue, cache_ram=args.cache_ram)
     print(f"cflow serve: {llm.name} (n_ctx {llm.n_ctx}) on http://{args.host}:{args.port}/  "
           f"[{args.parallel} parallel sequence(s){', API key required' if api_key else ''}]", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -30,7 +30,7 @@ from starlette.staticfiles import StaticFiles
 
 from cflow.errors import CflowError, ModelFileChanged
 from cflow.generate import Decoder, recompute_for
-from cflow.server.batcher import END, Batcher, Job, QueueFull
+from cflow.server.batcher import CACHE_RAM_MIB, END, Batcher, Job, QueueFull
 from cflow.server.metrics import Metrics
 from cflow.server.schemas import (ApiError, ChatRequest, CompletionRequest, check_content_type, from_validation,
                                   parse_body)
@@ -215,10 +215,10 @@ class Server:
     """State of one app: the model, its batcher and metrics."""
 
     def __init__(self, llm, *, parallel: int, api_key: str | None, max_body: int, max_queue: int,
-                 default_max_tokens: int):
+                 default_max_tokens: int, cache_ram: int):
         self.llm, self.api_key, self.max_body, self.default_max_tokens = llm, api_key, max_body, default_max_tokens
         self.name = _display_name(llm.name)
-        self.batcher = Batcher(llm.engine, parallel, max_queue)
+        self.batcher = Batcher(llm.engine, parallel, max_queue, cache_bytes=cache_ram << 20)
         self.metrics = Metrics(self.batcher)
         self.created = int(time.time())
 
@@ -400,18 +400,22 @@ class Server:
 
 
 def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None = None, api_key: str | None = None,
-               max_body: int = MAX_BODY, max_queue: int = 256, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Starlette:
+               max_body: int = MAX_BODY, max_queue: int = 256, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+               cache_ram: int = CACHE_RAM_MIB) -> Starlette:
     """The ASGI app serving `llm` (a cflow.LLM, or anything with its interface).
 
     parallel (max_concurrency: its former name): sequences decoded together, one engine step for
     all of them (server/batcher.py); their KV caches are made now, and a CflowError says so when
     they would not fit in memory. Later requests wait (at most max_queue of them, then 503), in
-    arrival order but for those whose prompts are cached (server/batcher.py). api_key: if set,
-    /v1/* and /metrics need `Authorization: Bearer KEY`.
+    arrival order but for those whose prompts are cached (server/batcher.py). cache_ram: MiB of
+    KV memory for the histories that leave the slots (the prompt cache; 0: none). api_key: if
+    set, /v1/* and /metrics need `Authorization: Bearer KEY`.
     """
     n = parallel if parallel is not None else max_concurrency if max_concurrency is not None else 1
+    if cache_ram < 0:
+        raise CflowError("cache_ram must be >= 0 MiB")
     srv = Server(llm, parallel=n, api_key=api_key, max_body=max_body, max_queue=max_queue,
-                 default_max_tokens=default_max_tokens)
+                 default_max_tokens=default_max_tokens, cache_ram=cache_ram)
 
     def endpoint(name, fn):
         async def handle(request: Request):

@@ -19,10 +19,16 @@ it. This is the longest-prefix-match order of SGLang's scheduler, bounded.
 Which slot it takes, keeping the other slots' histories for later requests where it can: a free
 slot that loses nothing (empty, or all of its history a prefix of the prompt); else the free slot
 sharing the longest prefix with the prompt (the earlier turns of a chat) when that prefix is at
-least half of what it holds; else the least recently used free slot. The longest prefix any slot
+least half of what it holds; else the least recently used free slot. When the prompt cuts into
+the prompt of the history it takes, that history, another conversation's, moves to the prompt
+cache (below) instead of being lost. The longest prefix any slot or cached history
 shares with the prompt is then copied into the taken slot (State.copy_prefix) when it holds less
 of it, and only the rest of the prompt is computed. A finished or cancelled sequence leaves at
 the next step; its state keeps its tokens for reuse.
+
+The prompt cache (PromptCache, `cflow serve --cache-ram`, as llama-server's) keeps the histories
+that leave the slots in sequence states of their own, within a memory budget: a conversation
+that comes back after other users' requests took every slot starts from its earlier turns.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from collections import deque
 
 import numpy as np
 
-from cflow.engine import check_kv_memory
+from cflow.engine import CACHE_RAM_MIB, check_kv_memory, kv_bytes_held
 from cflow.errors import CflowError
 from cflow.generate import PREFILL_CHUNK, Chunk, Decoder
 
@@ -63,8 +69,8 @@ def _longest(reuse: tuple[int, Slot]) -> tuple[int, int]:
 
 
 def _reusable(job: Job, held: dict) -> int:
-    """The longest prefix of the job's prompt in any slot's history (held: slot -> its tokens), as
-    much of it as its Decoder keeps."""
+    """The longest prefix of the job's prompt in any history (held: slot or cache entry -> its
+    tokens), as much of it as its Decoder keeps."""
     return job.decoder.reusable(max((common_prefix(tokens, job.ids) for tokens in held.values()), default=0))
 
 
@@ -135,17 +141,78 @@ class Slot:
         self.state = state
         self.job: Job | None = None
         self.used = 0  # when it was last given a job (least recently used is reused first)
+        self.prompt_len = 0  # of its last job: the part of its history a request asked
+
+
+class PromptCache:
+    """Histories that left the slots, each in a sequence state of its own, within `max_bytes` of
+    KV memory (the pages their tokens committed, engine.kv_bytes_held). What the batcher does with
+    it, between steps and under its lock:
+    - park(state, tokens, prompt_len): a slot's history that a new request would overwrite moves
+      here, state and all (no copy), and the slot goes on with the state park() returns: an
+      evicted entry's, emptied, or a new one. The histories it makes obsolete go: those whose
+      whole prompt (their request's) is a prefix of the new one, which offers all they did. Then
+      the least recently used go until the budget holds it; one larger than the budget is not kept.
+    - held(): entry -> its tokens, for the prefix search; hit(entry): one was copied from (it
+      becomes the most recently used).
+    max_bytes 0: nothing is kept."""
+
+    def __init__(self, engine, max_bytes: int):
+        if max_bytes < 0:
+            raise CflowError("the prompt cache's budget must be >= 0 bytes")
+        self.engine, self.max_bytes = engine, max_bytes
+        self._entries: dict = {}  # state -> (tokens, prompt_len, bytes); insertion order = least recently used first
+        self.bytes = 0
+        self.hits = self.parked = self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def held(self) -> dict:
+        return {state: e[0] for state, e in self._entries.items()}
+
+    def hit(self, state) -> None:
+        self._entries[state] = self._entries.pop(state)
+        self.hits += 1
+
+    def _drop(self, state):
+        self.bytes -= self._entries.pop(state)[2]
+        self.evicted += 1
+        return state
+
+    def park(self, state, tokens, prompt_len: int):
+        tokens = np.asarray(tokens, dtype=np.int64)
+        size = kv_bytes_held(self.engine, len(tokens))
+        if not len(tokens) or size > self.max_bytes:
+            return state
+        freed = [self._drop(s) for s, (t, p, _) in list(self._entries.items()) if common_prefix(t, tokens) >= p]
+        while self._entries and self.bytes + size > self.max_bytes:
+            freed.append(self._drop(next(iter(self._entries))))
+        if freed:  # the first goes on in the slot; the others are freed, their pages back to the system
+            spare = freed[0]
+            spare.truncate(0)
+        else:
+            try:
+                spare = self.engine.new_state()
+            except CflowError:  # no memory for one more state: the history is not kept
+                return state
+        self._entries[state] = (tokens, min(prompt_len, len(tokens)), size)
+        self.bytes += size
+        self.parked += 1
+        return spare
 
 
 class Batcher:
     """N slots over one engine and the thread that runs their steps (module docstring)."""
 
-    def __init__(self, engine, n: int, max_queue: int, prefill_budget: int = PREFILL_CHUNK):
+    def __init__(self, engine, n: int, max_queue: int, prefill_budget: int = PREFILL_CHUNK,
+                 cache_bytes: int = CACHE_RAM_MIB << 20):
         if n < 1 or max_queue < 0:
             raise CflowError("parallel must be >= 1 and max_queue >= 0")
         check_kv_memory(engine, n)
         self.engine, self.n, self.max_queue, self.prefill_budget = engine, n, max_queue, prefill_budget
         self.slots = [Slot(engine.new_state()) for _ in range(n)]
+        self.cache = PromptCache(engine, cache_bytes)
         self._waiting: deque[Job] = deque()
         self._cv = threading.Condition()
         self._clock = itertools.count(1)
@@ -214,21 +281,22 @@ class Batcher:
         if not free or not self._waiting:
             return
         held = {s: np.asarray(s.state.tokens, dtype=np.int64) for s in self.slots}  # every history, read once
+        kept = self.cache.held()
         while free and self._waiting:
             window = list(itertools.islice(self._waiting, REORDER_WINDOW))
             pick = 0
             if window[0].passed < REORDER_WINDOW:
-                reuse = [_reusable(job, held) for job in window]
+                reuse = [_reusable(job, held | kept) for job in window]
                 pick = max(range(len(window)), key=lambda i: (reuse[i], -i))
             for job in window[:pick]:
                 job.passed += 1
             job = window[pick]
             del self._waiting[pick]
-            slot = self._assign(job, free, held)
+            slot = self._assign(job, free, held, kept)
             free.remove(slot)
             held[slot] = job.ids[:job.cached]  # what its cache holds until it runs
 
-    def _assign(self, job: Job, free: list[Slot], held: dict) -> Slot:
+    def _assign(self, job: Job, free: list[Slot], held: dict, kept: dict) -> Slot:
         prompt = job.ids
         reuse = [(common_prefix(held[s], prompt), s) for s in free]
         intact = [(c, s) for c, s in reuse if c == len(held[s])]  # empty, or all of it the prompt's
@@ -239,13 +307,26 @@ class Batcher:
             cached, slot = own
         else:  # the least recently used slot
             cached, slot = min(reuse, key=lambda cs: cs[1].used)
-        # the longest shared prefix in any slot, running ones too (no forward runs now)
-        best = max(((common_prefix(t, prompt), s) for s, t in held.items() if s is not slot),
+        if cached < min(slot.prompt_len, len(held[slot])) and self.cache.max_bytes:
+            # the prompt cut is another conversation's: its history goes to the prompt cache
+            state = self.cache.park(slot.state, held[slot], slot.prompt_len)
+            if state is not slot.state:  # kept: the slot goes on with another state
+                slot.state = state
+                kept.clear()
+                kept.update(self.cache.held())
+                held[slot], cached = held[slot][:0], 0
+        # the longest shared prefix in any slot, running ones too (no forward runs now), or cached
+        best = max(((common_prefix(t, prompt), s) for s, t in (held | kept).items() if s is not slot),
                    key=lambda cs: cs[0], default=(0, None))
         if best[0] > cached:
-            slot.state.copy_prefix(best[1].state, best[0])
+            src = best[1]
+            if isinstance(src, Slot):
+                src = src.state
+            else:
+                self.cache.hit(src)
+            slot.state.copy_prefix(src, best[0])
             cached = best[0]
-        slot.job, slot.used = job, next(self._clock)
+        slot.job, slot.used, slot.prompt_len = job, next(self._clock), len(prompt)
         job.slot, job.cached = slot, cached
         return slot
 

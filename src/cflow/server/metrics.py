@@ -35,6 +35,13 @@ class Metrics:
         Gauge("cflow_batcher_prompt_rows", "prompt tokens the batcher's steps carried", registry=r
               ).set_function(lambda: slots.prompt_rows)
         Gauge("cflow_slots", "sequences decoded together (--parallel)", registry=r).set_function(lambda: slots.n)
+        cache = slots.cache
+        Gauge("cflow_prompt_cache_entries", "histories kept in the prompt cache (--cache-ram)", registry=r
+              ).set_function(lambda: len(cache))
+        Gauge("cflow_prompt_cache_bytes", "KV memory the prompt cache's histories hold", registry=r
+              ).set_function(lambda: cache.bytes)
+        Gauge("cflow_prompt_cache_hits", "prompts that started from a history in the prompt cache", registry=r
+              ).set_function(lambda: cache.hits)
 
     def finished(self, usage, timings) -> None:
         """Count one completed generation."""
