@@ -287,6 +287,7 @@ def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_pat
     assert out.count("errors      0 server (5xx or dropped), 0 other") == 2
     assert "abandoned mid-stream by their client" in out and "first token p50" in out and "inter-token p50" in out
     assert out.count(" decode + ") == 2 and "ms forward + " in out and "engine busy " in out
+    assert out.count("  prompt cache ") == 2 and " hits; " in out
     table = out.split("parallel   tok/s")[1].splitlines()[1:3]
     assert [row.split()[0] for row in table] == ["1", "2"]
     assert png.stat().st_size > 0

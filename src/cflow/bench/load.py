@@ -206,16 +206,19 @@ async def _load(url, args) -> tuple[list[Result], float]:
 
 
 async def _warm(url, headers, n: int, max_tokens: int) -> None:
-    """n requests at once (a slot's worth and a client's worth): every sequence slot and as many
-    connections as the load will hold have run before memory is measured."""
+    """n requests at once (a slot's worth and a client's worth), twice, the second time each
+    asking the next question: every sequence slot and as many connections as the load will hold
+    have run, and the first answers' histories have moved to the server's prompt cache, which then
+    holds what the load will keep there, before memory is measured."""
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as http:
-        rs = await asyncio.gather(*(http.post(url + "/v1/chat/completions", headers=headers, json={
-            "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": max_tokens})
-            for i in range(n)))
-    for r in rs:
-        r.raise_for_status()
+        for shift in (0, 1):
+            rs = await asyncio.gather(*(http.post(url + "/v1/chat/completions", headers=headers, json={
+                "messages": [{"role": "user", "content": QUESTIONS[(i + shift) % len(QUESTIONS)]}],
+                "max_tokens": max_tokens}) for i in range(n)))
+            for r in rs:
+                r.raise_for_status()
 
 
 def _pct(sorted_xs: list[float], q: float) -> float:
@@ -224,6 +227,7 @@ def _pct(sorted_xs: list[float], q: float) -> float:
 
 BATCHER_GAUGES = ("cflow_batcher_steps", "cflow_batcher_forward_seconds", "cflow_batcher_step_seconds",
                   "cflow_batcher_decode_rows", "cflow_batcher_prompt_rows")
+CACHE_GAUGES = ("cflow_prompt_cache_entries", "cflow_prompt_cache_bytes", "cflow_prompt_cache_hits")
 
 
 def _batcher(url: str, headers: dict) -> dict[str, float] | None:
@@ -236,7 +240,9 @@ def _batcher(url: str, headers: dict) -> dict[str, float] | None:
         got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     except (httpx.HTTPError, ValueError):
         return None
-    return {k: got[k] for k in BATCHER_GAUGES} if all(k in got for k in BATCHER_GAUGES) else None
+    if not all(k in got for k in BATCHER_GAUGES):
+        return None
+    return {k: got[k] for k in BATCHER_GAUGES + CACHE_GAUGES if k in got}
 
 
 def _phase(args, parallel: int | None) -> dict:
@@ -261,10 +267,11 @@ def _phase(args, parallel: int | None) -> dict:
             proc.terminate()
             proc.wait(30)
     steps = {k: b1[k] - b0[k] for k in BATCHER_GAUGES} if b0 and b1 else None
-    return _report(args, model, url, slots, results, wall, rss0, rss1, steps)
+    cache = (b0, b1) if b0 and b1 and all(k in b0 and k in b1 for k in CACHE_GAUGES) else None
+    return _report(args, model, url, slots, results, wall, rss0, rss1, steps, cache)
 
 
-def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None) -> dict:
+def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cache=None) -> dict:
     lat = sorted(r.latency for r in results)
     ttft = sorted(r.ttft for r in results if r.ttft is not None)
     gaps = sorted(g for r in results for g in r.gaps)
@@ -287,7 +294,7 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None) -> d
         print(f"  inter-token p50 {1e3 * _pct(gaps, 0.50):.1f} ms   p95 {1e3 * _pct(gaps, 0.95):.1f} ms")
     prompt, cached = sum(r.prompt_tokens for r in results), sum(r.cached_tokens for r in results)
     if prompt:
-        print(f"  prompts     {prompt} tokens, {cached} of them reused from the slots' KV caches "
+        print(f"  prompts     {prompt} tokens, {cached} of them reused from KV caches "
               f"({100 * cached / prompt:.0f}%), {(prompt - cached) / max(1, len(results)):.1f} computed a request")
     print(f"  throughput  {tokens} completion tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s, "
           f"{len(results) / wall:.2f} requests/s"
@@ -299,6 +306,11 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None) -> d
               f"{steps['cflow_batcher_prompt_rows'] / n:.2f} prompt rows a step; {1e3 * fwd / n:.2f} ms forward + "
               f"{1e3 * (whole - fwd) / n:.2f} ms sampling and hand-out a step; engine busy {100 * fwd / wall:.0f}% "
               f"of the wall time, batcher {100 * whole / wall:.0f}%")
+    if cache:
+        c0, c1 = cache
+        print(f"  prompt cache {c1['cflow_prompt_cache_hits'] - c0['cflow_prompt_cache_hits']:.0f} hits; "
+              f"{c0['cflow_prompt_cache_entries']:.0f} histories, {c0['cflow_prompt_cache_bytes'] / 2**20:.1f} MiB "
+              f"before, {c1['cflow_prompt_cache_entries']:.0f}, {c1['cflow_prompt_cache_bytes'] / 2**20:.1f} MiB after")
     growth = None
     if rss0 is not None and rss1 is not None:
         growth = 100 * (rss1 - rss0) / rss0
