@@ -293,6 +293,27 @@ def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_pat
     assert png.stat().st_size > 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_bench_load_conversations_carry_their_earlier_turns(tiny_cflow, stream, capsys):
+    # --turns 3: a client's second and third requests carry the turns before them, questions and
+    # answers (streamed answers gathered from their deltas), and find them in the KV caches
+    import re
+
+    from cflow.cli import main
+
+    def prompts(turns):
+        argv = ["bench", "load", "-m", str(tiny_cflow), "--clients", "2", "--requests", "3", "--max-tokens", "4",
+                "--turns", str(turns)] + (["--stream"] if stream else [])
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "errors      0 server (5xx or dropped), 0 other" in out
+        assert ("conversations of 3 turns" in out) == (turns == 3)
+        return [int(x) for x in re.search(r"prompts +(\d+) tokens, (\d+) of them", out).groups()]
+
+    (single, single_cached), (chats, chats_cached) = prompts(1), prompts(3)
+    assert chats > single and chats_cached > single_cached
+
+
 def test_bench_load_unstreamed_plots_request_latency(tiny_cflow, tmp_path, capsys):
     # no first-token or inter-token times without streams: the table says "-" and the plot
     # shows request latency (a log axis of nothing used to fail here); the requests carry a
@@ -448,6 +469,7 @@ def test_bench_load_rounds_need_two_values(tiny_cflow, capsys):
     (["--disconnect", "0.5"], "add --stream"),
     (["--parallel", "0"], "must be >= 1"),
     (["--frequency-penalty", "2.5"], "--frequency-penalty must be in -2..2"),
+    (["--turns", "0"], "--turns must be >= 1"),
 ])
 def test_bench_load_refuses_bad_arguments_before_any_request(argv, message, capsys):
     from cflow.cli import main

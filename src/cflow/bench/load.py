@@ -46,6 +46,9 @@ def add_arguments(p):
     p.add_argument("--disconnect", type=float, default=0.0,
                    help="fraction of streamed requests a client abandons mid-stream, at a random token (default 0)")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default %(default)s)")
+    p.add_argument("--turns", type=int, default=1,
+                   help="turns of each client's conversations: a request carries the earlier turns' questions "
+                        "and answers, as a chat does (default %(default)s: single questions)")
     p.add_argument("--stream", action="store_true", help="streamed requests (server-sent events): also "
                    "time to first token and inter-token latency")
     p.add_argument("--frequency-penalty", type=float, default=None,
@@ -121,6 +124,7 @@ class Result:
         self.prompt_tokens = self.cached_tokens = 0  # from usage: the prompt, and what of it was reused
         self.gaps: list[float] = []
         self.abandoned = self.stream_error = False
+        self.text = ""  # the answer (for the next turn of a conversation)
 
     @property
     def server_error(self) -> bool:
@@ -145,6 +149,7 @@ async def _stream(conn, body, headers, res: Result, cut: int | None, t0: float) 
             if "error" in event:
                 res.stream_error = True
             elif event.get("choices"):
+                res.text += event["choices"][0].get("delta", {}).get("content") or ""
                 now = time.perf_counter()
                 if last is None:
                     res.ttft = now - t0
@@ -165,10 +170,13 @@ async def _client(url, headers, args, k, results, bar, deadline):
     from cflow.bench.http import Connection, HttpError
 
     rng = random.Random(args.seed * 7919 + k)
-    conn, i = Connection(url), 0
+    conn, i, chat = Connection(url), 0, []
     try:
         while (time.perf_counter() < deadline) if deadline is not None else (i < args.requests):
-            body = {"messages": [{"role": "user", "content": QUESTIONS[(k + i) % len(QUESTIONS)]}],
+            if len(chat) >= 2 * args.turns:  # the conversation is over: the client starts another
+                chat = []
+            chat.append({"role": "user", "content": QUESTIONS[(k + i) % len(QUESTIONS)]})
+            body = {"messages": list(chat),
                     "max_tokens": args.max_tokens, "temperature": 0.7, "seed": k * 1000 + i, "stream": args.stream}
             if args.frequency_penalty is not None:
                 body["frequency_penalty"] = args.frequency_penalty
@@ -182,10 +190,16 @@ async def _client(url, headers, args, k, results, bar, deadline):
                 else:
                     res.status, raw = await conn.post_json("/v1/chat/completions", body, headers)
                     if res.status == 200:
-                        _usage(res, json.loads(raw)["usage"])
+                        answer = json.loads(raw)
+                        _usage(res, answer["usage"])
+                        res.text = answer["choices"][0]["message"]["content"]
             except HttpError:
                 res.status = -1
             res.latency = time.perf_counter() - t0
+            if res.status == 200 and not res.abandoned and not res.stream_error:
+                chat.append({"role": "assistant", "content": res.text})
+            else:  # an answer cut short or failed: the client starts a new conversation
+                chat = []
             results.append(res)
             bar.update(1)
     finally:
@@ -283,7 +297,8 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     from cflow.kernels import kernels_name
 
     print(f"load: {model} at {url}, parallel {slots}, {args.clients} clients {runs} = {len(results)}, "
-          f"max_tokens {args.max_tokens}{', streamed' if args.stream else ''}"
+          f"max_tokens {args.max_tokens}{f', conversations of {args.turns} turns' if args.turns > 1 else ''}"
+          f"{', streamed' if args.stream else ''}"
           f"{'' if args.frequency_penalty is None else f', frequency_penalty {args.frequency_penalty:g}'}, "
           f"{kernels_name()} kernels")
     print(f"  errors      {server_err} server (5xx or dropped), {other_err} other"
@@ -375,6 +390,8 @@ def main(args) -> int:
         raise CflowError("several --parallel values start a server each: leave out --url")
     if args.disconnect and not args.stream:
         raise CflowError("--disconnect abandons streams: add --stream")
+    if args.turns < 1:
+        raise CflowError("--turns must be >= 1")
     if args.frequency_penalty is not None and not -2.0 <= args.frequency_penalty <= 2.0:
         raise CflowError(f"--frequency-penalty must be in -2..2 (the API's range), got {args.frequency_penalty:g}")
     plot = args.plot or ("bench-load.png" if len(values) > 1 else None)
