@@ -276,6 +276,13 @@ def test_kv_caches_that_do_not_fit_fail_at_start(tiny_cflow, capsys):
     assert "--parallel 100000000 sequences x n_ctx 4096" in err and "lower --n-ctx or --parallel" in err
 
 
+def test_a_negative_prompt_cache_is_refused_at_start(tiny_cflow, capsys):
+    from cflow.cli import main
+
+    assert main(["serve", "-m", str(tiny_cflow), "--cache-ram", "-1", "--port", "0"]) == 2
+    assert "--cache-ram must be >= 0" in capsys.readouterr().err
+
+
 def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_path, capsys):
     from cflow.cli import main
 

@@ -54,6 +54,7 @@ def main(args) -> int:
     api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None
     app = create_app(llm, parallel=args.parallel, api_key=api_key, max_queue=args.max_queue, cache_ram=args.cache_ram)
     print(f"cflow serve: {llm.name} (n_ctx {llm.n_ctx}) on http://{args.host}:{args.port}/  "
-          f"[{args.parallel} parallel sequence(s){', API key required' if api_key else ''}]", flush=True)
+          f"[{args.parallel} parallel sequence(s), prompt cache "
+          f"{f'{args.cache_ram} MiB' if args.cache_ram else 'off'}{', API key required' if api_key else ''}]", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
