@@ -50,11 +50,16 @@ ACTIVATIONS = {"int8x2": dict(fast=True, precise=True), "int8": dict(fast=True, 
 int8, fp32."""
 
 
-def kv_bytes_per_token(engine) -> int:
-    """Bytes of KV cache one token takes in one state: K and V of every attention layer, as
-    engine.kv_dtype stores them (f16: 2 bytes, f32: 4)."""
+def _kv_heads(engine) -> list[tuple[int, int]]:
+    """Per KV slot: (n_kv_head, bytes of one token in one head), as engine.kv_dtype stores them
+    (f16: 2 bytes a value, f32: 4)."""
     size = 2 if engine.kv_dtype == "f16" else 4
-    return sum(2 * h * d * size for h, d in _plan().kv_slots(engine.plan))
+    return [(h, d * size) for h, d in _plan().kv_slots(engine.plan)]
+
+
+def kv_bytes_per_token(engine) -> int:
+    """Bytes of KV cache one token takes in one state: K and V of every attention layer."""
+    return sum(2 * h * b for h, b in _kv_heads(engine))
 
 
 PAGE = 4096  # the pages a state's KV cache is committed in
@@ -63,8 +68,7 @@ PAGE = 4096  # the pages a state's KV cache is committed in
 def kv_bytes_held(engine, n: int) -> int:
     """Bytes of memory a state holding n tokens has committed: each KV head's positions are one
     region of n_ctx (State's head-major layout), committed in whole pages as it fills."""
-    size = 2 if engine.kv_dtype == "f16" else 4
-    return sum(2 * h * -(-n * d * size // PAGE) * PAGE for h, d in _plan().kv_slots(engine.plan))
+    return sum(2 * h * -(-n * b // PAGE) * PAGE for h, b in _kv_heads(engine))
 
 
 def available_memory() -> int | None:

@@ -412,8 +412,6 @@ def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None 
     set, /v1/* and /metrics need `Authorization: Bearer KEY`.
     """
     n = parallel if parallel is not None else max_concurrency if max_concurrency is not None else 1
-    if cache_ram < 0:
-        raise CflowError("cache_ram must be >= 0 MiB")
     srv = Server(llm, parallel=n, api_key=api_key, max_body=max_body, max_queue=max_queue,
                  default_max_tokens=default_max_tokens, cache_ram=cache_ram)
 

@@ -163,7 +163,7 @@ class PromptCache:
         self.engine, self.max_bytes = engine, max_bytes
         self._entries: dict = {}  # state -> (tokens, prompt_len, bytes); insertion order = least recently used first
         self.bytes = 0
-        self.hits = self.parked = self.evicted = 0
+        self.hits = self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -198,7 +198,6 @@ class PromptCache:
                 return state
         self._entries[state] = (tokens, min(prompt_len, len(tokens)), size)
         self.bytes += size
-        self.parked += 1
         return spare
 
 
@@ -281,22 +280,21 @@ class Batcher:
         if not free or not self._waiting:
             return
         held = {s: np.asarray(s.state.tokens, dtype=np.int64) for s in self.slots}  # every history, read once
-        kept = self.cache.held()
         while free and self._waiting:
             window = list(itertools.islice(self._waiting, REORDER_WINDOW))
             pick = 0
             if window[0].passed < REORDER_WINDOW:
-                reuse = [_reusable(job, held | kept) for job in window]
+                reuse = [_reusable(job, held | self.cache.held()) for job in window]
                 pick = max(range(len(window)), key=lambda i: (reuse[i], -i))
             for job in window[:pick]:
                 job.passed += 1
             job = window[pick]
             del self._waiting[pick]
-            slot = self._assign(job, free, held, kept)
+            slot = self._assign(job, free, held)
             free.remove(slot)
             held[slot] = job.ids[:job.cached]  # what its cache holds until it runs
 
-    def _assign(self, job: Job, free: list[Slot], held: dict, kept: dict) -> Slot:
+    def _assign(self, job: Job, free: list[Slot], held: dict) -> Slot:
         prompt = job.ids
         reuse = [(common_prefix(held[s], prompt), s) for s in free]
         intact = [(c, s) for c, s in reuse if c == len(held[s])]  # empty, or all of it the prompt's
@@ -312,11 +310,9 @@ class Batcher:
             state = self.cache.park(slot.state, held[slot], slot.prompt_len)
             if state is not slot.state:  # kept: the slot goes on with another state
                 slot.state = state
-                kept.clear()
-                kept.update(self.cache.held())
                 held[slot], cached = held[slot][:0], 0
         # the longest shared prefix in any slot, running ones too (no forward runs now), or cached
-        best = max(((common_prefix(t, prompt), s) for s, t in (held | kept).items() if s is not slot),
+        best = max(((common_prefix(t, prompt), s) for s, t in (held | self.cache.held()).items() if s is not slot),
                    key=lambda cs: cs[0], default=(0, None))
         if best[0] > cached:
             src = best[1]
