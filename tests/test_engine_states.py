@@ -199,6 +199,38 @@ def test_state_history_truncate_and_misuse(qwen3_q4):
     assert st.tokens == IDS[:4]  # nothing lost by the refused calls
 
 
+def test_a_shorter_history_gives_the_longer_ones_pages_back(qwen3_q4):
+    # A state that held a long history and goes on with a short one (a slot, a prompt cache
+    # entry reused) keeps the short one's pages only: whole pages of each KV head's positions
+    # past it go back, counted by mincore. An answer's worth of positions is kept. What the state
+    # computes next is what a fresh state computes, bit for bit.
+    from cflow.engine import kv_bytes_per_token
+
+    eng = Engine(qwen3_q4, threads=2, n_ctx=4096)
+    long = [int(i) for i in np.random.default_rng(3).integers(0, 256, 1500)]
+    st = eng.new_state()
+    assert st.kv_resident_bytes == 0
+    eng.forward(st, long)
+    full = st.kv_resident_bytes
+    assert full >= 1500 * kv_bytes_per_token(eng)
+    st.truncate(1480)
+    assert st.kv_resident_bytes == full
+    st.truncate(100)
+    kept = st.kv_resident_bytes
+    assert 100 * kv_bytes_per_token(eng) <= kept <= full // 8
+    fresh = eng.new_state()
+    eng.forward(fresh, long[:100])
+    np.testing.assert_array_equal(eng.forward(st, IDS[:20], all_logits=True),
+                                  eng.forward(fresh, IDS[:20], all_logits=True))
+    # the same when a long state becomes a short prefix of another
+    other = eng.new_state()
+    eng.forward(other, long)
+    other.copy_prefix(fresh, 100)
+    assert other.kv_resident_bytes == kept and other.tokens == long[:100]
+    st.truncate(100)
+    np.testing.assert_array_equal(eng.forward(other, [5]), eng.forward(st, [5]))
+
+
 def test_the_int8_paths_keep_keys_and_values_as_halves(qwen3_q4):
     # int8 activations: an f16 KV cache (half the bytes per token; its values rounded once, so
     # the logits stay within the int8 path's own error of the fp32 path); fp32: an f32 cache.

@@ -34,7 +34,8 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("kv_half", &State::kv_half, "keys and values stored as IEEE halves (else floats)")
       .def_prop_ro("tokens", &State::tokens, "the token history (a copy)")
       .def("truncate", &State::truncate, "n"_a, "keep the first n tokens")
-      .def("copy_prefix", &State::copy_prefix, "src"_a, "n"_a, "become the first n tokens of src and their KV cache");
+      .def("copy_prefix", &State::copy_prefix, "src"_a, "n"_a, "become the first n tokens of src and their KV cache")
+      .def_prop_ro("kv_resident_bytes", &State::kv_resident_bytes, "bytes of the KV cache resident in memory");
   nb::class_<PyEngine>(m, "EngineCore", "Native plan executor (csrc/engine/executor.cpp)")
       .def(
           "__init__",

@@ -3,9 +3,11 @@
 // plan places them; pipeline schedule: teams of threads per lane, waiting on each other's ops
 // only where the ops' buffers say they must (plan_schedule).
 #include <sys/mman.h>
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -244,6 +246,47 @@ void State::truncate(int n) {
   if (n < 0 || n > pos())
     fail("truncate(" + std::to_string(n) + "): the state holds " + std::to_string(pos()) + " tokens");
   tokens_.resize(n);
+  release_beyond(n);
+}
+
+static size_t page_bytes() {
+  static const size_t p = (size_t)sysconf(_SC_PAGESIZE);
+  return p;
+}
+
+void State::release_beyond(int n) {
+  if (high_ <= n) return;
+  const size_t page = page_bytes();
+  size_t least = SIZE_MAX;  // the fewest bytes a head's positions [n, high_) take, over the slots
+  for (size_t slot = 0; slot < k_.size(); ++slot) least = std::min(least, kv_elem() * kv_hd_[slot] * (size_t)(high_ - n));
+  if (least < (kReleasePages + 1) * page) return;  // whole pages: at least kReleasePages of each head
+  for (size_t slot = 0; slot < k_.size(); ++slot) {
+    const size_t per = kv_elem() * kv_hd_[slot], head = per * n_ctx_;
+    for (const KvBuffer* buf : {&k_[slot], &v_[slot]})
+      for (size_t at = 0; at < head * (kv_width_[slot] / kv_hd_[slot]); at += head) {
+        // the pages wholly inside this head's positions from n (its first may hold positions
+        // kept) up to high_ and the unwritten ones after it, short of the next head's
+        const size_t a = (at + per * n + page - 1) / page * page;
+        const size_t b = std::min((at + per * high_ + page - 1) / page * page, (at + head) / page * page);
+        if (b > a) madvise(buf->get() + a, b - a, MADV_DONTNEED);
+      }
+  }
+  high_ = n;
+}
+
+size_t State::kv_resident_bytes() const {
+  const size_t page = page_bytes();
+  size_t pages = 0;
+  std::vector<unsigned char> in;
+  for (size_t slot = 0; slot < k_.size(); ++slot)
+    for (const KvBuffer* buf : {&k_[slot], &v_[slot]}) {
+      const size_t n = buf->get_deleter().n, np = (n + page - 1) / page;
+      if (!n) continue;
+      in.resize(np);
+      if (mincore(buf->get(), n, in.data()) != 0) fail("mincore failed on a KV buffer");
+      for (unsigned char c : in) pages += c & 1;
+    }
+  return pages * page;
 }
 
 void State::copy_prefix(const State& src, int n) {
@@ -261,6 +304,8 @@ void State::copy_prefix(const State& src, int n) {
     }
   }
   tokens_.assign(src.tokens_.begin(), src.tokens_.begin() + n);
+  high_ = std::max(high_, n);
+  release_beyond(n);  // this state's own positions past the copy are gone
 }
 
 Engine::Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threads, bool fast, EngineOptions opt)
@@ -1819,6 +1864,7 @@ void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logit
     n += s.n;
   }
   Claim claim(seqs);
+  for (const Seq& s : seqs) s.state->high_ = std::max(s.state->high_, s.state->pos() + s.n);  // pages it may write
   std::unique_lock<std::mutex> tier_lock(tier_mu_, std::defer_lock);
   if (tier_) tier_lock.lock();
   std::unique_ptr<Workspace> wsp = take_workspace();

@@ -295,6 +295,12 @@ class State:
     def tokens(self) -> list[int]:
         return list(self._st.tokens)
 
+    @property
+    def kv_resident_bytes(self) -> int:
+        """Bytes of the KV cache resident in memory: the pages its histories committed and kept
+        (a shorter history gives a longer one's whole pages back, State::truncate)."""
+        return self._st.kv_resident_bytes
+
     def reset(self) -> None:
         self._st.truncate(0)
 

@@ -64,6 +64,8 @@ class State {
   // prompt, taken from another sequence instead of computed again); 0 <= n <= src.pos(), src of
   // the same model, neither in a forward.
   void copy_prefix(const State& src, int n);
+  // Bytes of the KV cache resident in memory (mincore over its mappings): what the state commits.
+  size_t kv_resident_bytes() const;
 
  private:
   friend class Engine;
@@ -84,6 +86,17 @@ class State {
   size_t kv_elem() const { return kv_half_ ? 2 : 4; }
   std::vector<int32_t> tokens_;
   std::atomic<bool> busy_{false};  // in a forward now
+  // Positions whose KV pages may be committed: the most any history of this state has reached
+  // since its pages beyond were last released. A forward raises it; truncate and copy_prefix
+  // give the whole pages of each KV head's positions [n, high_) back (MADV_DONTNEED) once they
+  // are at least kReleasePages a head, so a state that once held a long conversation and goes
+  // on with a short one does not keep the long one's memory (the prompt cache's budget counts
+  // a history's own pages, engine.kv_bytes_held). Fewer pages than that stay committed: an
+  // answer's worth of positions comes and goes with every request, and giving them back each
+  // time would cost a system call per head region and a page fault per page.
+  static constexpr int kReleasePages = 8;
+  int high_ = 0;
+  void release_beyond(int n);
 };
 
 // A state and the tokens a forward appends to it.
