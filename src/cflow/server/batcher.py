@@ -284,7 +284,8 @@ class Batcher:
             window = list(itertools.islice(self._waiting, REORDER_WINDOW))
             pick = 0
             if window[0].passed < REORDER_WINDOW:
-                reuse = [_reusable(job, held | self.cache.held()) for job in window]
+                known = held | self.cache.held()  # every history a prompt could start from
+                reuse = [_reusable(job, known) for job in window]
                 pick = max(range(len(window)), key=lambda i: (reuse[i], -i))
             for job in window[:pick]:
                 job.passed += 1
