@@ -20,7 +20,7 @@
 // The K-quants (Q4_K, Q5_K, Q6_K; kplanes.h) take one dot product per sub-block s of a super-block
 // (chunk c): A is 16 (token, level) rows of the block_q8_K bytes of s (32, Q6_K 16), B the kSlices
 // slices of s (kplanes_unpack, minus kZero: Q6_K 32), so C[(t, l)] is the GEMV's D_s; per token
-// I = sum_s sc_s * D_s and M (kplanes_mins) are the GEMV's exact integers and kplanes_finish
+// I = sum_s sc_s * D_s and M (kplanes_mins_pairs) are the GEMV's exact integers and kplanes_finish
 // its float part.
 #include <immintrin.h>
 
@@ -120,10 +120,21 @@ struct Scratch {
   alignas(64) uint8_t chunk[kBatch][kPlanesMaxG * PlanesKind<WT>::kBB];
 };
 
-// NT tokens (one A tile) over rows [row_begin, row_end): token t's level l is the q8a row
-// x[t * LV + l], its outputs y + t * ldy; apad holds the A tile of every column block.
+// A token's two scalars of a column block for planes_finish: the scale of its integer sum and s.
+// Formed once per call, so that the float part of a block broadcasts them straight from memory
+// (per token it took the token's block pointers and a float add).
+struct AScale {
+  float da, s;
+};
+
+// NT tokens (one A tile) over rows [row_begin, row_end): token t's scalars of column block cb at
+// xs[cb * NT + t], its outputs y + t * ldy; apad holds the A tile of every column block. The
+// float part forms a chunk's header floats once for all its tokens (planes_header_ps): per token,
+// as planes_finish(c, ...) would, they cost two conversions from memory, which the stores to the
+// stage buffers kept the compiler from hoisting, and the float part of a batched step was then a
+// third slower (docs/KERNELS.md).
 template <BlockType WT, bool TWO, int NT>
-void token_group(float* y, int ldy, const block_q8a* const* x, const int8_t* apad, const uint8_t* w,
+void token_group(float* y, int ldy, const AScale* xs, const int8_t* apad, const uint8_t* w,
                  const TileLayout& L, int row_begin, int row_end, Scratch<WT>& sc) {
   constexpr int LV = TWO ? 2 : 1;
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
@@ -149,11 +160,13 @@ void token_group(float* y, int ldy, const block_q8a* const* x, const int8_t* apa
         else dot_tiles<0>(a, bw[j], sc.c[j]);
       }
       for (int j = 0; j < nk; ++j) {
-        const int cb = cb0 + b0 + j;
+        const AScale* xc = xs + (size_t)(cb0 + b0 + j) * NT;
+        __m512 d, mw;
+        planes_header_ps<WT>(c[j], d, mw);
         for (int t = 0; t < NT; ++t) {
           const __m512i S = _mm512_load_si512(sc.c[j] + 16 * (t * LV));
           const __m512i T = TWO ? _mm512_load_si512(sc.c[j] + 16 * (t * LV + 1)) : S;
-          acc[t] = planes_finish<WT, TWO>(c[j], S, T, x[t * LV][cb], TWO ? x[t * LV + 1] + cb : nullptr, acc[t]);
+          acc[t] = planes_finish<WT, TWO>(d, mw, S, T, xc[t].da, xc[t].s, acc[t]);
         }
       }
     }
@@ -171,6 +184,7 @@ void gemv_batch_planes(float* y, int ldy, const void* xv, int m, const uint8_t* 
   if (n <= 0 || m <= 0) return;
   for (int k = 0; k < m; ++k) std::memset(y + (size_t)k * ldy, 0, sizeof(float) * n);
   thread_local std::vector<int8_t> apad;  // per column block: the A tile, missing rows zero
+  thread_local std::vector<AScale> xs;    // per column block and token: its scalars
   apad.resize((size_t)nbr * kARows * QK);
   Scratch<WT> sc;
   configure();
@@ -179,8 +193,14 @@ void gemv_batch_planes(float* y, int ldy, const void* xv, int m, const uint8_t* 
     const block_q8a* x[kARows];
     for (int i = 0; i < nt * LV; ++i) x[i] = (const block_q8a*)((const uint8_t*)xv + (size_t)(t0 * LV + i) * lrow);
     fill_a(apad.data(), x, nt * LV, nbr);
+    xs.resize((size_t)nbr * nt);
+    for (int cb = 0; cb < nbr; ++cb)
+      for (int t = 0; t < nt; ++t) {
+        const block_q8a &a = x[t * LV][cb], &a2 = x[t * LV + (TWO ? 1 : 0)][cb];
+        xs[(size_t)cb * nt + t] = {TWO ? a2.d : a.d, TWO ? a.s + a2.s : a.s};  // as planes_finish forms them
+      }
     with_count<kGroup>(nt, [&](auto NT) {
-      token_group<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, apad.data(), w, L, row_begin, row_end, sc);
+      token_group<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, xs.data(), apad.data(), w, L, row_begin, row_end, sc);
     });
   }
   _tile_release();
@@ -196,10 +216,17 @@ struct KScratch {
   alignas(64) uint8_t chunk[kPlanesMaxG * K::kBB];
 };
 
-// NT tokens over rows [row_begin, row_end): token t's level l is the q8_K row x[t * LV + l], its
-// outputs y + t * ldy; apad holds per super-block the A rows (kARows x 256 bytes).
+// A token's scalars of a super-block for the float part: its levels' d, and (Q4_K, Q5_K) their
+// asum pairs for kplanes_mins_pairs.
+struct KAScale {
+  float d, d2;
+  int32_t ap[4], ap2[4];
+};
+
+// NT tokens over rows [row_begin, row_end): token t's scalars of super-block cb at xs[cb * NT + t],
+// its outputs y + t * ldy; apad holds per super-block the A rows (kARows x 256 bytes).
 template <BlockType WT, bool TWO, int NT>
-void ktoken_group(float* y, int ldy, const block_q8_K* const* x, const int8_t* apad, const uint8_t* w,
+void ktoken_group(float* y, int ldy, const KAScale* xs, const int8_t* apad, const uint8_t* w,
                   const TileLayout& L, int row_begin, int row_end, KScratch<WT>& sc) {
   using K = KPlanesKind<WT>;
   constexpr int LV = TWO ? 2 : 1;
@@ -223,18 +250,24 @@ void ktoken_group(float* y, int ldy, const block_q8_K* const* x, const int8_t* a
         if (s % 2) dot_tiles<1>(a + K::kSubW * s, sc.b[s], sc.c[s], QK_K);
         else dot_tiles<0>(a + K::kSubW * s, sc.b[s], sc.c[s], QK_K);
       }
-      __m512i scl[K::kNumSub];
+      // per chunk, once for every token: the sub-block scales, the mins as int16 pairs, the header
+      __m512i scl[K::kNumSub], mp[4];
       for (int s = 0; s < K::kNumSub; ++s) scl[s] = kplanes_scale<WT>(c, s);
-      const int cb = cb0 + b;
+      if constexpr (K::kQ4) kplanes_min_pairs<WT>(c, mp);
+      __m512 d, dmin;
+      kplanes_header_ps<WT>(c, d, dmin);
+      const KAScale* xc = xs + (size_t)(cb0 + b) * NT;
       for (int t = 0; t < NT; ++t) {
-        __m512i I = _mm512_setzero_si512(), I2 = I, M, M2;
+        __m512i I = _mm512_setzero_si512(), I2 = I, M = I, M2 = I;
         for (int s = 0; s < K::kNumSub; ++s) {
           I = _mm512_add_epi32(I, _mm512_mullo_epi32(_mm512_load_si512(sc.c[s] + 16 * (t * LV)), scl[s]));
           if (TWO) I2 = _mm512_add_epi32(I2, _mm512_mullo_epi32(_mm512_load_si512(sc.c[s] + 16 * (t * LV + 1)), scl[s]));
         }
-        const block_q8_K* a2 = TWO ? x[t * LV + 1] + cb : nullptr;
-        kplanes_mins<WT, TWO>(c, x[t * LV][cb], a2, M, M2);
-        acc[t] = kplanes_finish<WT, TWO>(c, I, M, I2, M2, x[t * LV][cb], a2, acc[t]);
+        if constexpr (K::kQ4) {
+          M = kplanes_mins_pairs(mp, xc[t].ap);
+          if (TWO) M2 = kplanes_mins_pairs(mp, xc[t].ap2);
+        }
+        acc[t] = kplanes_finish<WT, TWO>(d, dmin, I, M, I2, M2, xc[t].d, xc[t].d2, acc[t]);
       }
     }
     for (int t = 0; t < NT; ++t) planes_store(y + (size_t)t * ldy + r, gg, acc[t]);
@@ -249,6 +282,7 @@ void gemv_batch_kplanes(float* y, int ldy, const void* xv, int m, const uint8_t*
   if (n <= 0 || m <= 0) return;
   for (int k = 0; k < m; ++k) std::memset(y + (size_t)k * ldy, 0, sizeof(float) * n);
   thread_local std::vector<int8_t> apad;  // per super-block: kARows rows of 256 bytes, missing rows zero
+  thread_local std::vector<KAScale> xs;   // per super-block and token: its scalars
   apad.resize((size_t)nbr * kARows * QK_K);
   KScratch<WT> sc;
   configure(KPlanesKind<WT>::kSlices);
@@ -257,8 +291,16 @@ void gemv_batch_kplanes(float* y, int ldy, const void* xv, int m, const uint8_t*
     const block_q8_K* x[kARows];
     for (int i = 0; i < nt * LV; ++i) x[i] = (const block_q8_K*)xv + (size_t)(t0 * LV + i) * nbr;
     fill_a(apad.data(), x, nt * LV, nbr);
+    xs.resize((size_t)nbr * nt);
+    for (int cb = 0; cb < nbr; ++cb)
+      for (int t = 0; t < nt; ++t) {
+        KAScale& e = xs[(size_t)cb * nt + t];
+        const block_q8_K &a = x[t * LV][cb], &a2 = x[t * LV + (TWO ? 1 : 0)][cb];
+        e.d = a.d, e.d2 = a2.d;
+        for (int i = 0; i < 4; ++i) e.ap[i] = kplanes_asum_pair<WT>(a, i), e.ap2[i] = kplanes_asum_pair<WT>(a2, i);
+      }
     with_count<kGroup>(nt, [&](auto NT) {
-      ktoken_group<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, x, apad.data(), w, L, row_begin, row_end, sc);
+      ktoken_group<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, xs.data(), apad.data(), w, L, row_begin, row_end, sc);
     });
   }
   _tile_release();

@@ -85,25 +85,11 @@ inline __m512i kplanes_min(const uint8_t* c, int j) {
                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, k + 6), _mm512_set1_epi32(3)), 4));
 }
 
-// Q4_K's (and Q5_K's) M of one or two levels (Q6_K: zero): sum_j m_j * asum_j.
-template <BlockType WT, bool TWO>
-inline void kplanes_mins(const uint8_t* c, const block_q8_K& a, const block_q8_K* a2, __m512i& M, __m512i& M2) {
-  using K = KPlanesKind<WT>;
-  M = M2 = _mm512_setzero_si512();
-  if constexpr (K::kQ4) {
-    for (int j = 0; j < 8; ++j) {
-      const __m512i m = kplanes_min<WT>(c, j);
-      M = _mm512_add_epi32(M, _mm512_mullo_epi32(m, _mm512_set1_epi32(K::asum(a, j))));
-      if (TWO) M2 = _mm512_add_epi32(M2, _mm512_mullo_epi32(m, _mm512_set1_epi32(K::asum(*a2, j))));
-    }
-  }
-}
-
-// The same M as vpdpwssd over int16 pairs, for kernels that meet one chunk with several tokens:
-// kplanes_min_pairs forms the chunk's mins once, mp[i] = m_2i | m_2i+1 << 16 per lane, and
-// kplanes_mins_pairs sums them against a token's asum pairs (kplanes_asum_pair): 4 vpdpwssd a
-// level where kplanes_mins takes 8 extractions, 8 vpmulld and 8 adds (each |asum| <= 32 * 128
-// and m <= 63 fit int16; the int32 sums are exact, so M is the same integer).
+// Q4_K's (and Q5_K's) M = sum_j m_j * asum_j as vpdpwssd over int16 pairs: kplanes_min_pairs
+// forms the chunk's mins once, mp[i] = m_2i | m_2i+1 << 16 per lane, and kplanes_mins_pairs sums
+// them against a token's asum pairs (kplanes_asum_pair): 4 vpdpwssd a level where the sum term by
+// term takes 8 extractions, 8 vpmulld and 8 adds (each |asum| <= 32 * 128 and m <= 63 fit int16;
+// the int32 sums are exact, so M is the same integer).
 template <BlockType WT>
 inline void kplanes_min_pairs(const uint8_t* c, __m512i (&mp)[4]) {
   for (int i = 0; i < 4; ++i)
@@ -123,20 +109,35 @@ inline __m512i kplanes_mins_pairs(const __m512i (&mp)[4], const int32_t* ap) {
   return M;
 }
 
+// The chunk's header as floats: d, and (Q4_K, Q5_K) dmin; a batched kernel forms them once for
+// all its tokens.
+template <BlockType WT>
+inline void kplanes_header_ps(const uint8_t* c, __m512& d, __m512& dmin) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
+  dmin = KPlanesKind<WT>::kQ4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))) : d;
+}
+
 // acc + d (d_a I + d_a2 I2) - dmin (d_a M + d_a2 M2) (TWO), or acc + (d d_a) I - (dmin d_a) M.
 template <BlockType WT, bool TWO>
-inline __m512 kplanes_finish(const uint8_t* c, __m512i I, __m512i M, __m512i I2, __m512i M2, const block_q8_K& a,
-                             const block_q8_K* a2, __m512 acc) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c)), da = _mm512_set1_ps(a.d);
+inline __m512 kplanes_finish(__m512 d, __m512 dmin, __m512i I, __m512i M, __m512i I2, __m512i M2, float ad,
+                             float a2d, __m512 acc) {
+  const __m512 da = _mm512_set1_ps(ad);
   auto level2 = [&](__m512i S, __m512i S2) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(S2), _mm512_set1_ps(a2->d), _mm512_mul_ps(_mm512_cvtepi32_ps(S), da));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(S2), _mm512_set1_ps(a2d), _mm512_mul_ps(_mm512_cvtepi32_ps(S), da));
   };
   if (TWO) acc = _mm512_fmadd_ps(d, level2(I, I2), acc);
   else acc = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(I), acc);
   if constexpr (KPlanesKind<WT>::kQ4) {
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32)));
     if (TWO) acc = _mm512_fnmadd_ps(dmin, level2(M, M2), acc);
     else acc = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(M), acc);
   }
   return acc;
+}
+
+template <BlockType WT, bool TWO>
+inline __m512 kplanes_finish(const uint8_t* c, __m512i I, __m512i M, __m512i I2, __m512i M2, const block_q8_K& a,
+                             const block_q8_K* a2, __m512 acc) {
+  __m512 d, dmin;
+  kplanes_header_ps<WT>(c, d, dmin);
+  return kplanes_finish<WT, TWO>(d, dmin, I, M, I2, M2, a.d, TWO ? a2->d : 0.f, acc);
 }

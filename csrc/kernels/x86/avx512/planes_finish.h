@@ -14,14 +14,27 @@
 // step of 8 two-level tokens that float part was a third of the time.
 // The activation enters as two scalars, the scale da of the integer sum (d_a, two levels d_a2)
 // and s, which the block form below takes from the blocks and the batched kernel precomputes.
+// The chunk's header as floats: d, and (Q4_1, Q5_1) m; a batched kernel forms them once for
+// all its tokens.
+template <BlockType WT>
+inline void planes_header_ps(const uint8_t* c, __m512& d, __m512& m) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
+  m = PlanesKind<WT>::kHasM ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))) : d;
+}
+
 template <BlockType WT, bool TWO>
-inline __m512 planes_finish(const uint8_t* c, __m512i S, __m512i T, float da, float s, __m512 acc) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
+inline __m512 planes_finish(__m512 d, __m512 m, __m512i S, __m512i T, float da, float s, __m512 acc) {
   const __m512i I = TWO ? _mm512_add_epi32(_mm512_slli_epi32(S, 8), T) : S;
   acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(da)), _mm512_cvtepi32_ps(I), acc);
-  if (PlanesKind<WT>::kHasM)
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))), _mm512_set1_ps(s), acc);
+  if (PlanesKind<WT>::kHasM) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(s), acc);
   return acc;
+}
+
+template <BlockType WT, bool TWO>
+inline __m512 planes_finish(const uint8_t* c, __m512i S, __m512i T, float da, float s, __m512 acc) {
+  __m512 d, m;
+  planes_header_ps<WT>(c, d, m);
+  return planes_finish<WT, TWO>(d, m, S, T, da, s, acc);
 }
 
 template <BlockType WT, bool TWO>
