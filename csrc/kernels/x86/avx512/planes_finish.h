@@ -3,7 +3,15 @@
 // operations in the same order on the same exact integers: a token's result is then the same
 // whichever kernel formed its integer dot products. Included inside namespace cflow::avx512
 // (anonymous), after <immintrin.h> and cflow/planes.h.
-//
+
+// The chunk's header as floats: d, and (Q4_1, Q5_1) m; a batched kernel forms them once for
+// all its tokens.
+template <BlockType WT>
+inline void planes_header_ps(const uint8_t* c, __m512& d, __m512& m) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
+  m = PlanesKind<WT>::kHasM ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))) : d;
+}
+
 // One chunk c (cflow/planes.h) of 16 rows: S holds row i's exact integer dot product with the
 // activation block a in lane i (the weight offset included: Q4_0 (q - 8), Q8_0 signed); T the
 // same with the second level a2 (TWO: AType::Q8x2), whose scale d_a2 is d_a / 256
@@ -13,15 +21,8 @@
 // multiply-add, as one level does, where scaling each level apart took two of each; in a batched
 // step of 8 two-level tokens that float part was a third of the time.
 // The activation enters as two scalars, the scale da of the integer sum (d_a, two levels d_a2)
-// and s, which the block form below takes from the blocks and the batched kernel precomputes.
-// The chunk's header as floats: d, and (Q4_1, Q5_1) m; a batched kernel forms them once for
-// all its tokens.
-template <BlockType WT>
-inline void planes_header_ps(const uint8_t* c, __m512& d, __m512& m) {
-  d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)c));
-  m = PlanesKind<WT>::kHasM ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c + 32))) : d;
-}
-
+// and s, which the block form below takes from the blocks and the batched kernel precomputes;
+// the header floats d and m come from planes_header_ps (the forms below from c take them there).
 template <BlockType WT, bool TWO>
 inline __m512 planes_finish(__m512 d, __m512 m, __m512i S, __m512i T, float da, float s, __m512 acc) {
   const __m512i I = TWO ? _mm512_add_epi32(_mm512_slli_epi32(S, 8), T) : S;
