@@ -120,21 +120,15 @@ struct Scratch {
   alignas(64) uint8_t chunk[kBatch][kPlanesMaxG * PlanesKind<WT>::kBB];
 };
 
-// A token's two scalars of a column block for planes_finish: the scale of its integer sum and s.
-// Formed once per call, so that the float part of a block broadcasts them straight from memory
-// (per token it took the token's block pointers and a float add).
-struct AScale {
-  float da, s;
-};
-
 // NT tokens (one A tile) over rows [row_begin, row_end): token t's scalars of column block cb at
-// xs[cb * NT + t], its outputs y + t * ldy; apad holds the A tile of every column block. The
-// float part forms a chunk's header floats once for all its tokens (planes_header_ps): per token,
-// as planes_finish(c, ...) would, they cost two conversions from memory, which the stores to the
-// stage buffers kept the compiler from hoisting, and the float part of a batched step was then a
-// third slower (docs/KERNELS.md).
+// xs[cb * NT + t] (formed once per call, broadcast straight from memory), its outputs
+// y + t * ldy; apad holds the A tile of every column block. The float part forms a chunk's
+// header floats once for all its tokens (planes_header_ps): per token, as planes_finish(c, ...)
+// would, they cost two conversions from memory, which the stores to the stage buffers kept the
+// compiler from hoisting, and the float part of a batched step was then a third slower
+// (docs/KERNELS.md).
 template <BlockType WT, bool TWO, int NT>
-void token_group(float* y, int ldy, const AScale* xs, const int8_t* apad, const uint8_t* w,
+void token_group(float* y, int ldy, const ActScalars* xs, const int8_t* apad, const uint8_t* w,
                  const TileLayout& L, int row_begin, int row_end, Scratch<WT>& sc) {
   constexpr int LV = TWO ? 2 : 1;
   walk_planes<WT>(y, w, L, row_begin, row_end, [&](int r, int gg, int cb0, int nb, auto&& chunk) {
@@ -160,7 +154,7 @@ void token_group(float* y, int ldy, const AScale* xs, const int8_t* apad, const 
         else dot_tiles<0>(a, bw[j], sc.c[j]);
       }
       for (int j = 0; j < nk; ++j) {
-        const AScale* xc = xs + (size_t)(cb0 + b0 + j) * NT;
+        const ActScalars* xc = xs + (size_t)(cb0 + b0 + j) * NT;
         __m512 d, mw;
         planes_header_ps<WT>(c[j], d, mw);
         for (int t = 0; t < NT; ++t) {
@@ -184,7 +178,7 @@ void gemv_batch_planes(float* y, int ldy, const void* xv, int m, const uint8_t* 
   if (n <= 0 || m <= 0) return;
   for (int k = 0; k < m; ++k) std::memset(y + (size_t)k * ldy, 0, sizeof(float) * n);
   thread_local std::vector<int8_t> apad;  // per column block: the A tile, missing rows zero
-  thread_local std::vector<AScale> xs;    // per column block and token: its scalars
+  thread_local std::vector<ActScalars> xs;  // per column block and token: its scalars (planes_act_scalars)
   apad.resize((size_t)nbr * kARows * QK);
   Scratch<WT> sc;
   configure();
@@ -195,10 +189,8 @@ void gemv_batch_planes(float* y, int ldy, const void* xv, int m, const uint8_t* 
     fill_a(apad.data(), x, nt * LV, nbr);
     xs.resize((size_t)nbr * nt);
     for (int cb = 0; cb < nbr; ++cb)
-      for (int t = 0; t < nt; ++t) {
-        const block_q8a &a = x[t * LV][cb], &a2 = x[t * LV + (TWO ? 1 : 0)][cb];
-        xs[(size_t)cb * nt + t] = {TWO ? a2.d : a.d, TWO ? a.s + a2.s : a.s};  // as planes_finish forms them
-      }
+      for (int t = 0; t < nt; ++t)
+        xs[(size_t)cb * nt + t] = planes_act_scalars<TWO>(x[t * LV][cb], TWO ? x[t * LV + 1] + cb : nullptr);
     with_count<kGroup>(nt, [&](auto NT) {
       token_group<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, xs.data(), apad.data(), w, L, row_begin, row_end, sc);
     });

@@ -545,8 +545,8 @@ struct PassActs {
           std::memcpy(qo + ((size_t)(cb * 8 + j) * NT + t) * L, a.qs + 4 * j, 4);
           if (TWO) std::memcpy(qo + ((size_t)(cb * 8 + j) * NT + t) * L + 1, a2->qs + 4 * j, 4);
         }
-        so[cb * NT + t] = {start(x.xs[t][cb]), TWO ? start(x.xs2[t][cb]) : 0, TWO ? a2->d : a.d,
-                           TWO ? a.s + a2->s : a.s};
+        const ActScalars sc = planes_act_scalars<TWO>(a, a2);
+        so[cb * NT + t] = {start(x.xs[t][cb]), TWO ? start(x.xs2[t][cb]) : 0, sc.da, sc.s};
       }
   }
 };

@@ -38,10 +38,21 @@ inline __m512 planes_finish(const uint8_t* c, __m512i S, __m512i T, float da, fl
   return planes_finish<WT, TWO>(d, m, S, T, da, s, acc);
 }
 
+// A token's two scalars of a column block, from its level blocks a (and a2): the one statement
+// of how they are formed, for the block form below and the kernels that form them ahead.
+struct ActScalars {
+  float da, s;
+};
+template <bool TWO>
+inline ActScalars planes_act_scalars(const block_q8a& a, const block_q8a* a2) {
+  return {TWO ? a2->d : a.d, TWO ? a.s + a2->s : a.s};
+}
+
 template <BlockType WT, bool TWO>
 inline __m512 planes_finish(const uint8_t* c, __m512i S, __m512i T, const block_q8a& a, const block_q8a* a2,
                             __m512 acc) {
-  return planes_finish<WT, TWO>(c, S, T, TWO ? a2->d : a.d, TWO ? a.s + a2->s : a.s, acc);
+  const ActScalars x = planes_act_scalars<TWO>(a, a2);
+  return planes_finish<WT, TWO>(c, S, T, x.da, x.s, acc);
 }
 
 // y[0 .. gg) += acc[0 .. gg): a group's outputs, the rows past gg (a widened group) dropped.
