@@ -4,9 +4,9 @@
 // pause for a budget, then sleeps on the very word it waits for (a futex on Linux, a yield loop
 // elsewhere), and whoever changes the word wakes its sleepers: a waiter early by more than the
 // budget gives its core away. The barrier budget adapts (threadpool.cpp): 2 ms, unless the
-// caller thread is being preempted, then 50 us for a while. With more runnable threads than
-// cores a step still waits for partners' time slices at its ~100 barriers (docs/KERNELS.md,
-// "Thread pool"): give the engine no more threads than idle cores.
+// caller thread keeps waiting for a core (a quarter of a run), then 50 us for a while. With more
+// runnable threads than cores a step still waits for partners' time slices at its ~100 barriers
+// (docs/KERNELS.md, "Thread pool"): give the engine no more threads than idle cores.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -62,14 +62,15 @@ class ThreadPool {
   void wait_change(std::atomic<uint32_t>& w, uint32_t old, int spin_us);
   // After changing w (seq_cst): wakes its sleepers, if any thread sleeps.
   void notify(std::atomic<uint32_t>& w);
-  // After a run in which the caller was preempted `preempted` times: the next barrier budget.
-  void adapt_spin(long preempted);
+  // After a run: the next barrier budget, short for a while when the caller waited for its core.
+  void adapt_spin(bool contended);
 
   int n_;
   const int fixed_spin_us_;              // CFLOW_SPIN_US, or -1: adapt
   std::atomic<int> spin_us_{0};          // the barrier budget now
   int short_left_ = 0, short_runs_ = 0;  // runs left at the short budget; its next length
   int calm_runs_ = 0;                    // runs at the long budget since the last relapse
+  int contended_row_ = 0;                // runs in a row in which the caller waited for its core
   std::vector<std::thread> threads_;
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
