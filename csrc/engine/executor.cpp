@@ -1155,7 +1155,7 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   // arithmetic is the same either way: a row's result does not depend on its step.
   const float scale = op.scale > 0 ? op.scale : 1.f / std::sqrt((float)hd);
   const int group = nh / nkv, part = group * (hd + 2);  // a span's partials: per head m, l, o
-  constexpr int kHeadsAtOnce = 8, kSpan = 128;
+  constexpr int kHeadsAtOnce = 8, kSpan = 128, kPrefetchRows = 16;
   auto spans_of = [&](int k) {
     const int p = ws.row_pos[k], lo = op.window > 0 ? std::max(0, p - op.window + 1) : 0;
     return (p - lo + kSpan) / kSpan;
@@ -1171,6 +1171,13 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
     const size_t at = ((size_t)j * st.n_ctx_ + i0) * hd;  // head-major (State)
     const uint8_t *K = st.k_[op.kv].get(), *V = st.v_[op.kv].get();
     float* sc = s.scores.data();
+    {  // the span's first rows of keys and values on their way; the kernels prefetch ahead from there
+      const size_t eb = st.kv_half_ ? 2 : 4, bytes = eb * hd * (size_t)std::min(len, kPrefetchRows);
+      for (size_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(K + eb * at + b);
+        __builtin_prefetch(V + eb * at + b);
+      }
+    }
     for (int m0 = 0; m0 < group; m0 += kHeadsAtOnce) {
       const int nq = std::min(kHeadsAtOnce, group - m0);
       const float* q = qkv + (size_t)k * ld + (size_t)(j * group + m0) * hd;

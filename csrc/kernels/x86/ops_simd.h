@@ -246,12 +246,19 @@ static void mix_rows_e(const float* p, const E* Vm, size_t ldv, int n, int hd, f
 // hsum4 at the same positions, the rows a lane sums in order.
 constexpr int kQ = W == 16 ? 4 : 2;  // queries per pass: AVX-512 4 x 4 accumulators, AVX2 2 x 4
 constexpr int kMixC = 4;              // value chunks per pass
+// Keys and values are prefetched this many rows ahead (the engine prefetches a span's first rows):
+// a (sequence, layer, head)'s rows are a stream of a few KB, too short for the hardware prefetchers
+// to ramp up, and the caches of a step of 8 long sequences do not hold them (docs/KERNELS.md, "Ops").
+constexpr int kAhead = 16;
 
 template <int NQ, class E>
 static void dot_rows_q(const float* q, size_t ldq, const E* K, size_t ldk, int n, int hd, float* out, size_t ldo) {
   int j = 0;
   for (; j + 4 <= n; j += 4) {
     const E* k = K + (size_t)j * ldk;
+    for (int r = 0; r < 4; ++r)  // (past the end: prefetches do not fault)
+      for (size_t b = 0; b < hd * sizeof(E); b += 64)
+        _mm_prefetch((const char*)(k + (size_t)(kAhead + r) * ldk) + b, _MM_HINT_T0);
     reg a[NQ][4];
     for (int m = 0; m < NQ; ++m)
       for (int r = 0; r < 4; ++r) a[m][r] = V::zero();
@@ -303,6 +310,8 @@ static inline void mix_rows_qc(const float* p, size_t ldp, const E* Vm, size_t l
     for (int c = 0; c < NC; ++c) a[m][c] = V::load(out + m * ldo + c0 + c * W);
   for (int j = 0; j < n; ++j) {
     const E* v = Vm + (size_t)j * ldv + c0;
+    for (size_t b = 0; b < NC * W * sizeof(E); b += 64)
+      _mm_prefetch((const char*)(v + (size_t)kAhead * ldv) + b, _MM_HINT_T0);
     reg vc[NC];
     for (int c = 0; c < NC; ++c) vc[c] = ld(v + c * W);
     for (int m = 0; m < NQ; ++m) {
