@@ -185,6 +185,20 @@ static inline reg ld(const uint16_t* p) { return V::load_h(p); }
 static inline reg ld_n(const float* p, int n) { return V::load_n(p, n); }
 static inline reg ld_n(const uint16_t* p, int n) { return V::load_h_n(p, n); }
 
+// Keys and values are prefetched this many rows ahead (the engine prefetches a span's first rows):
+// a (sequence, layer, head)'s rows are a stream of a few KB, too short for the hardware prefetchers
+// to ramp up, and the caches of a step of 8 long sequences do not hold them (docs/KERNELS.md, "Ops").
+constexpr int kAhead = 16;
+
+// Rows [kAhead, kAhead + rows) after `row` (stride ld), `elems` elements of each, on their way
+// (past the end of the cache too: a prefetch does not fault).
+template <class E>
+static inline void prefetch_ahead(const E* row, size_t ld, int rows, int elems) {
+  for (int r = 0; r < rows; ++r)
+    for (size_t b = 0; b < elems * sizeof(E); b += 64)
+      _mm_prefetch((const char*)(row + (size_t)(kAhead + r) * ld) + b, _MM_HINT_T0);
+}
+
 template <class E>
 static void dot_rows_e(const float* q, const E* K, size_t ldk, int n, int hd, float* out) {
   const int hw = hd / W * W;
@@ -192,6 +206,7 @@ static void dot_rows_e(const float* q, const E* K, size_t ldk, int n, int hd, fl
   if (hw == hd)  // 8 rows at a time: 8 independent chains (an FMA's latency is 4 cycles, and two
     for (; j + 8 <= n; j += 8) {  // issue a cycle), each four reduced as the loop below does
       const E* k = K + (size_t)j * ldk;
+      prefetch_ahead(k, ldk, 8, hd);
       reg a[8] = {V::zero(), V::zero(), V::zero(), V::zero(), V::zero(), V::zero(), V::zero(), V::zero()};
       for (int i = 0; i < hd; i += W) {
         const reg qi = V::load(q + i);
@@ -203,6 +218,7 @@ static void dot_rows_e(const float* q, const E* K, size_t ldk, int n, int hd, fl
   if (hw == hd)  // 4 rows at a time: independent chains, one reduction for the four
     for (; j + 4 <= n; j += 4) {
       const E* k = K + (size_t)j * ldk;
+      prefetch_ahead(k, ldk, 4, hd);
       reg a[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
       for (int i = 0; i < hd; i += W) {
         const reg qi = V::load(q + i);
@@ -246,19 +262,13 @@ static void mix_rows_e(const float* p, const E* Vm, size_t ldv, int n, int hd, f
 // hsum4 at the same positions, the rows a lane sums in order.
 constexpr int kQ = W == 16 ? 4 : 2;  // queries per pass: AVX-512 4 x 4 accumulators, AVX2 2 x 4
 constexpr int kMixC = 4;              // value chunks per pass
-// Keys and values are prefetched this many rows ahead (the engine prefetches a span's first rows):
-// a (sequence, layer, head)'s rows are a stream of a few KB, too short for the hardware prefetchers
-// to ramp up, and the caches of a step of 8 long sequences do not hold them (docs/KERNELS.md, "Ops").
-constexpr int kAhead = 16;
 
 template <int NQ, class E>
 static void dot_rows_q(const float* q, size_t ldq, const E* K, size_t ldk, int n, int hd, float* out, size_t ldo) {
   int j = 0;
   for (; j + 4 <= n; j += 4) {
     const E* k = K + (size_t)j * ldk;
-    for (int r = 0; r < 4; ++r)  // (past the end: prefetches do not fault)
-      for (size_t b = 0; b < hd * sizeof(E); b += 64)
-        _mm_prefetch((const char*)(k + (size_t)(kAhead + r) * ldk) + b, _MM_HINT_T0);
+    prefetch_ahead(k, ldk, 4, hd);
     reg a[NQ][4];
     for (int m = 0; m < NQ; ++m)
       for (int r = 0; r < 4; ++r) a[m][r] = V::zero();
@@ -310,8 +320,7 @@ static inline void mix_rows_qc(const float* p, size_t ldp, const E* Vm, size_t l
     for (int c = 0; c < NC; ++c) a[m][c] = V::load(out + m * ldo + c0 + c * W);
   for (int j = 0; j < n; ++j) {
     const E* v = Vm + (size_t)j * ldv + c0;
-    for (size_t b = 0; b < NC * W * sizeof(E); b += 64)
-      _mm_prefetch((const char*)(v + (size_t)kAhead * ldv) + b, _MM_HINT_T0);
+    prefetch_ahead(v, ldv, 1, NC * W);
     reg vc[NC];
     for (int c = 0; c < NC; ++c) vc[c] = ld(v + c * W);
     for (int m = 0; m < NQ; ++m) {
