@@ -45,6 +45,7 @@ constexpr int kSpinShortUs = 50;
 constexpr int kShortRuns = 64, kMaxShortRuns = 1 << 14;
 constexpr int kDelayShare = 4;    // a run is contended when its delay is >= 1/kDelayShare of it
 constexpr int kContendedRow = 2;  // short after this many contended runs in a row
+constexpr int kMeasureUs = 200;   // runs after a run this short are not measured
 
 // Where the calling thread stands: its wall clock, its time waiting for a core so far
 // (/proc/thread-self/schedstat, -1 where unknown) and its involuntary context switches (the
@@ -56,13 +57,19 @@ struct Usage {
 
 int64_t run_delay_us() {
 #if defined(__linux__)
-  struct Fd {  // per thread, closed when the thread ends
-    int fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+  struct Fd {  // per thread, closed when the thread ends; opened again in a forked child's thread
+    long tid = -1;
+    int fd = -1;
     ~Fd() {
       if (fd >= 0) close(fd);
     }
   };
   thread_local Fd f;
+  const long tid = syscall(SYS_gettid);
+  if (f.tid != tid) {
+    if (f.fd >= 0) close(f.fd);
+    f.fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC), f.tid = tid;
+  }
   char buf[128];
   const ssize_t n = f.fd >= 0 ? pread(f.fd, buf, sizeof buf - 1, 0) : -1;
   if (n <= 0) return -1;
@@ -75,10 +82,14 @@ int64_t run_delay_us() {
 #endif
 }
 
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 Usage usage_now() {
   Usage u;
-  u.wall_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                  std::chrono::steady_clock::now().time_since_epoch()).count();
+  u.wall_us = now_us();
   u.delay_us = run_delay_us();
 #if defined(__linux__)
   struct rusage ru;
@@ -177,7 +188,10 @@ void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
     fn(ctx, 0, 1);
     return;
   }
-  const Usage u0 = usage_now();
+  // a run after a short one is not measured: reading the usage twice (about 1 us) would cost a
+  // small GEMV a few percent, and a run that short says little about who holds the cores
+  const bool measure = fixed_spin_us_ < 0 && last_run_us_ >= kMeasureUs;
+  const Usage u0 = measure ? usage_now() : Usage{now_us(), -1, 0};
   fn_ = fn;
   ctx_ = ctx;
   done_.store(0, std::memory_order_relaxed);
@@ -186,10 +200,12 @@ void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
   fn(ctx, 0, n_);
   for (uint32_t d; (d = done_.load(std::memory_order_acquire)) != (uint32_t)(n_ - 1);)
     wait_change(done_, d, spin_us_.load(std::memory_order_relaxed));
-  const Usage u1 = usage_now();
+  const Usage u1 = measure ? usage_now() : Usage{now_us(), -1, 0};
   const int64_t wall = u1.wall_us - u0.wall_us;
-  adapt_spin(u0.delay_us >= 0 && u1.delay_us >= 0 ? (u1.delay_us - u0.delay_us) * kDelayShare >= wall
-                                                  : u1.preempted - u0.preempted >= 2);
+  last_run_us_ = wall;
+  if (measure)
+    adapt_spin(u0.delay_us >= 0 && u1.delay_us >= 0 ? (u1.delay_us - u0.delay_us) * kDelayShare >= wall
+                                                    : u1.preempted - u0.preempted >= 2);
 }
 
 void ThreadPool::barrier() {

@@ -71,6 +71,7 @@ class ThreadPool {
   int short_left_ = 0, short_runs_ = 0;  // runs left at the short budget; its next length
   int calm_runs_ = 0;                    // runs at the long budget since the last relapse
   int contended_row_ = 0;                // runs in a row in which the caller waited for its core
+  int64_t last_run_us_ = INT64_MAX;      // the last run's wall time (the first run is measured)
   std::vector<std::thread> threads_;
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
