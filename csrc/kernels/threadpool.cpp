@@ -87,9 +87,11 @@ int64_t now_us() {
       .count();
 }
 
-Usage usage_now() {
+// measured: with the run delay (or the preemptions); else the wall clock alone
+Usage usage_now(bool measured) {
   Usage u;
   u.wall_us = now_us();
+  if (!measured) return u;
   u.delay_us = run_delay_us();
 #if defined(__linux__)
   struct rusage ru;
@@ -191,7 +193,7 @@ void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
   // a run after a short one is not measured: reading the usage twice (about 1 us) would cost a
   // small GEMV a few percent, and a run that short says little about who holds the cores
   const bool measure = fixed_spin_us_ < 0 && last_run_us_ >= kMeasureUs;
-  const Usage u0 = measure ? usage_now() : Usage{now_us(), -1, 0};
+  const Usage u0 = usage_now(measure);
   fn_ = fn;
   ctx_ = ctx;
   done_.store(0, std::memory_order_relaxed);
@@ -200,7 +202,7 @@ void ThreadPool::run(void (*fn)(void*, int, int), void* ctx) {
   fn(ctx, 0, n_);
   for (uint32_t d; (d = done_.load(std::memory_order_acquire)) != (uint32_t)(n_ - 1);)
     wait_change(done_, d, spin_us_.load(std::memory_order_relaxed));
-  const Usage u1 = measure ? usage_now() : Usage{now_us(), -1, 0};
+  const Usage u1 = usage_now(measure);
   const int64_t wall = u1.wall_us - u0.wall_us;
   last_run_us_ = wall;
   if (measure)

@@ -211,7 +211,7 @@ struct KScratch {
 // A token's scalars of a super-block for the float part: its levels' d, and (Q4_K, Q5_K) their
 // asum pairs for kplanes_mins_pairs.
 struct KAScale {
-  float d, d2;
+  float d, d2 = 0.f;
   int32_t ap[4], ap2[4];
 };
 
@@ -286,10 +286,17 @@ void gemv_batch_kplanes(float* y, int ldy, const void* xv, int m, const uint8_t*
     xs.resize((size_t)nbr * nt);
     for (int cb = 0; cb < nbr; ++cb)
       for (int t = 0; t < nt; ++t) {
-        KAScale& e = xs[(size_t)cb * nt + t];
-        const block_q8_K &a = x[t * LV][cb], &a2 = x[t * LV + (TWO ? 1 : 0)][cb];
-        e.d = a.d, e.d2 = a2.d;
-        for (int i = 0; i < 4; ++i) e.ap[i] = kplanes_asum_pair<WT>(a, i), e.ap2[i] = kplanes_asum_pair<WT>(a2, i);
+        KAScale& e = xs[(size_t)cb * nt + t];  // (what the float part reads: the second level's with TWO,
+        const block_q8_K& a = x[t * LV][cb];    // the asum pairs where the type has mins)
+        e.d = a.d;
+        if constexpr (KPlanesKind<WT>::kQ4)
+          for (int i = 0; i < 4; ++i) e.ap[i] = kplanes_asum_pair<WT>(a, i);
+        if constexpr (TWO) {
+          const block_q8_K& a2 = x[t * LV + 1][cb];
+          e.d2 = a2.d;
+          if constexpr (KPlanesKind<WT>::kQ4)
+            for (int i = 0; i < 4; ++i) e.ap2[i] = kplanes_asum_pair<WT>(a2, i);
+        }
       }
     with_count<kGroup>(nt, [&](auto NT) {
       ktoken_group<WT, TWO, NT>(y + (size_t)t0 * ldy, ldy, xs.data(), apad.data(), w, L, row_begin, row_end, sc);
