@@ -233,3 +233,27 @@ def test_a_long_prompt_does_not_size_scratch_by_the_vocabulary():
     # the last row alone takes the decode GEMV, all rows the GEMM: the same to rounding
     np.testing.assert_allclose(eng.forward(eng.new_state(), ids[:32]), every[-1], rtol=0, atol=1e-4)
     assert last.shape == (65536,)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_non_finite_logits_are_an_error_and_undo_the_step(fast):
+    # a finite but huge head row: its logit overflows, in every step and every path (one state,
+    # several, every row's logits)
+    import torch
+
+    model = tiny_hf("llama")
+    with torch.no_grad():
+        model.lm_head.weight[7] = 3e38
+    eng = Engine(to_cflow(model, wtype="f32"), threads=2, fast=fast)
+    a, b = eng.new_state(), eng.new_state()
+    for call in (lambda: eng.forward(a, [1, 2, 3]), lambda: eng.forward([a, b], [[1, 2], [3]]),
+                 lambda: eng.forward(a, [4, 5], all_logits=True)):
+        with pytest.raises(CflowError, match="non-finite logits"):
+            call()
+        assert a.pos == b.pos == 0
+    # the same engine with an ordinary head row: the check passes what is finite
+    with torch.no_grad():
+        model.lm_head.weight[7] = 0.5
+    ok = Engine(to_cflow(model, wtype="f32"), threads=2, fast=fast)
+    st = ok.new_state()
+    assert np.isfinite(ok.forward(st, [1, 2, 3])).all() and st.pos == 3

@@ -117,7 +117,7 @@ void bind_engine(nb::module_& m) {
             }
             if (out.size() < rows * (size_t)e.eng->vocab()) throw nb::value_error("forward: output array too small");
             nb::gil_scoped_release nogil;
-            e.eng->forward(seqs, all_logits, out.data());
+            return e.eng->forward(seqs, all_logits, out.data());
           },
-          "states"_a, "tokens"_a, "all_logits"_a, "out"_a);
+          "states"_a, "tokens"_a, "all_logits"_a, "out"_a, "fills out; returns whether every logit is finite");
 }

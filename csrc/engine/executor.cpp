@@ -1854,7 +1854,21 @@ class Claim {
   std::vector<State*> held_;
 };
 
-void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logits) {
+// dst[0 .. n) = src[0 .. n); whether every value is finite. A value is not when its exponent bits
+// are all ones: adding one to the exponent field then carries into the sign bit, which the
+// accumulator keeps (integer and / add / or: a loop the compiler vectorizes at any ISA level).
+static bool copy_finite(float* dst, const float* src, size_t n) {
+  uint32_t acc = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, src + i, sizeof b);
+    acc |= (b & 0x7f800000u) + 0x00800000u;
+    dst[i] = src[i];
+  }
+  return !(acc & 0x80000000u);
+}
+
+bool Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logits) {
   if (seqs.empty()) fail("forward: no sequences");
   int n = 0;
   for (const Seq& s : seqs) {
@@ -1941,16 +1955,18 @@ void Engine::forward(const std::vector<Seq>& seqs, bool all_logits, float* logit
   }
   for (const Seq& s : seqs) s.state->tokens_.insert(s.state->tokens_.end(), s.tokens, s.tokens + s.n);
   const float* lg = ws.bufs[plan_.logits].data();  // all rows in layout order, or one per sequence
+  bool finite = true;
   if (all_logits) {
     for (const Seq& s : seqs) {
       const size_t i = &s - seqs.data();
-      std::memcpy(logits, lg + (size_t)ws.first_row[i] * vocab_, sizeof(float) * (size_t)vocab_ * s.n);
+      finite &= copy_finite(logits, lg + (size_t)ws.first_row[i] * vocab_, (size_t)vocab_ * s.n);
       logits += (size_t)vocab_ * s.n;
     }
   } else {
-    std::memcpy(logits, lg, sizeof(float) * (size_t)vocab_ * seqs.size());
+    finite = copy_finite(logits, lg, (size_t)vocab_ * seqs.size());
   }
   give_workspace(std::move(wsp));
+  return finite;
 }
 
 }  // namespace cflow

@@ -208,8 +208,9 @@ class EngineBase:
         piece of two or more rows takes the prefill path of a fresh prompt)."""
         return False
 
-    def _forward(self, states: list, ids: list[np.ndarray], all_logits: bool) -> np.ndarray:
-        """Run one step over the states' new tokens; logits rows as Engine.forward concatenates them."""
+    def _forward(self, states: list, ids: list[np.ndarray], all_logits: bool) -> tuple[np.ndarray, bool | None]:
+        """Run one step over the states' new tokens: the logits rows as Engine.forward
+        concatenates them, and whether they are all finite (None: not known, forward checks)."""
         raise NotImplementedError
 
     def forward(self, state, token_ids, *, all_logits: bool = False):
@@ -238,15 +239,17 @@ class EngineBase:
         self.check_weights()
         before = [st.pos for st in states]
         if sum(a.size for a in ids) <= MAX_BATCH:
-            whole = self._forward(states, ids, all_logits)
+            whole, finite = self._forward(states, ids, all_logits)
             outs = self._split(whole, ids, all_logits)
-            finite = np.isfinite(whole).all()  # one pass for the step's rows (a server step: 8)
+            if finite is None:
+                finite = np.isfinite(whole).all()  # one pass for the step's rows (a server step: 8)
         else:  # long prompts: each sequence on its own, in pieces of MAX_BATCH rows
-            outs = []
+            outs, finite = [], True
             for st, a in zip(states, ids):
                 parts = [self._forward([st], [a[s:s + MAX_BATCH]], all_logits) for s in range(0, a.size, MAX_BATCH)]
-                outs.append(np.concatenate(parts) if all_logits else parts[-1][0])
-            finite = all(np.isfinite(o).all() for o in outs)
+                kept = parts if all_logits else parts[-1:]  # the rows returned
+                finite = finite and all(np.isfinite(p).all() if f is None else f for p, f in kept)
+                outs.append(np.concatenate([p for p, _ in parts]) if all_logits else parts[-1][0][0])
         self.check_weights()  # the step may have read zeros or new bytes: its logits are not the model's
         if not finite:
             # a file whose numbers pass every check can still overflow (huge weights or scales):
@@ -479,10 +482,10 @@ class Engine(EngineBase):
     def _forward(self, states, ids, all_logits):
         out = np.empty((sum(a.size for a in ids) if all_logits else len(ids), self.vocab), dtype=np.float32)
         try:
-            self._core.forward([s._st for s in states], ids, all_logits, out)
+            finite = self._core.forward([s._st for s in states], ids, all_logits, out)
         except RuntimeError as e:
             raise CflowError(str(e)) from None
-        return out
+        return out, finite
 
     def profile(self) -> dict[str, float]:
         """Seconds spent per op kind since creation (needs CFLOW_PROFILE=1)."""

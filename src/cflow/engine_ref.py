@@ -162,7 +162,7 @@ class RefEngine(EngineBase):
                 bufs[op.dst] = bufs[op.dst] + y if op.accumulate else y
         for st, a in zip(states, ids):
             st.tokens.extend(int(t) for t in a)
-        return bufs[self.plan.logits].astype(np.float32, copy=False)
+        return bufs[self.plan.logits].astype(np.float32, copy=False), None
 
     def gated(self, weight: int, c: int, act: int, x: np.ndarray) -> np.ndarray:
         """act(gate x) * (up x) of a gate/up tensor whose rows come in pieces: piece p holds gate

@@ -143,8 +143,10 @@ class Engine {
   Engine(const uint8_t* base, size_t size, Plan plan, int n_ctx, int threads, bool fast, EngineOptions opt = {});
   ~Engine();
   // Appends each seq's tokens to its state. logits: per seq, (vocab,) for its last token, or
-  // (n_i, vocab) for every token when all_logits; seqs one after another.
-  void forward(const std::vector<Seq>& seqs, bool all_logits, float* logits);
+  // (n_i, vocab) for every token when all_logits; seqs one after another. Returns whether every
+  // logit it wrote is finite (checked as they are copied out, where a second pass over them in
+  // Python cost a step of 8 Qwen2.5-0.5B rows, 1.2 M logits, 0.27 ms).
+  bool forward(const std::vector<Seq>& seqs, bool all_logits, float* logits);
   std::unique_ptr<State> new_state() const;
   int vocab() const { return vocab_; }
   int n_ctx() const { return n_ctx_; }
