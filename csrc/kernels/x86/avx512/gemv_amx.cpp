@@ -110,14 +110,23 @@ inline void fill_a(int8_t* apad, const B* const* x, int n, int nbr) {
     }
 }
 
-constexpr int kBatch = 8;  // column blocks per stage (see token_group)
+// Column blocks per stage (see token_group): 4 where B is unpacked into the stage buffers, 8
+// where the tile loads B from the weights themselves (Q8_0). Weights streamed from memory, 1 thread,
+// 8 two-level tokens, ns per (token, 16 x 32 block), 4 / 8 blocks a stage: Q5_0 151936 x 896
+// 5.37-5.40 / 6.09-6.23, Q4_1 49152 x 576 3.80-4.09 / 4.68-4.98, Q8_0 151936 x 896 7.84-7.86 /
+// 6.44-6.86; in L2 the same within 2% (Q4_1 1536 x 576 3.65-3.71 / 3.68-3.77). Steps of 8
+// sequences alone, the builds alternated: Qwen2.5-0.5B (Q5_0 and Q8_0 from memory) 33.5 -> 31.8
+// ms, SmolLM2 10.0 -> 9.6. From memory the kernel overlaps its loads with its arithmetic poorly
+// (docs/KERNELS.md); a shorter stage waits less on each stage's weights.
+template <BlockType WT>
+constexpr int kBatch = PlanesKind<WT>::kNib ? 4 : 8;
 
 // A call's scratch: per block of a batch, its B, its C and (widened groups) its chunk.
 template <BlockType WT>
 struct Scratch {
-  alignas(64) int8_t b[kBatch][kSlices * 64];
-  alignas(64) int32_t c[kBatch][kARows * 16];
-  alignas(64) uint8_t chunk[kBatch][kPlanesMaxG * PlanesKind<WT>::kBB];
+  alignas(64) int8_t b[kBatch<WT>][kSlices * 64];
+  alignas(64) int32_t c[kBatch<WT>][kARows * 16];
+  alignas(64) uint8_t chunk[kBatch<WT>][kPlanesMaxG * PlanesKind<WT>::kBB];
 };
 
 // NT tokens (one A tile) over rows [row_begin, row_end): token t's scalars of column block cb at
@@ -139,10 +148,11 @@ void token_group(float* y, int ldy, const ActScalars* xs, const int8_t* apad, co
     // waits on a store just issued (a tile load cannot take data from pending vector stores, nor
     // a vector load from a pending tile store): B for every block, then every dot product (the
     // two tile sets alternating), then every block's float part.
-    for (int b0 = 0; b0 < nb; b0 += kBatch) {
-      const int nk = std::min(kBatch, nb - b0);
-      const uint8_t* c[kBatch];
-      const int8_t* bw[kBatch];
+    constexpr int KB = kBatch<WT>;
+    for (int b0 = 0; b0 < nb; b0 += KB) {
+      const int nk = std::min(KB, nb - b0);
+      const uint8_t* c[KB];
+      const int8_t* bw[KB];
       for (int j = 0; j < nk; ++j) {
         c[j] = chunk(b0 + j);
         if (gg < kPlanesMaxG) c[j] = (const uint8_t*)std::memcpy(sc.chunk[j], c[j], sizeof sc.chunk[j]);  // chunk() reuses its buffer
