@@ -238,22 +238,24 @@ def test_a_long_prompt_does_not_size_scratch_by_the_vocabulary():
 @pytest.mark.parametrize("fast", [False, True])
 def test_non_finite_logits_are_an_error_and_undo_the_step(fast):
     # a finite but huge head row: its logit overflows, in every step and every path (one state,
-    # several, every row's logits)
+    # several, every row's logits, a prompt longer than one native call)
     import torch
 
     model = tiny_hf("llama")
     with torch.no_grad():
         model.lm_head.weight[7] = 3e38
-    eng = Engine(to_cflow(model, wtype="f32"), threads=2, fast=fast)
+    eng = Engine(to_cflow(model, wtype="f32"), threads=2, fast=fast, n_ctx=1024)
     a, b = eng.new_state(), eng.new_state()
+    long = [int(i) for i in np.arange(600) % 200 + 8]  # past MAX_BATCH rows: prefilled in pieces
     for call in (lambda: eng.forward(a, [1, 2, 3]), lambda: eng.forward([a, b], [[1, 2], [3]]),
-                 lambda: eng.forward(a, [4, 5], all_logits=True)):
+                 lambda: eng.forward(a, [4, 5], all_logits=True), lambda: eng.forward([a, b], [long, [3]])):
         with pytest.raises(CflowError, match="non-finite logits"):
             call()
         assert a.pos == b.pos == 0
-    # the same engine with an ordinary head row: the check passes what is finite
+    # the same model with an ordinary head row: the check passes what is finite
     with torch.no_grad():
         model.lm_head.weight[7] = 0.5
-    ok = Engine(to_cflow(model, wtype="f32"), threads=2, fast=fast)
-    st = ok.new_state()
-    assert np.isfinite(ok.forward(st, [1, 2, 3])).all() and st.pos == 3
+    ok = Engine(to_cflow(model, wtype="f32"), threads=2, fast=fast, n_ctx=1024)
+    a, b = ok.new_state(), ok.new_state()
+    outs = ok.forward([a, b], [[1, 2, 3], long])
+    assert all(np.isfinite(o).all() for o in outs) and (a.pos, b.pos) == (3, 600)
