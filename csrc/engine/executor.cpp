@@ -1155,7 +1155,7 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   // arithmetic is the same either way: a row's result does not depend on its step.
   const float scale = op.scale > 0 ? op.scale : 1.f / std::sqrt((float)hd);
   const int group = nh / nkv, part = group * (hd + 2);  // a span's partials: per head m, l, o
-  constexpr int kHeadsAtOnce = 8, kSpan = 128, kPrefetchRows = 16;
+  constexpr int kHeadsAtOnce = 8, kSpan = 128;
   auto spans_of = [&](int k) {
     const int p = ws.row_pos[k], lo = op.window > 0 ? std::max(0, p - op.window + 1) : 0;
     return (p - lo + kSpan) / kSpan;
@@ -1172,7 +1172,7 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
     const uint8_t *K = st.k_[op.kv].get(), *V = st.v_[op.kv].get();
     float* sc = s.scores.data();
     {  // the span's first rows of keys and values on their way; the kernels prefetch ahead from there
-      const size_t eb = st.kv_half_ ? 2 : 4, bytes = eb * hd * (size_t)std::min(len, kPrefetchRows);
+      const size_t eb = st.kv_half_ ? 2 : 4, bytes = eb * hd * (size_t)std::min(len, kAttnPrefetchRows);
       for (size_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(K + eb * at + b);
         __builtin_prefetch(V + eb * at + b);

@@ -17,6 +17,12 @@
 
 namespace cflow {
 
+// Attention's keys and values are prefetched this many rows ahead: the SIMD dot and mix loops
+// prefetch from there as they go, and the engine prefetches a span's first rows before them. A
+// (sequence, layer, head)'s rows are a stream of a few KB, too short for the hardware prefetchers
+// to ramp up, and the caches of a step of 8 long sequences do not hold them (docs/KERNELS.md, "Ops").
+constexpr int kAttnPrefetchRows = 16;
+
 struct OpsTable {
   Isa isa;
   // x, y: (rows, n); w: (n). y = x / sqrt(mean(x^2) + eps) * (w_offset + w). y may be x.

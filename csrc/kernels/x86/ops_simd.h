@@ -185,18 +185,13 @@ static inline reg ld(const uint16_t* p) { return V::load_h(p); }
 static inline reg ld_n(const float* p, int n) { return V::load_n(p, n); }
 static inline reg ld_n(const uint16_t* p, int n) { return V::load_h_n(p, n); }
 
-// Keys and values are prefetched this many rows ahead (the engine prefetches a span's first rows):
-// a (sequence, layer, head)'s rows are a stream of a few KB, too short for the hardware prefetchers
-// to ramp up, and the caches of a step of 8 long sequences do not hold them (docs/KERNELS.md, "Ops").
-constexpr int kAhead = 16;
-
-// Rows [kAhead, kAhead + rows) after `row` (stride ld), `elems` elements of each, on their way
-// (past the end of the cache too: a prefetch does not fault).
+// Rows [kAttnPrefetchRows, kAttnPrefetchRows + rows) after `row` (stride ld), `elems` elements of
+// each, on their way (cflow/ops.h; past the end of the cache too: a prefetch does not fault).
 template <class E>
 static inline void prefetch_ahead(const E* row, size_t ld, int rows, int elems) {
   for (int r = 0; r < rows; ++r)
     for (size_t b = 0; b < elems * sizeof(E); b += 64)
-      _mm_prefetch((const char*)(row + (size_t)(kAhead + r) * ld) + b, _MM_HINT_T0);
+      _mm_prefetch((const char*)(row + (size_t)(kAttnPrefetchRows + r) * ld) + b, _MM_HINT_T0);
 }
 
 template <class E>
