@@ -230,6 +230,65 @@ def test_stream_decoder_never_splits_a_character(tiny_dir):
     assert "".join(pieces) == tok.decode(ids) == text
 
 
+def test_token_bytes_spell_the_text_byte_for_byte(tiny_dir):
+    tok = Tokenizer((tiny_dir / "tokenizer.json").read_text(), {})
+    text = "héllo wörld 🤗 ñandú 日本語 fox\n\t  x"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.token_bytes(i).decode("utf-8", "replace") for i in ids)  # part of a character
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+# ------------------------------------------------------------------ logprobs
+@given(st.lists(st.floats(-30, 30, width=32), min_size=2, max_size=300), st.integers(0, 20), st.data())
+@settings(max_examples=60, deadline=None)
+def test_a_tokens_logprob_is_the_log_softmax_of_the_logits(values, n, data):
+    from cflow.sampling import token_logprob
+
+    x = np.array(values, dtype=np.float32)
+    chosen = data.draw(st.integers(0, x.size - 1))
+    got = token_logprob(x, chosen, n)
+    ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64) - x.max()).sum()) - x.max()
+    assert got.id == chosen and abs(got.logprob - ref[chosen]) < 1e-5
+    order = sorted(range(x.size), key=lambda i: (-x[i], i))[: min(n, x.size)]
+    assert [i for i, _ in got.top] == order  # most likely first, ties: the lower id
+    assert all(abs(v - ref[i]) < 1e-5 for i, v in got.top)
+
+
+def test_logprobs_of_a_bad_count_or_non_finite_logits_are_errors():
+    from cflow.sampling import token_logprob
+
+    x = np.zeros(8, np.float32)
+    for n in (-1, 21, 2.0, True, "3"):
+        with pytest.raises(CflowError, match="top logprobs"):
+            token_logprob(x, 0, n)
+    x[3] = np.nan
+    with pytest.raises(CflowError, match="not finite"):
+        token_logprob(x, 0, 2)
+
+
+def test_completions_carry_each_tokens_logprob_under_the_model(llm):
+    from cflow.sampling import log_softmax
+
+    prompt = llm.encode_prompt("Once upon a time")
+    chunks = list(llm.complete(prompt, max_tokens=12, temperature=0.9, seed=3, logprobs=4, repetition_penalty=1.3))
+    ids = [t for c in chunks for t in c.token_ids]
+    lps = [x for c in chunks for x in c.logprobs]
+    assert len(ids) >= 2 and [x.id for x in lps] == ids
+    # the reference: the engine's logits of each step, softmaxed in float64, before any penalty
+    # or temperature (the draws above saw penalised, tempered ones)
+    eng = llm.engine
+    state = eng.new_state()
+    logits = eng.forward(state, prompt)
+    for t, x in zip(ids, lps):
+        ref = log_softmax(np.asarray(logits).reshape(-1, logits.shape[-1])[-1])
+        assert abs(x.logprob - ref[t]) < 1e-4
+        assert [i for i, _ in x.top] == list(np.argsort(-ref, kind="stable")[:4])
+        logits = eng.forward(state, [t])
+    assert all(c.logprobs is None for c in llm.complete(prompt, max_tokens=3))
+    with pytest.raises(CflowError, match="top logprobs"):
+        llm.complete(prompt, max_tokens=3, logprobs=21)
+
+
 def test_stop_strings_are_never_emitted(llm):
     full = llm.generate("Once upon a time", max_tokens=40, seed=0)  # seeded: the second run repeats it
     assert len(full) > 12

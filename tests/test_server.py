@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from server_util import FOREVER, TIMEOUT, health, http, long_llm, metric, serving, wait_for
@@ -60,6 +61,41 @@ def test_streamed_chat_equals_the_whole_answer(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_chat_logprobs_whole_and_streamed_spell_the_answer(client, tiny_llm):
+    # the model's own log-probabilities, whatever the sampling: a tempered, seeded draw's tokens
+    # get the logprobs greedy decoding would see, and the most likely tokens of each step
+    kw = dict(model="any", messages=HI, max_tokens=12, temperature=1.5, seed=11, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 12
+    spelt = b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace")  # the draws end mid-character
+    assert spelt == whole.choices[0].message.content
+    for t in content:
+        assert t.token == bytes(t.bytes).decode("utf-8", "replace") and t.logprob <= 0
+        top = [x.logprob for x in t.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True) and t.logprob <= top[0]
+        assert sum(np.exp(top)) <= 1 + 1e-6
+    assert any(t.logprob < t.top_logprobs[0].logprob for t in content)  # the draw left greedy somewhere
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob, [x.token for x in t.top_logprobs]) for t in streamed] == \
+           [(t.token, t.logprob, [x.token for x in t.top_logprobs]) for t in content]
+    plain = client.chat.completions.create(model="any", messages=HI, max_tokens=3)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_in_the_completions_shape(url):
+    r = http().post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 10,
+                                                   "temperature": 0, "logprobs": 2})
+    c = r.json()["choices"][0]
+    lp = c["logprobs"]
+    assert "".join(lp["tokens"]) == c["text"] and len(lp["tokens"]) == 10
+    assert lp["text_offset"] == list(np.cumsum([0] + [len(t) for t in lp["tokens"]])[:-1])
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        # greedy: the most likely (two tokens that hold parts of characters both read U+FFFD: one entry)
+        assert 1 <= len(top) <= 2 and top[tok] == v == max(top.values())
+
+
 def test_stream_ends_with_done(url):
     body = {"messages": HI, "max_tokens": 3, "stream": True}
     with http().stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -111,7 +147,8 @@ def test_models_health_metrics(client, url, tiny_llm):
     ({"messages": HI, "temperature": "hot"}, 400, "temperature", "invalid_value"),
     ({"messages": HI, "temperature": 7}, 400, "temperature", "invalid_value"),
     ({"messages": HI, "n": 2}, 400, "n", "invalid_value"),
-    ({"messages": HI, "logprobs": True}, 400, "logprobs", "invalid_value"),
+    ({"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
     ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "invalid_value"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -74,6 +74,16 @@ def test_eight_prompts_at_once_give_their_alone_tokens(url8, long8):
     wait_for(lambda: health(long8)["active"] == 0, what="the streams to be cancelled")
 
 
+def test_logprobs_batched_are_the_ones_alone(url8):
+    # the logits of a batched row are bit for bit its alone logits, and so are their logprobs
+    def lp(p):
+        return complete(url8, p, 16, logprobs=3)["choices"][0]["logprobs"]
+
+    alone = [lp(p) for p in PROMPTS]
+    assert at_once(lp, [(p,) for p in PROMPTS]) == alone
+    assert all(len(a["tokens"]) == 16 for a in alone)
+
+
 def batcher_counters(url):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -80,8 +80,6 @@ FIELDS = {
     "stream": ["true", 1, [True], {}],
     "stream_options": ["x", [1], True, {"include_usage": "yes"}, {"include_usage": 1}],
     "model": [5, ["m"], {}, True],
-    "logprobs": [True, "false", 1],
-    "top_logprobs": [1, "0", True, -1],
     "logit_bias": [{"5": 10}, {"5": "x"}, "x", [1], 5],
     "best_of": [2, True, "1"],
     "echo": [True, 1, "no"],
@@ -92,8 +90,10 @@ FIELDS = {
 CHAT_ONLY = {
     "max_completion_tokens": ["5", True, 0, -1],
     "response_format": [{"type": "json_object"}, {"type": 5}, "text", 5],
+    "logprobs": ["false", 1, [True], {}],
+    "top_logprobs": [1, "0", True, -1, 21, 2.0],  # 1: without logprobs true
 }
-COMPLETION_ONLY = {"suffix": ["x", 5, True]}
+COMPLETION_ONLY = {"suffix": ["x", 5, True], "logprobs": [True, "1", 6, -1, 1.5, [1]]}
 
 
 def field_cases():

@@ -148,3 +148,18 @@ def test_byte_fallback_spells_unknown_characters(tmp_path, small_vocab):
     enc = tk.encode("𓀀", add_special_tokens=False)
     assert enc.tokens == ["<0xF0>", "<0x93>", "<0x80>", "<0x80>"]
     assert tk.decode(enc.ids) == "𓀀"
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_token_bytes_spell_the_text(tmp_path, small_vocab, arch):
+    # logprobs spell a token by its bytes: U+2581 a space, <0xNN> its byte (a part of a
+    # character), a control token its own text; together, the decoded text (Llama's decoder
+    # drops the space of the ▁ it puts before the first piece)
+    from cflow.tokenizer import Tokenizer
+
+    tok = Tokenizer(*gguf_tokenizer(write_vocab_gguf(tmp_path / "v.gguf", arch, *small_vocab)))
+    for text in [t for t in VARIED if t.strip()] + ["𓀀 rare", "<start_of_turn>user\nHi<end_of_turn>"]:
+        ids = tok.encode(text)
+        spelt, shown = b"".join(tok.token_bytes(i) for i in ids), tok.decode(ids).encode()
+        assert spelt == shown or (arch == "llama" and spelt == b" " + shown), text
+    assert tok.token_bytes(tok.encode("𓀀")[-1]) == b"\x80"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from cflow.errors import CflowError
-from cflow.sampling import make_sampler
+from cflow.sampling import TokenLogprob, check_logprobs, make_sampler, token_logprob
 from cflow.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -36,6 +36,7 @@ class Chunk:
     finish_reason: str | None = None  # None | "stop" | "length"
     usage: Usage | None = None
     timings: Timings | None = None
+    logprobs: list[TokenLogprob] | None = None  # token_ids' own, when the Decoder was asked for them
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -87,17 +88,25 @@ class Decoder:
     Text that could be the start of a stop string is held back; stop strings are never emitted.
     ignore_eos: the end-of-sequence token does not end the generation (it is sampled like any
     other: fixed-length runs and benchmarks).
+    logprobs: None, or n: each Chunk carries its tokens' logprobs (sampling.token_logprob) with
+    the n most likely tokens of their steps. A token that ends the generation (end of sequence)
+    has none, as it has no text.
     """
 
     def __init__(self, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
-                 stop: list[str] | None = None, ignore_eos: bool = False, recompute: int = 2, **sampling):
+                 stop: list[str] | None = None, ignore_eos: bool = False, recompute: int = 2,
+                 logprobs: int | None = None, **sampling):
         self.sample = make_sampler(**sampling)  # bad settings fail here, before any step
+        if logprobs is not None:
+            check_logprobs(logprobs)  # a bad n fails here too
+        self.logprobs = logprobs
         self.recompute = recompute  # prompt tokens computed again at least (begin)
         self.tok, self.prompt, self.max_tokens, self.ignore_eos = tok, list(prompt_ids), max_tokens, ignore_eos
         self.stops = [s for s in (stop or []) if s]
         self.history = list(prompt_ids)
         self.dec = StreamDecoder(tok)
         self.held, self.out_ids, self.pending = "", [], []
+        self.pending_lp: list[TokenLogprob] | None = None if logprobs is None else []
         self.finish: str | None = None
         self.cached, self.n_fwd = 0, 0
         self._todo: list[list[int]] = []
@@ -149,6 +158,8 @@ class Decoder:
         self.out_ids.append(t)
         self.history.append(t)
         self.pending.append(t)
+        if self.pending_lp is not None:
+            self.pending_lp.append(token_logprob(logits, t, self.logprobs))
         self.held += self.dec.push(t)
         hit = self._stop_hit()
         if hit >= 0:
@@ -158,7 +169,8 @@ class Decoder:
             return self._end("length")
         keep = _held_back(self.held, self.stops)
         emit, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-        chunk, self.pending = Chunk(emit, self.pending), []
+        chunk = Chunk(emit, self.pending, logprobs=self.pending_lp)
+        self.pending, self.pending_lp = [], None if self.pending_lp is None else []
         return chunk
 
     def _stop_hit(self) -> int:
@@ -177,7 +189,7 @@ class Decoder:
         usage = Usage(n_prompt, n_out, n_prompt + n_out, self.cached)
         timings = Timings(self.t1 - self.t0, t2 - self.t1, _rate(n_new, self.t1 - self.t0), _rate(self.n_fwd, t2 - self.t1),
                           n_new)
-        return Chunk(self.held, self.pending, self.finish, usage, timings)
+        return Chunk(self.held, self.pending, self.finish, usage, timings, self.pending_lp)
 
 
 def recompute_for(engine) -> int:
@@ -188,13 +200,14 @@ def recompute_for(engine) -> int:
 
 def generate_step(engine, state, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
                   stop: list[str] | None = None, cached: int = 0, ignore_eos: bool = False,
-                  **sampling) -> Iterator[Chunk]:
+                  logprobs: int | None = None, **sampling) -> Iterator[Chunk]:
     """Yield one Chunk per generated token; the last one has finish_reason, usage and timings.
 
     cached: tokens of prompt_ids already in `state` (prompt-cache reuse); the rest is prefilled.
+    logprobs: None, or n: each Chunk's tokens' logprobs, with the n most likely tokens (Decoder).
     """
     d = Decoder(tok, prompt_ids, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
-                recompute=recompute_for(engine), **sampling)
+                recompute=recompute_for(engine), logprobs=logprobs, **sampling)
     d.begin(state, cached)
     while not d.done:
         chunk = d.feed(engine.forward(state, d.next_input()))

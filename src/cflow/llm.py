@@ -12,7 +12,7 @@ import numpy as np
 
 from cflow.errors import CflowError
 from cflow.generate import Chunk, check_budget, generate_step
-from cflow.sampling import generation_defaults, make_sampler
+from cflow.sampling import check_logprobs, generation_defaults, make_sampler
 from cflow.tokenizer import Tokenizer
 
 # used when a model carries no chat template of its own
@@ -214,7 +214,7 @@ class LLM:
     def complete(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None, stop: list[str] | None = None,
-                 ignore_eos: bool = False, state=None) -> Iterator[Chunk]:
+                 ignore_eos: bool = False, logprobs: int | None = None, state=None) -> Iterator[Chunk]:
         """Generate from a prompt (text or token ids): one Chunk per token, the last with
         finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
         plus max_tokens does not fit the context. Close the generator to cancel.
@@ -224,6 +224,10 @@ class LLM:
 
         state: reuse an engine state across calls (prompt cache: the common prefix of the prompt
         and the tokens the state holds is kept, the rest recomputed).
+
+        logprobs: None, or n in 0..20: each Chunk's `logprobs` holds its tokens' log-probabilities
+        under the model (its raw logits' softmax, before penalties, temperature and filters) and
+        the n most likely tokens of each step (cflow.sampling.TokenLogprob).
         """
         ids = self.encode_prompt(prompt)
         check_budget(len(ids), max_tokens, self.n_ctx)
@@ -232,6 +236,9 @@ class LLM:
         sampling = {k: self.generation_defaults[k] if v is None else v for k, v in given.items()}
         sampling["seed"] = seed
         make_sampler(**sampling)  # bad settings fail here, not at the first token
+        if logprobs is not None:
+            sampling["logprobs"] = logprobs
+            check_logprobs(logprobs)  # as must a bad n
         cached = 0
         if state is None:
             state = self.engine.new_state()

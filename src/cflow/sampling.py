@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -72,6 +73,45 @@ def log_softmax(z: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax of (n, vocab) logits, in float64."""
     z = z.astype(np.float64) - z.max(axis=-1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (the softmax of its raw logits:
+    before any penalty, temperature or filter, as OpenAI's and vLLM's logprobs are), and the `n`
+    most likely tokens of that step with theirs, most likely first (ties: the lower id)."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
+
+def check_logprobs(n) -> None:
+    """The number of most likely tokens asked for with each token's logprob: 0..MAX_TOP_LOGPROBS."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise CflowError(f"top logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {n!r}")
+
+
+def token_logprob(logits: np.ndarray, chosen: int, n: int = 0) -> TokenLogprob:
+    """The TokenLogprob of `chosen` at a step of 1-D logits, with the n (check_logprobs) most
+    likely tokens. The log of the normaliser is summed in float64 (a 152k vocabulary)."""
+    check_logprobs(n)
+    x = np.asarray(logits)
+    x = x[-1] if x.ndim == 2 else x  # a prompt piece's rows: its last one's
+    m = float(x.max())
+    if not math.isfinite(m) or not np.isfinite(x[chosen]):
+        raise CflowError("logprobs of logits that are not finite")
+    lse = m + math.log(float(np.exp(x - np.float32(m), dtype=np.float32).sum(dtype=np.float64)))
+    top: list[tuple[int, float]] = []
+    n = min(n, x.size)
+    if n:
+        ids = _top_k_ids(x, n) if x.dtype == np.float32 else np.argpartition(x, x.size - n)[x.size - n:]
+        ids = sorted((int(i) for i in ids), key=lambda i: (-float(x[i]), i))[:n]
+        top = [(i, float(x[i]) - lse) for i in ids]
+    return TokenLogprob(int(chosen), float(x[chosen]) - lse, top)
 
 
 def top_k_filter(p: np.ndarray, k: int) -> np.ndarray:

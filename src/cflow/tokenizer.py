@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import re
+
 from cflow.errors import CflowError, library_failure
 
 
@@ -40,6 +44,67 @@ class Tokenizer:
 
     def token_text(self, i: int) -> str | None:
         return self.backend.id_to_token(i)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for in decoded text, a part of a character included: how
+        logprobs spell a token. Byte-level vocabularies (GPT-2's, Qwen's) map each byte to a
+        printable character; SentencePiece ones write a space as U+2581 and a byte they have no
+        piece for as <0xNN>; added (special) tokens stand for their own text."""
+        b = self._token_bytes.get(i)
+        if b is None:
+            b = self._token_bytes[i] = self._spell(i)
+        return b
+
+    @functools.cached_property
+    def _token_bytes(self) -> dict[int, bytes]:
+        return {}
+
+    @functools.cached_property
+    def _decoders(self) -> tuple[set[int], set[str], list[tuple[str, str]]]:
+        """(added token ids, the decoder's step types, its Replace steps)."""
+        spec = json.loads(self.backend.to_str())
+        added = {t["id"] for t in spec.get("added_tokens") or []}
+        steps = spec.get("decoder") or {}
+        steps = steps.get("decoders") or [steps] if steps.get("type") == "Sequence" else [steps]
+        kinds = {d.get("type") for d in steps if isinstance(d, dict)}
+        replace = [(d["pattern"]["String"], d["content"]) for d in steps if isinstance(d, dict)
+                   and d.get("type") == "Replace" and isinstance(d.get("pattern"), dict) and "String" in d["pattern"]]
+        return added, kinds, replace
+
+    def _spell(self, i: int) -> bytes:
+        piece = self.backend.id_to_token(i)
+        if piece is None:
+            return b""
+        added, kinds, replace = self._decoders
+        if i in added:
+            return piece.encode()
+        if "ByteLevel" in kinds and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if "ByteFallback" in kinds:
+            m = _BYTE_PIECE.fullmatch(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+        for a, b in replace:
+            piece = piece.replace(a, b)
+        return piece.encode()
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-to-character map, inverted: printable bytes stand for themselves, the others
+    (controls, space, 127-160, 173) for the characters from U+0100 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class StreamDecoder:

@@ -182,19 +182,37 @@ def _model_error(e: Exception) -> ApiError:
     return ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
 
 
+def _spelt(tok, i: int) -> tuple[str, bytes]:
+    """A token as logprobs name it: its text (a part of a character as U+FFFD) and its bytes."""
+    b = tok.token_bytes(i)
+    return b.decode("utf-8", "replace"), b
+
+
 class _Chat:
     """Response shapes of /v1/chat/completions."""
 
     prefix, obj, chunk_obj = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     @staticmethod
-    def choice(text, finish):
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+    def choice(text, finish, logprobs=None):
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
 
     @staticmethod
-    def delta(text, finish, first=False):
+    def delta(text, finish, first=False, logprobs=None):
         d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(tok, lps, offset: int) -> tuple[dict, int]:
+        """OpenAI's chat logprobs of tokens lps (sampling.TokenLogprob): per token its text, bytes
+        and logprob, and the most likely tokens of its step alike."""
+        def one(i, lp):
+            text, b = _spelt(tok, i)
+            return {"token": text, "logprob": lp, "bytes": list(b)}
+
+        return {"content": [dict(one(x.id, x.logprob), top_logprobs=[one(i, v) for i, v in x.top]) for x in lps],
+                "refusal": None}, offset
 
 
 class _Text:
@@ -203,12 +221,30 @@ class _Text:
     prefix, obj, chunk_obj = "cmpl", "text_completion", "text_completion"
 
     @staticmethod
-    def choice(text, finish):
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(text, finish, logprobs=None):
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
-    def delta(text, finish, first=False):
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def delta(text, finish, first=False, logprobs=None):
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(tok, lps, offset: int) -> tuple[dict, int]:
+        """The completions API's logprobs: parallel lists of tokens, their logprobs, {token:
+        logprob} of each step's most likely tokens, and each token's character offset in the
+        completion's text (its first at 0); and the offset after them."""
+        tokens, offsets = [], []
+        for x in lps:
+            offsets.append(offset)
+            tokens.append(_spelt(tok, x.id)[0])
+            offset += len(tokens[-1])
+        tops = []
+        for x in lps:  # two tokens that read alike (parts of characters: U+FFFD) keep the likelier
+            tops.append({})
+            for i, v in x.top:
+                tops[-1].setdefault(_spelt(tok, i)[0], v)
+        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps], "top_logprobs": tops,
+                "text_offset": offsets}, offset
 
 
 class Server:
@@ -282,16 +318,18 @@ class Server:
                 handed_off = True
                 return EventStream(self.events(gen, item, fmt, req.include_usage(), t0),
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            text, last = [], None
+            text, last, lps = [], None, []
             while item is not END:
                 if isinstance(item, Exception):
                     raise _model_error(item)
                 text.append(item.text)
+                lps += item.logprobs or []
                 last = item
                 item = await _next(gen, watch)
             self.done(last, t0)
             body = self.head(fmt, fmt.obj)
-            body["choices"] = [fmt.choice("".join(text), last.finish_reason)]
+            logprobs = fmt.logprobs(self.llm.tokenizer, lps, 0)[0] if sampling["logprobs"] is not None else None
+            body["choices"] = [fmt.choice("".join(text), last.finish_reason, logprobs)]
             body["usage"] = _usage(last.usage)
             body["timings"] = _plain(last.timings)
             return JSONResponse(body)
@@ -307,13 +345,20 @@ class Server:
 
     async def events(self, gen: Job, item, fmt, include_usage: bool, t0: float):
         head, last, first = self.head(fmt, fmt.chunk_obj), None, True
+        want_logprobs = gen.decoder.logprobs is not None
+        carry, offset = [], 0  # logprobs of tokens whose text is held back; text_offset so far
         try:
             while item is not END:
                 if isinstance(item, Exception):
                     yield _sse(_model_error(item).body())
                     break
+                carry += item.logprobs or []
                 if item.text or item.finish_reason or first:
-                    chunk = dict(head, choices=[fmt.delta(item.text, item.finish_reason, first)])
+                    logprobs = None
+                    if want_logprobs:
+                        logprobs, offset = fmt.logprobs(self.llm.tokenizer, carry, offset)
+                        carry = []
+                    chunk = dict(head, choices=[fmt.delta(item.text, item.finish_reason, first, logprobs)])
                     if item.finish_reason:
                         chunk["timings"] = _plain(item.timings)
                     yield _sse(chunk)

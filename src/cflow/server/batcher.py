@@ -118,8 +118,9 @@ class Job:
         if chunk.finish_reason is None:
             return None
         held, self._held = self._held, []
+        logprobs = None if chunk.logprobs is None else [x for c in held for x in c.logprobs or []]
         return Chunk("".join(c.text for c in held), [t for c in held for t in c.token_ids], chunk.finish_reason,
-                     chunk.usage, chunk.timings)
+                     chunk.usage, chunk.timings, logprobs)
 
     def put(self, item) -> None:
         """From the batcher thread: hand an item to the request's handler."""

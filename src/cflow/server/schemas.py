@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible endpoints, their checks, and the error object.
 
 Unknown top-level fields are ignored (clients send many), except those that would change the
-answer and that cflow cannot honour (n > 1, logprobs, tools, logit_bias, ...): those get a 400
+answer and that cflow cannot honour (n > 1, echo, tools, logit_bias, ...): those get a 400
 rather than a silently different result. Types are strict: "5" is not a number, true is not 1.
 
 parse_body turns the raw body into a dict without trusting it: strict UTF-8, nesting bounded
@@ -18,9 +18,12 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cflow.sampling import MAX_TOP_LOGPROBS
+
 MAX_JSON_DEPTH = 64  # arrays / objects inside each other; a request needs 4
 MAX_INT_DIGITS = 40  # a JSON integer longer than this is refused (2**64 has 20 digits)
 MAX_STOP_CHARS = 512  # characters of one stop string
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI's
 
 
 class ApiError(Exception):
@@ -214,8 +217,6 @@ class Sampling(BaseModel):
     # accepted only at their neutral values: anything else would change the answer
     n: int = 1
     best_of: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     echo: bool = False
     logit_bias: Annotated[dict, Field(max_length=0)] | None = None
     tools: Annotated[list, Field(max_length=0)] | None = None
@@ -229,18 +230,11 @@ class Sampling(BaseModel):
             raise ValueError("only 1 is supported")
         return v
 
-    @field_validator("logprobs", "echo")
+    @field_validator("echo")
     @classmethod
     def _only_false(cls, v):
         if v:
             raise ValueError("not supported (only false)")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _only_zero(cls, v):
-        if v not in (None, 0):
-            raise ValueError("not supported (only 0)")
         return v
 
     @model_validator(mode="after")
@@ -248,6 +242,10 @@ class Sampling(BaseModel):
         if self.repetition_penalty is not None and (self.frequency_penalty or self.presence_penalty):
             raise ValueError("give repetition_penalty or frequency_penalty/presence_penalty, not both")
         return self
+
+    def top_n(self) -> int | None:
+        """None: no logprobs asked for; else the most likely tokens to give with each token's."""
+        return None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -263,7 +261,7 @@ class Sampling(BaseModel):
             rp = 2.0 ** (max(-2.0, min(2.0, (self.frequency_penalty or 0.0) + (self.presence_penalty or 0.0))) / 2)
         kw = dict(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                   top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
-                  seed=self.seed, stop=[s for s in stop if s] or None)
+                  seed=self.seed, stop=[s for s in stop if s] or None, logprobs=self.top_n())
         if isinstance(defaults, dict):
             given = self.model_fields_set | ({"repetition_penalty"} if self.frequency_penalty or self.presence_penalty else set())
             kw.update({k: v for k, v in defaults.items() if k in kw and k not in given})
@@ -292,6 +290,8 @@ class ChatRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _chat(self):
@@ -301,10 +301,24 @@ class ChatRequest(Sampling):
             self.max_tokens = self.max_completion_tokens
         return self
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return v
+
+    def top_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(Sampling):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     suffix: Literal[None, ""] = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+
+    def top_n(self) -> int | None:
+        return self.logprobs
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
