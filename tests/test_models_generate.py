@@ -289,6 +289,26 @@ def test_completions_carry_each_tokens_logprob_under_the_model(llm):
         llm.complete(prompt, max_tokens=3, logprobs=21)
 
 
+def test_a_prompts_logprobs_score_every_token_after_the_first(llm):
+    from cflow.sampling import log_softmax
+
+    prompt = llm.encode_prompt("Once upon a time there was a fox " * 12)  # two prefill pieces
+    assert len(prompt) > 64
+    ref = log_softmax(llm.engine.forward(llm.engine.new_state(), prompt, all_logits=True))
+    (only,) = llm.complete(prompt, max_tokens=0, prompt_logprobs=2)  # scoring: no token generated
+    assert only.finish_reason == "length" and only.token_ids == [] and only.usage.completion_tokens == 0
+    scored = only.prompt_logprobs
+    assert scored[0] is None and [x.id for x in scored[1:]] == prompt[1:]
+    assert max(abs(x.logprob - ref[j, prompt[j + 1]]) for j, x in enumerate(scored[1:])) < 1e-4
+    assert all([i for i, _ in x.top] == list(np.argsort(-ref[j], kind="stable")[:2]) for j, x in enumerate(scored[1:]))
+    # asking for them changes no generated token, and only the first chunk carries them
+    with_lp = list(llm.complete(prompt, max_tokens=6, temperature=0, prompt_logprobs=0))
+    assert [c.token_ids for c in with_lp] == [c.token_ids for c in llm.complete(prompt, max_tokens=6, temperature=0)]
+    assert [c.prompt_logprobs is None for c in with_lp] == [False] + [True] * 5
+    with pytest.raises(CflowError, match="max_tokens must be >= 1"):
+        llm.complete(prompt, max_tokens=0)
+
+
 def test_stop_strings_are_never_emitted(llm):
     full = llm.generate("Once upon a time", max_tokens=40, seed=0)  # seeded: the second run repeats it
     assert len(full) > 12

@@ -4,6 +4,7 @@ only clock is TIMEOUT, a bound on a hang."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -94,6 +95,36 @@ def test_completion_logprobs_in_the_completions_shape(url):
     for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
         # greedy: the most likely (two tokens that hold parts of characters both read U+FFFD: one entry)
         assert 1 <= len(top) <= 2 and top[tok] == v == max(top.values())
+
+
+def test_an_echo_scores_the_prompt_as_an_evaluation_harness_asks(url, tiny_llm):
+    # lm-evaluation-harness's loglikelihood: prompt = context + continuation, echo, logprobs 1,
+    # max_tokens 0 or 1; the continuation's logprob is the sum over its tokens
+    from cflow.sampling import log_softmax
+
+    text = "Once upon a time there was a little fox"
+    r = http().post(url + "/v1/completions", json={"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1})
+    c = r.json()["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == text and "".join(lp["tokens"]) == text and r.json()["usage"]["completion_tokens"] == 0
+    ids = tiny_llm.tokenizer.encode(text, add_special_tokens=True)
+    ref = log_softmax(tiny_llm.engine.forward(tiny_llm.engine.new_state(), ids, all_logits=True))
+    bos = int(ids[0] == tiny_llm.tokenizer.bos_token_id and tiny_llm.tokenizer.add_bos)
+    want = [None if j == 0 else ref[j - 1, ids[j]] for j in range(bos, len(ids))]
+    got = lp["token_logprobs"]
+    assert len(got) == len(want) and (got[0] is None) == (want[0] is None)
+    assert all(abs(g - w) < 1e-4 for g, w in zip(got, want) if w is not None)
+    assert lp["text_offset"] == list(np.cumsum([0] + [len(t) for t in lp["tokens"]])[:-1])
+    # with a token generated and streamed: the prompt comes first, then the completion
+    body = {"prompt": text, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0}
+    whole = http().post(url + "/v1/completions", json=body).json()["choices"][0]
+    assert whole["text"].startswith(text) and whole["logprobs"]["token_logprobs"][:len(got)] == got
+    with http().stream("POST", url + "/v1/completions", json=dict(body, stream=True)) as s:
+        chunks = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(x["text"] for x in chunks) == whole["text"]
+    assert [v for x in chunks for v in x["logprobs"]["token_logprobs"]] == whole["logprobs"]["token_logprobs"]
+    bad = http().post(url + "/v1/completions", json={"prompt": text, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
 def test_stream_ends_with_done(url):

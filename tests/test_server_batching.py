@@ -74,7 +74,7 @@ def test_eight_prompts_at_once_give_their_alone_tokens(url8, long8):
     wait_for(lambda: health(long8)["active"] == 0, what="the streams to be cancelled")
 
 
-def test_logprobs_batched_are_the_ones_alone(url8):
+def test_logprobs_batched_are_the_ones_alone_and_so_are_an_echoed_prompts(url8):
     # the logits of a batched row are bit for bit its alone logits, and so are their logprobs
     def lp(p):
         return complete(url8, p, 16, logprobs=3)["choices"][0]["logprobs"]
@@ -82,6 +82,13 @@ def test_logprobs_batched_are_the_ones_alone(url8):
     alone = [lp(p) for p in PROMPTS]
     assert at_once(lp, [(p,) for p in PROMPTS]) == alone
     assert all(len(a["tokens"]) == 16 for a in alone)
+    # a prompt scored (its every row's logits, a forward of its own) beside the others
+    def echo(p):
+        return complete(url8, p, 16, logprobs=3, echo=True)["choices"][0]["logprobs"]
+
+    scored = [echo(p) for p in PROMPTS]
+    assert at_once(echo, [(p,) for p in PROMPTS]) == scored
+    assert [s["token_logprobs"][-16:] for s in scored] == [a["token_logprobs"] for a in alone]
 
 
 def batcher_counters(url):

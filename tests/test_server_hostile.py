@@ -82,7 +82,6 @@ FIELDS = {
     "model": [5, ["m"], {}, True],
     "logit_bias": [{"5": 10}, {"5": "x"}, "x", [1], 5],
     "best_of": [2, True, "1"],
-    "echo": [True, 1, "no"],
     "tools": [[{"type": "function"}], "x", {}],
     "functions": [[{"name": "f"}], 3],
     "tool_choice": ["auto", {"type": "function"}, 1],
@@ -92,8 +91,9 @@ CHAT_ONLY = {
     "response_format": [{"type": "json_object"}, {"type": 5}, "text", 5],
     "logprobs": ["false", 1, [True], {}],
     "top_logprobs": [1, "0", True, -1, 21, 2.0],  # 1: without logprobs true
+    "echo": [True, 1, "no"],
 }
-COMPLETION_ONLY = {"suffix": ["x", 5, True], "logprobs": [True, "1", 6, -1, 1.5, [1]]}
+COMPLETION_ONLY = {"suffix": ["x", 5, True], "logprobs": [True, "1", 6, -1, 1.5, [1]], "echo": [1, "no", [True]]}
 
 
 def field_cases():

@@ -37,6 +37,9 @@ class Chunk:
     usage: Usage | None = None
     timings: Timings | None = None
     logprobs: list[TokenLogprob] | None = None  # token_ids' own, when the Decoder was asked for them
+    # the first Chunk, when the Decoder was asked for them: the prompt's tokens' (None for the
+    # first, which nothing predicts)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -54,11 +57,12 @@ def _rate(n: int, s: float) -> float:
     return n / s if s > 0 else 0.0
 
 
-def check_budget(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
+def check_budget(n_prompt: int, max_tokens: int, n_ctx: int, scoring: bool = False) -> None:
+    """scoring: the prompt's logprobs are asked for, so max_tokens may be 0 (no generation)."""
     if n_prompt == 0:
         raise CflowError("the prompt is empty (no tokens)")
-    if max_tokens < 1:
-        raise CflowError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens < (0 if scoring else 1):
+        raise CflowError(f"max_tokens must be >= {0 if scoring else 1}, got {max_tokens}")
     if n_prompt + max_tokens > n_ctx:
         raise CflowError(f"prompt of {n_prompt} tokens + max_tokens {max_tokens} = {n_prompt + max_tokens} "
                          f"exceeds the context of {n_ctx} tokens")
@@ -91,15 +95,20 @@ class Decoder:
     logprobs: None, or n: each Chunk carries its tokens' logprobs (sampling.token_logprob) with
     the n most likely tokens of their steps. A token that ends the generation (end of sequence)
     has none, as it has no text.
+    prompt_logprobs: None, or n: the first Chunk carries the prompt's tokens' logprobs. Their
+    pieces then need the logits of every row (`all_rows`), and no cached prefix is reused (it
+    holds no logits). With max_tokens=0 the generation ends after the prompt (scoring a text).
     """
 
     def __init__(self, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
                  stop: list[str] | None = None, ignore_eos: bool = False, recompute: int = 2,
-                 logprobs: int | None = None, **sampling):
+                 logprobs: int | None = None, prompt_logprobs: int | None = None, **sampling):
         self.sample = make_sampler(**sampling)  # bad settings fail here, before any step
-        if logprobs is not None:
-            check_logprobs(logprobs)  # a bad n fails here too
-        self.logprobs = logprobs
+        for n in (logprobs, prompt_logprobs):
+            if n is not None:
+                check_logprobs(n)  # a bad n fails here too
+        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
+        self.prompt_lps: list[TokenLogprob | None] | None = None if prompt_logprobs is None else [None]
         self.recompute = recompute  # prompt tokens computed again at least (begin)
         self.tok, self.prompt, self.max_tokens, self.ignore_eos = tok, list(prompt_ids), max_tokens, ignore_eos
         self.stops = [s for s in (stop or []) if s]
@@ -120,6 +129,12 @@ class Decoder:
     def prefilling(self) -> bool:
         return bool(self._todo)
 
+    @property
+    def all_rows(self) -> bool:
+        """Whether the next step must give the logits of every row of next_input(), not only
+        its last: a prompt piece whose tokens' logprobs were asked for."""
+        return self.prompt_lps is not None and bool(self._todo)
+
     def begin(self, state, cached: int = 0) -> None:
         """Start on `state`, whose first `cached` tokens are the prompt's. At least the last
         `recompute` prompt tokens are computed again (all of a shorter prompt): the last one's
@@ -134,7 +149,9 @@ class Decoder:
 
     def reusable(self, cached: int) -> int:
         """How much of a cached prefix of `cached` prompt tokens begin() keeps (it computes the
-        last `recompute` prompt tokens again)."""
+        last `recompute` prompt tokens again; none when the prompt's logprobs are asked for)."""
+        if self.prompt_logprobs is not None:
+            return 0
         return max(0, min(cached, len(self.prompt) - min(self.recompute, len(self.prompt))))
 
     def next_input(self) -> list[int]:
@@ -146,10 +163,14 @@ class Decoder:
         being prefilled, else the Chunk of the sampled token (the last one, with finish_reason,
         usage and timings, when the generation ends)."""
         if self._todo:
-            self._todo.pop(0)
+            piece = self._todo.pop(0)
+            if self.prompt_lps is not None:
+                logits = self._score(piece, logits)
             if self._todo:
                 return None
             self.t1 = time.perf_counter()
+            if self.max_tokens == 0:
+                return self._end("length")
         else:
             self.n_fwd += 1
         t = self.sample(logits, self.history)
@@ -169,9 +190,23 @@ class Decoder:
             return self._end("length")
         keep = _held_back(self.held, self.stops)
         emit, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-        chunk = Chunk(emit, self.pending, logprobs=self.pending_lp)
+        chunk = Chunk(emit, self.pending, logprobs=self.pending_lp, prompt_logprobs=self._prompt_once())
         self.pending, self.pending_lp = [], None if self.pending_lp is None else []
         return chunk
+
+    def _prompt_once(self) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs for the first Chunk; None after it."""
+        out, self.prompt_lps = self.prompt_lps, None
+        return out
+
+    def _score(self, piece: list[int], rows):
+        """The logprobs of the prompt tokens that the rows of `piece` predict (row r, at prompt
+        position a + r, predicts the token at a + r + 1); returns the last row."""
+        a = len(self.prompt_lps) - 1  # the piece's first position: pieces come in order from 0
+        for r in range(len(piece)):
+            if a + r + 1 < len(self.prompt):
+                self.prompt_lps.append(token_logprob(rows[r], self.prompt[a + r + 1], self.prompt_logprobs))
+        return rows[-1]
 
     def _stop_hit(self) -> int:
         return min((self.held.find(s) for s in self.stops if s in self.held), default=-1)
@@ -189,7 +224,7 @@ class Decoder:
         usage = Usage(n_prompt, n_out, n_prompt + n_out, self.cached)
         timings = Timings(self.t1 - self.t0, t2 - self.t1, _rate(n_new, self.t1 - self.t0), _rate(self.n_fwd, t2 - self.t1),
                           n_new)
-        return Chunk(self.held, self.pending, self.finish, usage, timings, self.pending_lp)
+        return Chunk(self.held, self.pending, self.finish, usage, timings, self.pending_lp, self._prompt_once())
 
 
 def recompute_for(engine) -> int:
@@ -200,16 +235,17 @@ def recompute_for(engine) -> int:
 
 def generate_step(engine, state, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
                   stop: list[str] | None = None, cached: int = 0, ignore_eos: bool = False,
-                  logprobs: int | None = None, **sampling) -> Iterator[Chunk]:
+                  logprobs: int | None = None, prompt_logprobs: int | None = None, **sampling) -> Iterator[Chunk]:
     """Yield one Chunk per generated token; the last one has finish_reason, usage and timings.
 
     cached: tokens of prompt_ids already in `state` (prompt-cache reuse); the rest is prefilled.
-    logprobs: None, or n: each Chunk's tokens' logprobs, with the n most likely tokens (Decoder).
+    logprobs, prompt_logprobs: None, or n: each Chunk's tokens' logprobs, the first's the prompt's,
+    with the n most likely tokens of each step (Decoder).
     """
     d = Decoder(tok, prompt_ids, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
-                recompute=recompute_for(engine), logprobs=logprobs, **sampling)
+                recompute=recompute_for(engine), logprobs=logprobs, prompt_logprobs=prompt_logprobs, **sampling)
     d.begin(state, cached)
     while not d.done:
-        chunk = d.feed(engine.forward(state, d.next_input()))
+        chunk = d.feed(engine.forward(state, d.next_input(), all_logits=d.all_rows))
         if chunk is not None:
             yield chunk

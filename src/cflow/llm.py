@@ -214,7 +214,8 @@ class LLM:
     def complete(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None, stop: list[str] | None = None,
-                 ignore_eos: bool = False, logprobs: int | None = None, state=None) -> Iterator[Chunk]:
+                 ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 state=None) -> Iterator[Chunk]:
         """Generate from a prompt (text or token ids): one Chunk per token, the last with
         finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
         plus max_tokens does not fit the context. Close the generator to cancel.
@@ -228,17 +229,21 @@ class LLM:
         logprobs: None, or n in 0..20: each Chunk's `logprobs` holds its tokens' log-probabilities
         under the model (its raw logits' softmax, before penalties, temperature and filters) and
         the n most likely tokens of each step (cflow.sampling.TokenLogprob).
+        prompt_logprobs: None, or n: the first Chunk's `prompt_logprobs` holds the prompt's tokens'
+        (None for the first token); max_tokens may then be 0, to score a text without generating.
+        The whole prompt is computed again then (a reused state holds no logits).
         """
         ids = self.encode_prompt(prompt)
-        check_budget(len(ids), max_tokens, self.n_ctx)
+        check_budget(len(ids), max_tokens, self.n_ctx, scoring=prompt_logprobs is not None)
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      repetition_penalty=repetition_penalty)
         sampling = {k: self.generation_defaults[k] if v is None else v for k, v in given.items()}
         sampling["seed"] = seed
         make_sampler(**sampling)  # bad settings fail here, not at the first token
-        if logprobs is not None:
-            sampling["logprobs"] = logprobs
-            check_logprobs(logprobs)  # as must a bad n
+        for key, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if n is not None:
+                check_logprobs(n)  # as must a bad n
+                sampling[key] = n
         cached = 0
         if state is None:
             state = self.engine.new_state()

@@ -13,7 +13,7 @@ import hmac
 import json
 import time
 import uuid
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, is_dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -232,19 +232,22 @@ class _Text:
     def logprobs(tok, lps, offset: int) -> tuple[dict, int]:
         """The completions API's logprobs: parallel lists of tokens, their logprobs, {token:
         logprob} of each step's most likely tokens, and each token's character offset in the
-        completion's text (its first at 0); and the offset after them."""
-        tokens, offsets = [], []
+        text (its first at 0); and the offset after them. An entry that is a bare token id (an
+        echoed prompt's first token, which nothing predicts) has null for its logprob and top."""
+        tokens, offsets, values, tops = [], [], [], []
         for x in lps:
+            scored = not isinstance(x, int)
             offsets.append(offset)
-            tokens.append(_spelt(tok, x.id)[0])
+            tokens.append(_spelt(tok, x.id if scored else x)[0])
             offset += len(tokens[-1])
-        tops = []
-        for x in lps:  # two tokens that read alike (parts of characters: U+FFFD) keep the likelier
-            tops.append({})
+            values.append(x.logprob if scored else None)
+            if not scored:
+                tops.append(None)
+                continue
+            tops.append({})  # two tokens that read alike (parts of characters: U+FFFD) keep the likelier
             for i, v in x.top:
                 tops[-1].setdefault(_spelt(tok, i)[0], v)
-        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps], "top_logprobs": tops,
-                "text_offset": offsets}, offset
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
 class Server:
@@ -287,6 +290,9 @@ class Server:
 
     def sampling(self, req, prompt: list[int]) -> dict:
         n_ctx, n = self.llm.n_ctx, len(prompt)
+        if req.max_tokens == 0 and not self.echoed(req):
+            raise ApiError(400, "max_tokens: 0 only with echo (to score the prompt)", param="max_tokens",
+                           code="invalid_value")
         if req.max_tokens is not None and n + req.max_tokens > n_ctx:
             raise ApiError(400, f"prompt of {n} tokens plus max_tokens {req.max_tokens} exceeds the context "
                            f"of {n_ctx} tokens", param="max_tokens", code="context_length_exceeded")
@@ -316,12 +322,15 @@ class Server:
                 raise _model_error(item)
             if req.stream:
                 handed_off = True
-                return EventStream(self.events(gen, item, fmt, req.include_usage(), t0),
+                return EventStream(self.events(gen, item, fmt, req, prompt, t0),
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             text, last, lps = [], None, []
             while item is not END:
                 if isinstance(item, Exception):
                     raise _model_error(item)
+                if last is None:
+                    text.append(self.echoed(req))
+                    lps += self.echoed_logprobs(prompt, item.prompt_logprobs)
                 text.append(item.text)
                 lps += item.logprobs or []
                 last = item
@@ -343,16 +352,19 @@ class Server:
             if not handed_off:
                 gen.cancel()
 
-    async def events(self, gen: Job, item, fmt, include_usage: bool, t0: float):
+    async def events(self, gen: Job, item, fmt, req, prompt: list[int], t0: float):
         head, last, first = self.head(fmt, fmt.chunk_obj), None, True
         want_logprobs = gen.decoder.logprobs is not None
-        carry, offset = [], 0  # logprobs of tokens whose text is held back; text_offset so far
+        # logprobs of tokens whose text is held back (an echoed prompt's first); text_offset so far
+        carry, offset, echo = self.echoed_logprobs(prompt, item.prompt_logprobs), 0, self.echoed(req)
         try:
             while item is not END:
                 if isinstance(item, Exception):
                     yield _sse(_model_error(item).body())
                     break
                 carry += item.logprobs or []
+                if echo:
+                    item, echo = replace(item, text=echo + item.text), ""
                 if item.text or item.finish_reason or first:
                     logprobs = None
                     if want_logprobs:
@@ -367,13 +379,28 @@ class Server:
                 item = await gen.next()
             if last is not None and last.finish_reason:
                 self.done(last, t0)
-                if include_usage:
+                if req.include_usage():
                     yield _sse(dict(head, choices=[], usage=_usage(last.usage)))
             yield "data: [DONE]\n\n"
         finally:
             if last is None or not last.finish_reason:
                 self.metrics.cancelled.inc()
             gen.cancel()
+
+    @staticmethod
+    def echoed(req) -> str:
+        """The text an answer starts with: the prompt, when a completion asks for its echo."""
+        return req.text() if getattr(req, "echo", False) else ""
+
+    def echoed_logprobs(self, prompt: list[int], scored) -> list:
+        """The logprobs entries of an echoed prompt (Decoder's prompt_logprobs, None when not
+        asked for): its tokens but for a BOS the tokenizer put before the text, each first token's
+        as its bare id (nothing predicts it)."""
+        if scored is None:
+            return []
+        tok = self.llm.tokenizer
+        skip = int(tok.add_bos and tok.bos_token_id is not None and prompt[0] == tok.bos_token_id)
+        return [prompt[j] if scored[j] is None else scored[j] for j in range(skip, len(prompt))]
 
     def head(self, fmt, obj: str) -> dict:
         return {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "object": obj, "created": int(time.time()),

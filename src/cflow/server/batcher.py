@@ -120,7 +120,7 @@ class Job:
         held, self._held = self._held, []
         logprobs = None if chunk.logprobs is None else [x for c in held for x in c.logprobs or []]
         return Chunk("".join(c.text for c in held), [t for c in held for t in c.token_ids], chunk.finish_reason,
-                     chunk.usage, chunk.timings, logprobs)
+                     chunk.usage, chunk.timings, logprobs, held[0].prompt_logprobs)
 
     def put(self, item) -> None:
         """From the batcher thread: hand an item to the request's handler."""
@@ -373,14 +373,30 @@ class Batcher:
             ids.append(piece)
         return batch, ids
 
+    def _forward(self, batch: list[Job], ids: list[list[int]]) -> list:
+        """Each job's logits (or the exception that failed its forward): one forward for the
+        rows whose last logits suffice, and one of its own for each prompt piece whose every
+        row's logits its job needs (its prompt's logprobs), so that no other row's head changes
+        path (bit for bit, a row's logits do not depend on what shares its step either way)."""
+        outs: list = [None] * len(batch)
+        calls = [([i for i, job in enumerate(batch) if not job.decoder.all_rows], False)]
+        calls += [([i], True) for i, job in enumerate(batch) if job.decoder.all_rows]
+        for rows, every in calls:
+            if not rows:
+                continue
+            try:
+                got = self.engine.forward([batch[i].slot.state for i in rows], [ids[i] for i in rows], all_logits=every)
+            except Exception as e:  # these requests fail, the batcher and the server live on
+                got = [e] * len(rows)
+            for i, out in zip(rows, got):
+                outs[i] = out
+        return outs
+
     def _step(self, jobs: list[Job]) -> None:
         t0 = time.perf_counter()
         batch, ids = self._compose(jobs)
         tf = time.perf_counter()
-        try:
-            outs = self.engine.forward([j.slot.state for j in batch], ids)
-        except Exception as e:  # the step's requests fail, the batcher and the server live on
-            outs = [e] * len(batch)
+        outs = self._forward(batch, ids)
         t1 = time.perf_counter()
         self.steps += 1
         for job, piece in zip(batch, ids):

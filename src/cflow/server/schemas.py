@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible endpoints, their checks, and the error object.
 
 Unknown top-level fields are ignored (clients send many), except those that would change the
-answer and that cflow cannot honour (n > 1, echo, tools, logit_bias, ...): those get a 400
+answer and that cflow cannot honour (n > 1, tools, logit_bias, ...): those get a 400
 rather than a silently different result. Types are strict: "5" is not a number, true is not 1.
 
 parse_body turns the raw body into a dict without trusting it: strict UTF-8, nesting bounded
@@ -217,7 +217,6 @@ class Sampling(BaseModel):
     # accepted only at their neutral values: anything else would change the answer
     n: int = 1
     best_of: int | None = None
-    echo: bool = False
     logit_bias: Annotated[dict, Field(max_length=0)] | None = None
     tools: Annotated[list, Field(max_length=0)] | None = None
     functions: Annotated[list, Field(max_length=0)] | None = None
@@ -230,12 +229,6 @@ class Sampling(BaseModel):
             raise ValueError("only 1 is supported")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _only_false(cls, v):
-        if v:
-            raise ValueError("not supported (only false)")
-        return v
 
     @model_validator(mode="after")
     def _penalties(self):
@@ -245,6 +238,10 @@ class Sampling(BaseModel):
 
     def top_n(self) -> int | None:
         """None: no logprobs asked for; else the most likely tokens to give with each token's."""
+        return None
+
+    def prompt_n(self) -> int | None:
+        """As top_n, for the prompt's tokens (an echo with logprobs)."""
         return None
 
     def include_usage(self) -> bool:
@@ -259,9 +256,10 @@ class Sampling(BaseModel):
         else:
             # OpenAI's additive penalties in [-2, 2] -> a multiplicative one in [0.5, 2]
             rp = 2.0 ** (max(-2.0, min(2.0, (self.frequency_penalty or 0.0) + (self.presence_penalty or 0.0))) / 2)
-        kw = dict(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+        kw = dict(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens, temperature=self.temperature,
                   top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
-                  seed=self.seed, stop=[s for s in stop if s] or None, logprobs=self.top_n())
+                  seed=self.seed, stop=[s for s in stop if s] or None, logprobs=self.top_n(),
+                  prompt_logprobs=self.prompt_n())
         if isinstance(defaults, dict):
             given = self.model_fields_set | ({"repetition_penalty"} if self.frequency_penalty or self.presence_penalty else set())
             kw.update({k: v for k, v in defaults.items() if k in kw and k not in given})
@@ -290,6 +288,7 @@ class ChatRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool = False  # not in the chat API: accepted only as false
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
@@ -300,6 +299,13 @@ class ChatRequest(Sampling):
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("not supported in chat completions (only false)")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod
@@ -316,9 +322,14 @@ class CompletionRequest(Sampling):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     suffix: Literal[None, ""] = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool = False  # the answer starts with the prompt (and, with logprobs, its tokens')
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo (Server.sampling checks)
 
     def top_n(self) -> int | None:
         return self.logprobs
+
+    def prompt_n(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
