@@ -127,6 +127,22 @@ def test_an_echo_scores_the_prompt_as_an_evaluation_harness_asks(url, tiny_llm):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
+def test_a_prompt_of_token_ids_is_that_prompt(url, tiny_llm):
+    text = "Once upon a time there was"
+    ids = tiny_llm.tokenizer.encode(text, add_special_tokens=True)
+
+    def answer(prompt, **kw):
+        r = http().post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    assert answer(ids)["text"] == answer([ids])["text"] == answer(text)["text"]
+    echo = answer(ids, echo=True, logprobs=0, max_tokens=0)
+    lp = echo["logprobs"]
+    assert echo["text"] == tiny_llm.tokenizer.decode(ids) and len(lp["tokens"]) == len(ids)  # every id, a BOS too
+    assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+
+
 def test_stream_ends_with_done(url):
     body = {"messages": HI, "max_tokens": 3, "stream": True}
     with http().stream("POST", url + "/v1/chat/completions", json=body) as r:

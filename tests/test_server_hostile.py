@@ -164,7 +164,8 @@ def test_no_messages_and_no_prompt(url, greedy):
     assert_healthy(url, greedy)
 
 
-@pytest.mark.parametrize("prompt", [5, None, True, [], ["a", "b"], [1, 2, 3], {"text": "hi"}, ""])
+@pytest.mark.parametrize("prompt", [5, None, True, [], ["a", "b"], {"text": "hi"}, "", [-1], [1.5], [True],
+                                    [[1], [2]], [[]], [1, "a"], [10 ** 6], [2 ** 40]])
 def test_bad_prompts(url, greedy, prompt):
     assert_error(post(url, T, {"prompt": prompt, "max_tokens": 3}), 400, param="prompt")
     assert_healthy(url, greedy)

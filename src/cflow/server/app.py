@@ -330,7 +330,7 @@ class Server:
                     raise _model_error(item)
                 if last is None:
                     text.append(self.echoed(req))
-                    lps += self.echoed_logprobs(prompt, item.prompt_logprobs)
+                    lps += self.echoed_logprobs(req, prompt, item.prompt_logprobs)
                 text.append(item.text)
                 lps += item.logprobs or []
                 last = item
@@ -356,7 +356,7 @@ class Server:
         head, last, first = self.head(fmt, fmt.chunk_obj), None, True
         want_logprobs = gen.decoder.logprobs is not None
         # logprobs of tokens whose text is held back (an echoed prompt's first); text_offset so far
-        carry, offset, echo = self.echoed_logprobs(prompt, item.prompt_logprobs), 0, self.echoed(req)
+        carry, offset, echo = self.echoed_logprobs(req, prompt, item.prompt_logprobs), 0, self.echoed(req)
         try:
             while item is not END:
                 if isinstance(item, Exception):
@@ -387,19 +387,19 @@ class Server:
                 self.metrics.cancelled.inc()
             gen.cancel()
 
-    @staticmethod
-    def echoed(req) -> str:
+    def echoed(self, req) -> str:
         """The text an answer starts with: the prompt, when a completion asks for its echo."""
-        return req.text() if getattr(req, "echo", False) else ""
+        return req.text(self.llm.tokenizer) if getattr(req, "echo", False) else ""
 
-    def echoed_logprobs(self, prompt: list[int], scored) -> list:
+    def echoed_logprobs(self, req, prompt: list[int], scored) -> list:
         """The logprobs entries of an echoed prompt (Decoder's prompt_logprobs, None when not
-        asked for): its tokens but for a BOS the tokenizer put before the text, each first token's
-        as its bare id (nothing predicts it)."""
+        asked for): its tokens but for a BOS the tokenizer put before a text; the first token,
+        which nothing predicts, as its bare id. A prompt of token ids keeps them all."""
         if scored is None:
             return []
         tok = self.llm.tokenizer
-        skip = int(tok.add_bos and tok.bos_token_id is not None and prompt[0] == tok.bos_token_id)
+        added = req.ids() is None and tok.add_bos and tok.bos_token_id is not None
+        skip = int(added and prompt[0] == tok.bos_token_id)
         return [prompt[j] if scored[j] is None else scored[j] for j in range(skip, len(prompt))]
 
     def head(self, fmt, obj: str) -> dict:
@@ -430,7 +430,12 @@ class Server:
             req = CompletionRequest.model_validate(await self.body(request))
         except ValidationError as e:
             raise from_validation(e) from None
-        prompt = self.llm.tokenizer.encode(req.text(), add_special_tokens=True)  # BOS as the model wants it
+        prompt = req.ids()
+        if prompt is None:
+            prompt = self.llm.tokenizer.encode(req.text(), add_special_tokens=True)  # BOS as the model wants it
+        elif max(prompt) >= self.llm.config.vocab_size:
+            raise ApiError(400, f"prompt: token ids must be below the vocabulary's {self.llm.config.vocab_size}",
+                           param="prompt", code="invalid_value")
         if not prompt:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
         return await self.run(request, req, prompt, _Text)

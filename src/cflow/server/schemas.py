@@ -318,8 +318,14 @@ class ChatRequest(Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1)]
+
+
 class CompletionRequest(Sampling):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    # text, or token ids (as OpenAI takes them: what an evaluation harness that tokenizes sends);
+    # one prompt: a list of one, as some clients send it, is that prompt
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
     suffix: Literal[None, ""] = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool = False  # the answer starts with the prompt (and, with logprobs, its tokens')
@@ -331,5 +337,25 @@ class CompletionRequest(Sampling):
     def prompt_n(self) -> int | None:
         return self.logprobs if self.echo else None
 
-    def text(self) -> str:
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        def ids(x):
+            return isinstance(x, list) and len(x) > 0 and all(type(i) is int and 0 <= i < 2**31 for i in x)
+
+        one = v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)) else v
+        if not (isinstance(one, str) or ids(one)):
+            raise ValueError("must be one prompt: a string or token ids (integers from 0), or a list of one of those")
+        return v
+
+    def ids(self) -> list[int] | None:
+        """The prompt's token ids when it was given as ids, else None."""
+        p = self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], list) else self.prompt
+        return list(p) if isinstance(p, list) and isinstance(p[0], int) else None
+
+    def text(self, tok=None) -> str:
+        """The prompt's text (of ids given: their decoding by tok)."""
+        ids = self.ids()
+        if ids is not None:
+            return tok.decode(ids)
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
