@@ -289,6 +289,24 @@ def test_completions_carry_each_tokens_logprob_under_the_model(llm):
         llm.complete(prompt, max_tokens=3, logprobs=21)
 
 
+def test_an_end_of_sequence_token_that_ends_the_answer_has_its_logprob_listed_last(llm):
+    # an evaluation harness asks for one token after an echoed prompt and drops the last entry:
+    # the end of sequence, when that is what was generated, must be that entry
+    from cflow.generate import Decoder
+
+    eos = min(llm.tokenizer.eos_token_ids)
+    d = Decoder(llm.tokenizer, llm.encode_prompt("Once upon a time"), temperature=0, logprobs=1)
+    d.begin(llm.engine.new_state())
+    x = np.zeros(llm.config.vocab_size, np.float32)
+    x[7] = 5.0
+    first = d.feed(x)
+    assert first.token_ids == [7] and [t.id for t in first.logprobs] == [7]
+    x[7], x[eos] = 0.0, 5.0
+    last = d.feed(x)
+    assert last.finish_reason == "stop" and last.token_ids == [] and last.usage.completion_tokens == 1
+    assert [t.id for t in last.logprobs] == [eos] and last.logprobs[0].top[0][0] == eos
+
+
 def test_a_prompts_logprobs_score_every_token_after_the_first(llm):
     from cflow.sampling import log_softmax
 

@@ -36,7 +36,9 @@ class Chunk:
     finish_reason: str | None = None  # None | "stop" | "length"
     usage: Usage | None = None
     timings: Timings | None = None
-    logprobs: list[TokenLogprob] | None = None  # token_ids' own, when the Decoder was asked for them
+    # when the Decoder was asked for them: token_ids' own, and last the end-of-sequence token's
+    # when it ended the generation (it has no text, but it was generated)
+    logprobs: list[TokenLogprob] | None = None
     # the first Chunk, when the Decoder was asked for them: the prompt's tokens' (None for the
     # first, which nothing predicts)
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -93,8 +95,8 @@ class Decoder:
     ignore_eos: the end-of-sequence token does not end the generation (it is sampled like any
     other: fixed-length runs and benchmarks).
     logprobs: None, or n: each Chunk carries its tokens' logprobs (sampling.token_logprob) with
-    the n most likely tokens of their steps. A token that ends the generation (end of sequence)
-    has none, as it has no text.
+    the n most likely tokens of their steps; the last one also the end-of-sequence token's when
+    that ended the generation (an evaluation harness reads one entry per generated token).
     prompt_logprobs: None, or n: the first Chunk carries the prompt's tokens' logprobs. Their
     pieces then need the logits of every row (`all_rows`), and no cached prefix is reused (it
     holds no logits). With max_tokens=0 the generation ends after the prompt (scoring a text).
@@ -174,13 +176,13 @@ class Decoder:
         else:
             self.n_fwd += 1
         t = self.sample(logits, self.history)
+        if self.pending_lp is not None:
+            self.pending_lp.append(token_logprob(logits, t, self.logprobs))
         if t in self.tok.eos_token_ids and not self.ignore_eos:
             return self._end("stop")
         self.out_ids.append(t)
         self.history.append(t)
         self.pending.append(t)
-        if self.pending_lp is not None:
-            self.pending_lp.append(token_logprob(logits, t, self.logprobs))
         self.held += self.dec.push(t)
         hit = self._stop_hit()
         if hit >= 0:
