@@ -143,6 +143,31 @@ def test_a_prompt_of_token_ids_is_that_prompt(url, tiny_llm):
     assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
 
 
+def test_the_tokenizer_endpoints_are_the_models_tokenizer(client, url, tiny_llm):
+    # vLLM's /tokenize, /detokenize, /tokenizer_info (llama-server's field names too): what
+    # lm-evaluation-harness's remote tokenizer reads, and what the completions count
+    tok = tiny_llm.tokenizer
+    text = "Once upon a time, héllo 🤗"
+    got = http().post(url + "/tokenize", json={"prompt": text}).json()
+    assert got["tokens"] == tok.encode(text) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == tiny_llm.n_ctx
+    special = http().post(url + "/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+    assert special == tok.encode(text, add_special_tokens=True)
+    back = http().post(url + "/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back["prompt"] == back["content"] == text
+    chat = http().post(url + "/tokenize", json={"messages": HI}).json()
+    used = client.chat.completions.create(model="any", messages=HI, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == used
+    info = http().get(url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.token_text(min(tok.eos_token_ids)) and info["add_bos_token"] == tok.add_bos
+    assert "messages" in info["chat_template"]
+    for path, body, param in [("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "messages": HI}, None),
+                              ("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+                              ("/detokenize", {"tokens": [10 ** 6]}, "tokens"), ("/detokenize", {}, "tokens")]:
+        r = http().post(url + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 def test_stream_ends_with_done(url):
     body = {"messages": HI, "max_tokens": 3, "stream": True}
     with http().stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -262,6 +287,8 @@ def test_api_key(tiny_llm):
         assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
         assert http().post(u + "/v1/completions", json={"prompt": "x"}).status_code == 401
         assert http().get(u + "/metrics").status_code == 401
+        assert http().post(u + "/tokenize", json={"prompt": "x"}).status_code == 401
+        assert http().get(u + "/tokenizer_info").status_code == 401
         assert http().get(u + "/health").status_code == 200  # liveness stays open
         good = openai.OpenAI(base_url=u + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model="any", prompt="x", max_tokens=2).usage.completion_tokens == 2

@@ -30,10 +30,11 @@ from starlette.staticfiles import StaticFiles
 
 from cflow.errors import CflowError, ModelFileChanged
 from cflow.generate import Decoder, recompute_for
+from cflow.llm import CHATML_TEMPLATE
 from cflow.server.batcher import CACHE_RAM_MIB, END, Batcher, Job, QueueFull
 from cflow.server.metrics import Metrics
-from cflow.server.schemas import (ApiError, ChatRequest, CompletionRequest, check_content_type, from_validation,
-                                  parse_body)
+from cflow.server.schemas import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                  check_content_type, from_validation, parse_body)
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 1 << 20  # bytes; a full context of text is far below this
@@ -411,34 +412,72 @@ class Server:
         self.metrics.latency.observe(time.perf_counter() - t0)
 
     # ---- endpoints
-    async def chat_completions(self, request: Request):
+    async def parsed(self, request: Request, model):
+        """The request's body as `model` (a schemas class), after the API key check."""
         self.auth(request)
         try:
-            req = ChatRequest.model_validate(await self.body(request))
+            return model.model_validate(await self.body(request))
         except ValidationError as e:
             raise from_validation(e) from None
+
+    def chat_text(self, messages) -> str:
+        """Messages rendered with the model's chat template, the generation prompt added."""
         try:
-            text = self.llm.render_chat([m.plain() for m in req.messages], add_generation_prompt=True)
+            return self.llm.render_chat([m.plain() for m in messages], add_generation_prompt=True)
         except (jinja2.TemplateError, CflowError) as e:
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-        prompt = self.llm.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.llm.config.vocab_size
+        if ids and max(ids) >= vocab:
+            raise ApiError(400, f"{param}: token ids must be below the vocabulary's {vocab}", param=param,
+                           code="invalid_value")
+
+    async def chat_completions(self, request: Request):
+        req = await self.parsed(request, ChatRequest)
+        prompt = self.llm.tokenizer.encode(self.chat_text(req.messages), add_special_tokens=False)
         return await self.run(request, req, prompt, _Chat)
 
     async def completions(self, request: Request):
-        self.auth(request)
-        try:
-            req = CompletionRequest.model_validate(await self.body(request))
-        except ValidationError as e:
-            raise from_validation(e) from None
+        req = await self.parsed(request, CompletionRequest)
         prompt = req.ids()
         if prompt is None:
             prompt = self.llm.tokenizer.encode(req.text(), add_special_tokens=True)  # BOS as the model wants it
-        elif max(prompt) >= self.llm.config.vocab_size:
-            raise ApiError(400, f"prompt: token ids must be below the vocabulary's {self.llm.config.vocab_size}",
-                           param="prompt", code="invalid_value")
+        self.check_ids(prompt, "prompt")
         if not prompt:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
         return await self.run(request, req, prompt, _Text)
+
+    # ---- the tokenizer (vLLM's /tokenize, /detokenize and /tokenizer_info, which lm-evaluation-
+    # harness's remote tokenizer reads; llama-server's field names too)
+    async def tokenize(self, request: Request):
+        req = await self.parsed(request, TokenizeRequest)
+        if req.messages is not None:
+            text, special = self.chat_text(req.messages), False  # the template writes the special tokens
+        else:
+            text = req.prompt if req.prompt is not None else req.content
+            special = req.add_special_tokens if req.add_special_tokens is not None else bool(req.add_special)
+        ids = self.llm.tokenizer.encode(text, add_special_tokens=special)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.llm.n_ctx})
+
+    async def detokenize(self, request: Request):
+        req = await self.parsed(request, DetokenizeRequest)
+        self.check_ids(req.tokens, "tokens")
+        text = self.llm.tokenizer.decode(req.tokens)
+        return JSONResponse({"prompt": text, "content": text})
+
+    async def tokenizer_info(self, request: Request):
+        self.auth(request)
+        tok = self.llm.tokenizer
+
+        def text(i):
+            return None if i is None else tok.token_text(i)
+
+        eos = min(tok.eos_token_ids) if tok.eos_token_ids else None
+        return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": text(tok.bos_token_id),
+                             "eos_token": text(eos), "pad_token": None, "add_bos_token": tok.add_bos,
+                             "chat_template": getattr(self.llm, "chat_template", None) or CHATML_TEMPLATE, "model_max_length": self.llm.n_ctx,
+                             "vocab_size": self.llm.config.vocab_size})
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "cflow",
@@ -486,7 +525,7 @@ def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None 
     they would not fit in memory. Later requests wait (at most max_queue of them, then 503), in
     arrival order but for those whose prompts are cached (server/batcher.py). cache_ram: MiB of
     KV memory for the histories that leave the slots (the prompt cache; 0: none). api_key: if
-    set, /v1/* and /metrics need `Authorization: Bearer KEY`.
+    set, /v1/*, the tokenizer endpoints and /metrics need `Authorization: Bearer KEY`.
     """
     n = parallel if parallel is not None else max_concurrency if max_concurrency is not None else 1
     srv = Server(llm, parallel=n, api_key=api_key, max_body=max_body, max_queue=max_queue,
@@ -508,6 +547,9 @@ def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None 
         Route("/v1/completions", endpoint("completions", srv.completions), methods=["POST"]),
         Route("/v1/models", endpoint("models", srv.models), methods=["GET"]),
         Route("/v1/models/{model:path}", endpoint("models", srv.model), methods=["GET"]),
+        Route("/tokenize", endpoint("tokenize", srv.tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint("detokenize", srv.detokenize), methods=["POST"]),
+        Route("/tokenizer_info", endpoint("tokenizer_info", srv.tokenizer_info), methods=["GET"]),
         Route("/health", endpoint("health", srv.health), methods=["GET"]),
         Route("/metrics", endpoint("metrics", srv.prometheus), methods=["GET"]),
         Route("/", srv.page, methods=["GET"]),

@@ -359,3 +359,31 @@ class CompletionRequest(Sampling):
         if ids is not None:
             return tok.decode(ids)
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: text (`prompt` as vLLM names it, `content` as llama-server does) or chat
+    messages (rendered with the model's template, the generation prompt added)."""
+
+    model_config = _strict
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None  # vLLM's name; llama-server's: add_special
+    add_special: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if sum(x is not None for x in (self.prompt, self.content, self.messages)) != 1:
+            raise ValueError("give one of prompt (or content) and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: token ids -> text."""
+
+    model_config = _strict
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=1 << 20)]
+
