@@ -327,6 +327,16 @@ def test_a_prompts_logprobs_score_every_token_after_the_first(llm):
         llm.complete(prompt, max_tokens=0)
 
 
+def test_logit_bias_moves_the_draws_and_bad_ones_fail_before_any_step(llm):
+    plain = list(llm.complete("Once upon a time", max_tokens=4, temperature=0))
+    first = plain[0].token_ids[0]
+    moved = list(llm.complete("Once upon a time", max_tokens=4, temperature=0, logit_bias={first: -100}))
+    assert moved[0].token_ids[0] != first
+    for bad in ({llm.config.vocab_size: 1.0}, {-1: 1.0}, {0: 200.0}, {0: float("nan")}):
+        with pytest.raises(CflowError, match="logit_bias"):
+            llm.complete("Once upon a time", max_tokens=4, logit_bias=bad)
+
+
 def test_stop_strings_are_never_emitted(llm):
     full = llm.generate("Once upon a time", max_tokens=40, seed=0)  # seeded: the second run repeats it
     assert len(full) > 12

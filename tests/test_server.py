@@ -168,6 +168,25 @@ def test_the_tokenizer_endpoints_are_the_models_tokenizer(client, url, tiny_llm)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
 
 
+def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_the_models(url):
+    def answer(**kw):
+        r = http().post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 6,
+                                                       "temperature": 0, "logprobs": 1, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    plain = answer()
+    first = plain["logprobs"]["tokens"][0]
+    tok_id = http().post(url + "/tokenize", json={"prompt": first}).json()["tokens"]
+    assert len(tok_id) == 1
+    banned = answer(logit_bias={str(tok_id[0]): -100})
+    assert banned["logprobs"]["tokens"][0] != first
+    forced = answer(logit_bias={str(tok_id[0]): 100}, temperature=1.0, seed=1)
+    assert forced["logprobs"]["tokens"] == [first] * 6  # +100 all but forces it, even when sampling
+    assert forced["logprobs"]["token_logprobs"][0] == plain["logprobs"]["token_logprobs"][0]  # the model's own
+    assert max(forced["logprobs"]["token_logprobs"][1:]) < -0.01  # not the biased distribution's ~0
+
+
 def test_stream_ends_with_done(url):
     body = {"messages": HI, "max_tokens": 3, "stream": True}
     with http().stream("POST", url + "/v1/chat/completions", json=body) as r:

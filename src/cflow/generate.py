@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
+
 from cflow.errors import CflowError
 from cflow.sampling import TokenLogprob, check_logprobs, make_sampler, token_logprob
 from cflow.tokenizer import StreamDecoder, Tokenizer
@@ -97,6 +99,8 @@ class Decoder:
     logprobs: None, or n: each Chunk carries its tokens' logprobs (sampling.token_logprob) with
     the n most likely tokens of their steps; the last one also the end-of-sequence token's when
     that ended the generation (an evaluation harness reads one entry per generated token).
+    logit_bias: {token id: added to its logit} before every draw (-100 bans a token in practice,
+    +100 all but forces it); logprobs stay the model's own.
     prompt_logprobs: None, or n: the first Chunk carries the prompt's tokens' logprobs. Their
     pieces then need the logits of every row (`all_rows`), and no cached prefix is reused (it
     holds no logits). With max_tokens=0 the generation ends after the prompt (scoring a text).
@@ -104,8 +108,10 @@ class Decoder:
 
     def __init__(self, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
                  stop: list[str] | None = None, ignore_eos: bool = False, recompute: int = 2,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None, **sampling):
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 logit_bias: dict[int, float] | None = None, **sampling):
         self.sample = make_sampler(**sampling)  # bad settings fail here, before any step
+        self.bias = bias_arrays(logit_bias)
         for n in (logprobs, prompt_logprobs):
             if n is not None:
                 check_logprobs(n)  # a bad n fails here too
@@ -175,7 +181,7 @@ class Decoder:
                 return self._end("length")
         else:
             self.n_fwd += 1
-        t = self.sample(logits, self.history)
+        t = self.sample(self._biased(logits), self.history)
         if self.pending_lp is not None:
             self.pending_lp.append(token_logprob(logits, t, self.logprobs))
         if t in self.tok.eos_token_ids and not self.ignore_eos:
@@ -200,6 +206,13 @@ class Decoder:
         """The prompt's logprobs for the first Chunk; None after it."""
         out, self.prompt_lps = self.prompt_lps, None
         return out
+
+    def _biased(self, logits):
+        if self.bias is None:
+            return logits
+        x = np.array(logits[-1] if logits.ndim == 2 else logits, dtype=np.float32)
+        x[self.bias[0]] += self.bias[1]
+        return x
 
     def _score(self, piece: list[int], rows):
         """The logprobs of the prompt tokens that the rows of `piece` predict (row r, at prompt
@@ -227,6 +240,19 @@ class Decoder:
         timings = Timings(self.t1 - self.t0, t2 - self.t1, _rate(n_new, self.t1 - self.t0), _rate(self.n_fwd, t2 - self.t1),
                           n_new)
         return Chunk(self.held, self.pending, self.finish, usage, timings, self.pending_lp, self._prompt_once())
+
+
+def bias_arrays(logit_bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """A logit bias {token id: value} as (ids, values) arrays; None for none. Ids must be >= 0 and
+    values finite within +-100 (OpenAI's range); a token id past the vocabulary fails at the first
+    draw's indexing, so callers that know the vocabulary check it first."""
+    if not logit_bias:
+        return None
+    ids = np.fromiter((int(k) for k in logit_bias), dtype=np.int64, count=len(logit_bias))
+    vals = np.fromiter((float(v) for v in logit_bias.values()), dtype=np.float32, count=len(logit_bias))
+    if (ids < 0).any() or not np.isfinite(vals).all() or (np.abs(vals) > 100).any():
+        raise CflowError("logit_bias: token ids >= 0, biases finite within -100..100")
+    return ids, vals
 
 
 def recompute_for(engine) -> int:

@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 
 from cflow.errors import CflowError
-from cflow.generate import Chunk, check_budget, generate_step
+from cflow.generate import Chunk, bias_arrays, check_budget, generate_step
 from cflow.sampling import check_logprobs, generation_defaults, make_sampler
 from cflow.tokenizer import Tokenizer
 
@@ -215,7 +215,7 @@ class LLM:
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None, stop: list[str] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 state=None) -> Iterator[Chunk]:
+                 logit_bias: dict[int, float] | None = None, state=None) -> Iterator[Chunk]:
         """Generate from a prompt (text or token ids): one Chunk per token, the last with
         finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
         plus max_tokens does not fit the context. Close the generator to cancel.
@@ -232,6 +232,7 @@ class LLM:
         prompt_logprobs: None, or n: the first Chunk's `prompt_logprobs` holds the prompt's tokens'
         (None for the first token); max_tokens may then be 0, to score a text without generating.
         The whole prompt is computed again then (a reused state holds no logits).
+        logit_bias: {token id: value in -100..100} added to those logits before every draw.
         """
         ids = self.encode_prompt(prompt)
         check_budget(len(ids), max_tokens, self.n_ctx, scoring=prompt_logprobs is not None)
@@ -240,6 +241,11 @@ class LLM:
         sampling = {k: self.generation_defaults[k] if v is None else v for k, v in given.items()}
         sampling["seed"] = seed
         make_sampler(**sampling)  # bad settings fail here, not at the first token
+        if logit_bias:
+            bias_arrays(logit_bias)  # bad values fail here too
+            if any(not 0 <= int(i) < self.config.vocab_size for i in logit_bias):
+                raise CflowError(f"logit_bias: token ids must be in 0..{self.config.vocab_size - 1}")
+            sampling["logit_bias"] = logit_bias
         for key, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if n is not None:
                 check_logprobs(n)  # as must a bad n

@@ -291,6 +291,7 @@ class Server:
 
     def sampling(self, req, prompt: list[int]) -> dict:
         n_ctx, n = self.llm.n_ctx, len(prompt)
+        self.check_ids([int(k) for k in req.logit_bias or {}], "logit_bias")
         if req.max_tokens == 0 and not self.echoed(req):
             raise ApiError(400, "max_tokens: 0 only with echo (to score the prompt)", param="max_tokens",
                            code="invalid_value")

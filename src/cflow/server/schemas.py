@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible endpoints, their checks, and the error object.
 
 Unknown top-level fields are ignored (clients send many), except those that would change the
-answer and that cflow cannot honour (n > 1, tools, logit_bias, ...): those get a 400
+answer and that cflow cannot honour (n > 1, tools, ...): those get a 400
 rather than a silently different result. Types are strict: "5" is not a number, true is not 1.
 
 parse_body turns the raw body into a dict without trusting it: strict UTF-8, nesting bounded
@@ -24,6 +24,7 @@ MAX_JSON_DEPTH = 64  # arrays / objects inside each other; a request needs 4
 MAX_INT_DIGITS = 40  # a JSON integer longer than this is refused (2**64 has 20 digits)
 MAX_STOP_CHARS = 512  # characters of one stop string
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI's
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 
 
 class ApiError(Exception):
@@ -214,10 +215,13 @@ class Sampling(BaseModel):
     stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # {token id as a decimal string: added to its logit}, as OpenAI's
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+                               Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # accepted only at their neutral values: anything else would change the answer
     n: int = 1
     best_of: int | None = None
-    logit_bias: Annotated[dict, Field(max_length=0)] | None = None
     tools: Annotated[list, Field(max_length=0)] | None = None
     functions: Annotated[list, Field(max_length=0)] | None = None
     tool_choice: Literal["none", None] = None
@@ -244,6 +248,9 @@ class Sampling(BaseModel):
         """As top_n, for the prompt's tokens (an echo with logprobs)."""
         return None
 
+    def bias(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -259,7 +266,7 @@ class Sampling(BaseModel):
         kw = dict(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens, temperature=self.temperature,
                   top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
                   seed=self.seed, stop=[s for s in stop if s] or None, logprobs=self.top_n(),
-                  prompt_logprobs=self.prompt_n())
+                  prompt_logprobs=self.prompt_n(), logit_bias=self.bias())
         if isinstance(defaults, dict):
             given = self.model_fields_set | ({"repetition_penalty"} if self.frequency_penalty or self.presence_penalty else set())
             kw.update({k: v for k, v in defaults.items() if k in kw and k not in given})
