@@ -187,6 +187,26 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_the_models(url):
     assert max(forced["logprobs"]["token_logprobs"][1:]) < -0.01  # not the biased distribution's ~0
 
 
+def test_n_choices_each_draw_as_their_own_request_with_the_next_seed(client):
+    # n choices decode side by side; choice i of a seeded request is the n=1 request of seed + i
+    kw = dict(model="any", messages=HI, max_tokens=10, temperature=1.2)
+    many = client.chat.completions.create(**kw, n=3, seed=40)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(**kw, seed=40 + i).choices[0].message.content for i in range(3)]
+    assert [c.message.content for c in many.choices] == alone and len(set(alone)) > 1
+    one = client.chat.completions.create(**kw, seed=40)
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    assert many.usage.completion_tokens == 30 and many.usage.total_tokens == many.usage.prompt_tokens + 30
+    chunks = list(client.chat.completions.create(**kw, n=3, seed=40, stream=True, stream_options={"include_usage": True}))
+    for i in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(d.delta.content or "" for d in mine) == alone[i]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    greedy = client.completions.create(model="any", prompt="Once upon a time", max_tokens=8, temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text and [c.index for c in greedy.choices] == [0, 1]
+
+
 def test_stream_ends_with_done(url):
     body = {"messages": HI, "max_tokens": 3, "stream": True}
     with http().stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -237,7 +257,7 @@ def test_models_health_metrics(client, url, tiny_llm):
     ({"messages": HI, "max_tokens": "12"}, 400, "max_tokens", "invalid_value"),
     ({"messages": HI, "temperature": "hot"}, 400, "temperature", "invalid_value"),
     ({"messages": HI, "temperature": 7}, 400, "temperature", "invalid_value"),
-    ({"messages": HI, "n": 2}, 400, "n", "invalid_value"),
+    ({"messages": HI, "n": 17}, 400, "n", "invalid_value"),
     ({"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
     ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
@@ -394,6 +414,24 @@ def test_queue_is_first_come_first_served_and_a_queued_client_can_leave(long):
         wait_for(lambda: metric(u, "cflow_generations_cancelled_total") == 5, what="five cancelled requests")
         assert metric(u, "cflow_completion_tokens_total") == 0
         assert health(u)["queued"] == 0
+
+
+def test_a_client_that_leaves_cancels_every_choice(long):
+    with serving(long, parallel=2) as u:
+        c = httpx.Client(timeout=TIMEOUT)
+        body = {"messages": HI, "max_tokens": FOREVER, "temperature": 0, "stream": True, "n": 2}
+        r = c.send(c.build_request("POST", u + "/v1/chat/completions", json=body), stream=True)
+        lines = r.iter_lines()
+        seen = set()
+        while seen != {0, 1}:  # both choices are streaming
+            line = next(lines)
+            if line.startswith("data: {"):
+                seen.add(json.loads(line[6:])["choices"][0]["index"])
+        assert health(u)["active"] == 2
+        r.close()
+        c.close()
+        wait_for(lambda: health(u)["active"] == 0, what="both choices to be cancelled")
+        assert metric(u, "cflow_generations_cancelled_total") == 2
 
 
 def test_queue_limit_gives_503(long):

@@ -76,7 +76,7 @@ FIELDS = {
     "presence_penalty": ["0", [0], -2.01, 2.01],
     "seed": ["7", 7.5, True, [7], -1, -(2 ** 63), 2 ** 64, 10 ** 30],
     "stop": [5, True, [5], ["a", 5], {"a": 1}, ["a", "b", "c", "d", "e"], "x" * 600, ["y" * 513]],
-    "n": [2, 0, -1, 10 ** 6, "1", True, 1.0],
+    "n": [17, 0, -1, 10 ** 6, "1", True, 1.0],
     "stream": ["true", 1, [True], {}],
     "stream_options": ["x", [1], True, {"include_usage": "yes"}, {"include_usage": 1}],
     "model": [5, ["m"], {}, True],

@@ -251,6 +251,52 @@ class _Text:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
+class _Choice:
+    """One choice of an answer as its chunks come: its text, its logprobs (those of tokens whose
+    text is still held back carried to the next piece), an echoed prompt before its first text."""
+
+    def __init__(self, index: int, gen: Job, carry: list, echo: str):
+        self.index, self.gen, self.carry, self.echo = index, gen, carry, echo
+        self.text: list[str] = []
+        self.offset, self.first, self.ended = 0, True, False
+        self.last = None  # the last Chunk (finish_reason, usage, timings once it ends)
+
+    def add(self, item) -> None:
+        """An unstreamed answer: keep the chunk."""
+        self.carry += item.logprobs or []
+        self.text.append(self.echo + item.text)
+        self.echo, self.last = "", item
+
+    def whole(self, fmt, tok, want_logprobs: bool) -> dict:
+        logprobs = fmt.logprobs(tok, self.carry, 0)[0] if want_logprobs else None
+        return dict(fmt.choice("".join(self.text), self.last.finish_reason, logprobs), index=self.index)
+
+    def piece(self, item, fmt, tok, want_logprobs: bool) -> dict | None:
+        """A streamed chunk's choice for item, or None when it has nothing to send yet."""
+        self.carry += item.logprobs or []
+        text, self.echo, self.last = self.echo + item.text, "", item
+        if not (text or item.finish_reason or self.first):
+            return None
+        logprobs = None
+        if want_logprobs:
+            logprobs, self.offset = fmt.logprobs(tok, self.carry, self.offset)
+            self.carry = []
+        out = dict(fmt.delta(text, item.finish_reason, self.first, logprobs), index=self.index)
+        self.first = False
+        return out
+
+
+def _usage_of(lasts: list) -> dict | None:
+    """The usage of n choices of one prompt: the prompt once (its cached part as the first
+    choice found it), the choices' tokens summed."""
+    if any(last.usage is None for last in lasts):
+        return None
+    u = _usage(lasts[0].usage)
+    u["completion_tokens"] = sum(last.usage.completion_tokens for last in lasts)
+    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    return u
+
+
 class Server:
     """State of one app: the model, its batcher and metrics."""
 
@@ -305,89 +351,118 @@ class Server:
 
     # ---- generation
     async def run(self, request: Request, req, prompt: list[int], fmt):
+        """Generate the request's n choices: n jobs, which the batcher decodes side by side (the
+        later ones copy the prompt's KV from the first while it runs); choice i draws with seed
+        + i when a seed is given. A client that leaves cancels them all."""
         sampling = self.sampling(req, prompt)
         t0 = time.perf_counter()
+        gens: list[Job] = []
         try:
-            decoder = Decoder(self.llm.tokenizer, prompt, recompute=recompute_for(self.llm.engine), **sampling)
-            gen = Job(self.batcher, decoder, stream=bool(req.stream))
+            for i in range(req.n):
+                seed = sampling["seed"] if sampling["seed"] is None or i == 0 else (sampling["seed"] + i) % 2**64
+                decoder = Decoder(self.llm.tokenizer, prompt, recompute=recompute_for(self.llm.engine),
+                                  **dict(sampling, seed=seed))
+                gens.append(Job(self.batcher, decoder, stream=bool(req.stream)))
         except CflowError as e:
             raise _model_error(e) from None
-        try:
-            self.batcher.submit(gen)
-        except QueueFull as e:
-            raise _model_error(e) from None
-        watch = asyncio.create_task(_disconnected(request))
+        submitted = 0
+        watch = None
         handed_off = False
         try:
-            item = await _next(gen, watch)
-            if isinstance(item, Exception):
-                raise _model_error(item)
+            for gen in gens:
+                self.batcher.submit(gen)
+                submitted += 1
+            watch = asyncio.create_task(_disconnected(request))
+            firsts = []
+            for gen in gens:
+                firsts.append(await _next(gen, watch))
+                if isinstance(firsts[-1], Exception):
+                    raise _model_error(firsts[-1])
             if req.stream:
                 handed_off = True
-                return EventStream(self.events(gen, item, fmt, req, prompt, t0),
+                return EventStream(self.events(gens, firsts, fmt, req, prompt, t0),
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            text, last, lps = [], None, []
-            while item is not END:
-                if isinstance(item, Exception):
-                    raise _model_error(item)
-                if last is None:
-                    text.append(self.echoed(req))
-                    lps += self.echoed_logprobs(req, prompt, item.prompt_logprobs)
-                text.append(item.text)
-                lps += item.logprobs or []
-                last = item
-                item = await _next(gen, watch)
-            self.done(last, t0)
             body = self.head(fmt, fmt.obj)
-            logprobs = fmt.logprobs(self.llm.tokenizer, lps, 0)[0] if sampling["logprobs"] is not None else None
-            body["choices"] = [fmt.choice("".join(text), last.finish_reason, logprobs)]
-            body["usage"] = _usage(last.usage)
-            body["timings"] = _plain(last.timings)
+            body["choices"], lasts = [], []
+            for i, (gen, item) in enumerate(zip(gens, firsts)):  # the others' chunks wait in their queues
+                choice = _Choice(i, gen, self.echoed_logprobs(req, prompt, item.prompt_logprobs), self.echoed(req))
+                while item is not END:
+                    if isinstance(item, Exception):
+                        raise _model_error(item)
+                    choice.add(item)
+                    item = await _next(gen, watch)
+                body["choices"].append(choice.whole(fmt, self.llm.tokenizer, sampling["logprobs"] is not None))
+                lasts.append(choice.last)
+            for last in lasts:
+                self.done(last, t0)
+            body["usage"] = _usage_of(lasts)
+            body["timings"] = _plain(lasts[0].timings)
             return JSONResponse(body)
+        except QueueFull as e:
+            raise _model_error(e) from None
         except ClientGone:
             self.metrics.cancelled.inc()
             return Response(status_code=499)  # nobody is left to read it
         finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             if not handed_off:
-                gen.cancel()
+                for gen in gens[:submitted]:
+                    gen.cancel()
 
-    async def events(self, gen: Job, item, fmt, req, prompt: list[int], t0: float):
-        head, last, first = self.head(fmt, fmt.chunk_obj), None, True
-        want_logprobs = gen.decoder.logprobs is not None
-        # logprobs of tokens whose text is held back (an echoed prompt's first); text_offset so far
-        carry, offset, echo = self.echoed_logprobs(req, prompt, item.prompt_logprobs), 0, self.echoed(req)
+    async def events(self, gens: list[Job], firsts: list, fmt, req, prompt: list[int], t0: float):
+        """The server-sent events of n choices, each chunk one choice's, in the order they come."""
+        head = self.head(fmt, fmt.chunk_obj)
+        want_logprobs = gens[0].decoder.logprobs is not None
+        choices = [_Choice(i, g, self.echoed_logprobs(req, prompt, f.prompt_logprobs), self.echoed(req))
+                   for i, (g, f) in enumerate(zip(gens, firsts))]
+        reads: dict[_Choice, asyncio.Future] = {}  # a pending gen.next() per choice, with n > 1
         try:
-            while item is not END:
-                if isinstance(item, Exception):
-                    yield _sse(_model_error(item).body())
+            ready, failed = list(zip(choices, firsts)), False
+            while ready and not failed:
+                for choice, item in ready:
+                    if isinstance(item, Exception):
+                        yield _sse(_model_error(item).body())
+                        failed = True
+                        break
+                    if item is END:
+                        choice.ended = True
+                        continue
+                    out = choice.piece(item, fmt, self.llm.tokenizer, want_logprobs)
+                    if out is not None:
+                        chunk = dict(head, choices=[out])
+                        if item.finish_reason:
+                            chunk["timings"] = _plain(item.timings)
+                        yield _sse(chunk)
+                live = [c for c in choices if not c.ended]
+                if failed or not live:
                     break
-                carry += item.logprobs or []
-                if echo:
-                    item, echo = replace(item, text=echo + item.text), ""
-                if item.text or item.finish_reason or first:
-                    logprobs = None
-                    if want_logprobs:
-                        logprobs, offset = fmt.logprobs(self.llm.tokenizer, carry, offset)
-                        carry = []
-                    chunk = dict(head, choices=[fmt.delta(item.text, item.finish_reason, first, logprobs)])
-                    if item.finish_reason:
-                        chunk["timings"] = _plain(item.timings)
-                    yield _sse(chunk)
-                    first = False
-                last = item
-                item = await gen.next()
-            if last is not None and last.finish_reason:
-                self.done(last, t0)
+                if len(live) == 1 and not reads:  # one choice: no task a token
+                    ready = [(live[0], await live[0].gen.next())]
+                    continue
+                for c in live:
+                    if c not in reads:
+                        reads[c] = asyncio.ensure_future(c.gen.next())
+                done, _ = await asyncio.wait(reads.values(), return_when=asyncio.FIRST_COMPLETED)
+                ready = [(c, f.result()) for c, f in list(reads.items()) if f in done]
+                for c, _ in ready:
+                    del reads[c]
+            lasts = [c.last for c in choices]
+            if not failed and all(last is not None and last.finish_reason for last in lasts):
+                for last in lasts:
+                    self.done(last, t0)
                 if req.include_usage():
-                    yield _sse(dict(head, choices=[], usage=_usage(last.usage)))
+                    yield _sse(dict(head, choices=[], usage=_usage_of(lasts)))
             yield "data: [DONE]\n\n"
         finally:
-            if last is None or not last.finish_reason:
-                self.metrics.cancelled.inc()
-            gen.cancel()
+            for c in choices:
+                if c.last is None or not c.last.finish_reason:
+                    self.metrics.cancelled.inc()
+                c.gen.cancel()
+            for f in reads.values():
+                f.cancel()
 
     def echoed(self, req) -> str:
         """The text an answer starts with: the prompt, when a completion asks for its echo."""

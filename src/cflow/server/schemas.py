@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible endpoints, their checks, and the error object.
 
 Unknown top-level fields are ignored (clients send many), except those that would change the
-answer and that cflow cannot honour (n > 1, tools, ...): those get a 400
+answer and that cflow cannot honour (best_of > 1, tools, ...): those get a 400
 rather than a silently different result. Types are strict: "5" is not a number, true is not 1.
 
 parse_body turns the raw body into a dict without trusting it: strict UTF-8, nesting bounded
@@ -25,6 +25,7 @@ MAX_INT_DIGITS = 40  # a JSON integer longer than this is refused (2**64 has 20 
 MAX_STOP_CHARS = 512  # characters of one stop string
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI's
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_CHOICES = 16  # n: choices of one request
 
 
 class ApiError(Exception):
@@ -219,14 +220,14 @@ class Sampling(BaseModel):
     logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
                                Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    # accepted only at their neutral values: anything else would change the answer
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices: sequences decoded side by side
+    # accepted only at its neutral value: anything else would change the answer
     best_of: int | None = None
     tools: Annotated[list, Field(max_length=0)] | None = None
     functions: Annotated[list, Field(max_length=0)] | None = None
     tool_choice: Literal["none", None] = None
 
-    @field_validator("n", "best_of")
+    @field_validator("best_of")
     @classmethod
     def _only_one(cls, v):
         if v not in (None, 1):
