@@ -195,14 +195,14 @@ class _Chat:
     prefix, obj, chunk_obj = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     @staticmethod
-    def choice(text, finish, logprobs=None):
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+    def choice(text, finish, logprobs=None, index=0):
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
 
     @staticmethod
-    def delta(text, finish, first=False, logprobs=None):
+    def delta(text, finish, first=False, logprobs=None, index=0):
         d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
     def logprobs(tok, lps, offset: int) -> tuple[dict, int]:
@@ -222,12 +222,12 @@ class _Text:
     prefix, obj, chunk_obj = "cmpl", "text_completion", "text_completion"
 
     @staticmethod
-    def choice(text, finish, logprobs=None):
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    def choice(text, finish, logprobs=None, index=0):
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
-    def delta(text, finish, first=False, logprobs=None):
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    def delta(text, finish, first=False, logprobs=None, index=0):
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
     def logprobs(tok, lps, offset: int) -> tuple[dict, int]:
@@ -269,7 +269,7 @@ class _Choice:
 
     def whole(self, fmt, tok, want_logprobs: bool) -> dict:
         logprobs = fmt.logprobs(tok, self.carry, 0)[0] if want_logprobs else None
-        return dict(fmt.choice("".join(self.text), self.last.finish_reason, logprobs), index=self.index)
+        return fmt.choice("".join(self.text), self.last.finish_reason, logprobs, self.index)
 
     def piece(self, item, fmt, tok, want_logprobs: bool) -> dict | None:
         """A streamed chunk's choice for item, or None when it has nothing to send yet."""
@@ -281,7 +281,7 @@ class _Choice:
         if want_logprobs:
             logprobs, self.offset = fmt.logprobs(tok, self.carry, self.offset)
             self.carry = []
-        out = dict(fmt.delta(text, item.finish_reason, self.first, logprobs), index=self.index)
+        out = fmt.delta(text, item.finish_reason, self.first, logprobs, self.index)
         self.first = False
         return out
 
