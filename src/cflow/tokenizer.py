@@ -31,6 +31,7 @@ class Tokenizer:
         self.eos_token_ids: set[int] = set(special.get("eos_token_ids") or [])
         self.add_bos: bool = bool(special.get("add_bos", False))
         self.vocab_size = self.backend.get_vocab_size()
+        self._spelt: dict[int, bytes] = {}  # token_bytes, as tokens are asked for
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of text; with add_special_tokens, BOS is prepended when the model wants it."""
@@ -50,14 +51,10 @@ class Tokenizer:
         logprobs spell a token. Byte-level vocabularies (GPT-2's, Qwen's) map each byte to a
         printable character; SentencePiece ones write a space as U+2581 and a byte they have no
         piece for as <0xNN>; added (special) tokens stand for their own text."""
-        b = self._token_bytes.get(i)
+        b = self._spelt.get(i)
         if b is None:
-            b = self._token_bytes[i] = self._spell(i)
+            b = self._spelt[i] = self._spell(i)
         return b
-
-    @functools.cached_property
-    def _token_bytes(self) -> dict[int, bytes]:
-        return {}
 
     @functools.cached_property
     def _decoders(self) -> tuple[set[int], set[str], list[tuple[str, str]]]:
@@ -65,7 +62,7 @@ class Tokenizer:
         spec = json.loads(self.backend.to_str())
         added = {t["id"] for t in spec.get("added_tokens") or []}
         steps = spec.get("decoder") or {}
-        steps = steps.get("decoders") or [steps] if steps.get("type") == "Sequence" else [steps]
+        steps = (steps.get("decoders") or []) if steps.get("type") == "Sequence" else [steps]
         kinds = {d.get("type") for d in steps if isinstance(d, dict)}
         replace = [(d["pattern"]["String"], d["content"]) for d in steps if isinstance(d, dict)
                    and d.get("type") == "Replace" and isinstance(d.get("pattern"), dict) and "String" in d["pattern"]]
