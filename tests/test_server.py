@@ -4,6 +4,7 @@ only clock is TIMEOUT, a bound on a hang."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 
@@ -416,21 +417,26 @@ def test_queue_is_first_come_first_served_and_a_queued_client_can_leave(long):
         assert health(u)["queued"] == 0
 
 
-def test_a_client_that_leaves_cancels_every_choice(long):
-    with serving(long, parallel=2) as u:
+@pytest.mark.parametrize("parallel", [2, 1])
+def test_choices_stream_as_slots_allow_and_a_client_that_leaves_cancels_them_all(long, parallel):
+    # two choices of endless streams: with two slots both stream; with one the first streams at
+    # once and the second waits in the queue for its slot. Hanging up takes both away.
+    with serving(long, parallel=parallel) as u:
         c = httpx.Client(timeout=TIMEOUT)
         body = {"messages": HI, "max_tokens": FOREVER, "temperature": 0, "stream": True, "n": 2}
         r = c.send(c.build_request("POST", u + "/v1/chat/completions", json=body), stream=True)
-        lines = r.iter_lines()
-        seen = set()
-        while seen != {0, 1}:  # both choices are streaming
-            line = next(lines)
-            if line.startswith("data: {"):
-                seen.add(json.loads(line[6:])["choices"][0]["index"])
-        assert health(u)["active"] == 2
+        indexes = (json.loads(x[6:])["choices"][0]["index"] for x in r.iter_lines() if x.startswith("data: {"))
+        if parallel == 2:
+            seen = set()
+            while seen != {0, 1}:
+                seen.add(next(indexes))
+        else:
+            assert list(itertools.islice(indexes, 3)) == [0, 0, 0]
+        h = health(u)
+        assert (h["active"], h["queued"]) == ((2, 0) if parallel == 2 else (1, 1))
         r.close()
         c.close()
-        wait_for(lambda: health(u)["active"] == 0, what="both choices to be cancelled")
+        wait_for(lambda: health(u)["active"] == 0 and health(u)["queued"] == 0, what="both choices to leave")
         assert metric(u, "cflow_generations_cancelled_total") == 2
 
 

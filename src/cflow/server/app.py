@@ -253,19 +253,27 @@ class _Text:
 
 class _Choice:
     """One choice of an answer as its chunks come: its text, its logprobs (those of tokens whose
-    text is still held back carried to the next piece), an echoed prompt before its first text."""
+    text is still held back carried to the next piece), an echoed prompt before its first text
+    (echo_logprobs: its entries from the first chunk's prompt_logprobs)."""
 
-    def __init__(self, index: int, gen: Job, carry: list, echo: str):
-        self.index, self.gen, self.carry, self.echo = index, gen, carry, echo
+    def __init__(self, index: int, gen: Job, echo: str, echo_logprobs):
+        self.index, self.gen, self.echo, self.echo_logprobs = index, gen, echo, echo_logprobs
         self.text: list[str] = []
+        self.carry: list = []
         self.offset, self.first, self.ended = 0, True, False
         self.last = None  # the last Chunk (finish_reason, usage, timings once it ends)
 
+    def _take(self, item) -> str:
+        """item's text, after the echoed prompt for the first; its logprobs to the carry."""
+        if self.last is None:
+            self.carry += self.echo_logprobs(item.prompt_logprobs)
+        self.carry += item.logprobs or []
+        text, self.echo, self.last = self.echo + item.text, "", item
+        return text
+
     def add(self, item) -> None:
         """An unstreamed answer: keep the chunk."""
-        self.carry += item.logprobs or []
-        self.text.append(self.echo + item.text)
-        self.echo, self.last = "", item
+        self.text.append(self._take(item))
 
     def whole(self, fmt, tok, want_logprobs: bool) -> dict:
         logprobs = fmt.logprobs(tok, self.carry, 0)[0] if want_logprobs else None
@@ -273,8 +281,7 @@ class _Choice:
 
     def piece(self, item, fmt, tok, want_logprobs: bool) -> dict | None:
         """A streamed chunk's choice for item, or None when it has nothing to send yet."""
-        self.carry += item.logprobs or []
-        text, self.echo, self.last = self.echo + item.text, "", item
+        text = self._take(item)
         if not (text or item.finish_reason or self.first):
             return None
         logprobs = None
@@ -373,24 +380,27 @@ class Server:
                 self.batcher.submit(gen)
                 submitted += 1
             watch = asyncio.create_task(_disconnected(request))
+            # a streamed answer starts with its first choice's first token (choices past
+            # --parallel wait for a slot); an unstreamed one's errors are the request's status
             firsts = []
-            for gen in gens:
+            for gen in gens[:1] if req.stream else gens:
                 firsts.append(await _next(gen, watch))
                 if isinstance(firsts[-1], Exception):
                     raise _model_error(firsts[-1])
+            choices = [_Choice(i, g, self.echoed(req), partial(self.echoed_logprobs, req, prompt))
+                       for i, g in enumerate(gens)]
             if req.stream:
                 handed_off = True
-                return EventStream(self.events(gens, firsts, fmt, req, prompt, t0),
+                return EventStream(self.events(choices, firsts[0], fmt, req, t0),
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             body = self.head(fmt, fmt.obj)
             body["choices"], lasts = [], []
-            for i, (gen, item) in enumerate(zip(gens, firsts)):  # the others' chunks wait in their queues
-                choice = _Choice(i, gen, self.echoed_logprobs(req, prompt, item.prompt_logprobs), self.echoed(req))
+            for choice, item in zip(choices, firsts):  # the others' chunks wait in their queues
                 while item is not END:
                     if isinstance(item, Exception):
                         raise _model_error(item)
                     choice.add(item)
-                    item = await _next(gen, watch)
+                    item = await _next(choice.gen, watch)
                 body["choices"].append(choice.whole(fmt, self.llm.tokenizer, sampling["logprobs"] is not None))
                 lasts.append(choice.last)
             for last in lasts:
@@ -412,15 +422,14 @@ class Server:
                 for gen in gens[:submitted]:
                     gen.cancel()
 
-    async def events(self, gens: list[Job], firsts: list, fmt, req, prompt: list[int], t0: float):
-        """The server-sent events of n choices, each chunk one choice's, in the order they come."""
+    async def events(self, choices: list[_Choice], first, fmt, req, t0: float):
+        """The server-sent events of n choices, each chunk one choice's, in the order they come
+        (`first`: the first choice's first item)."""
         head = self.head(fmt, fmt.chunk_obj)
-        want_logprobs = gens[0].decoder.logprobs is not None
-        choices = [_Choice(i, g, self.echoed_logprobs(req, prompt, f.prompt_logprobs), self.echoed(req))
-                   for i, (g, f) in enumerate(zip(gens, firsts))]
+        want_logprobs = choices[0].gen.decoder.logprobs is not None
         reads: dict[_Choice, asyncio.Future] = {}  # a pending gen.next() per choice, with n > 1
         try:
-            ready, failed = list(zip(choices, firsts)), False
+            ready, failed = [(choices[0], first)], False
             while ready and not failed:
                 for choice, item in ready:
                     if isinstance(item, Exception):
