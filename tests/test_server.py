@@ -464,3 +464,10 @@ def test_bench_load_reports_a_clean_run(url, capsys):
     assert "latency     p50" in out and "server RSS  before" in out
     tokens = int(out.split("throughput  ")[1].split()[0])
     assert 6 <= tokens <= 24  # 1..4 completion tokens per request, summed from the streamed usage
+    # choices and logprobs, streamed and not: every choice's tokens are counted
+    for stream in (["--stream"], []):
+        rc = main(["bench", "load", "--url", url, "--clients", "2", "--requests", "2", "--max-tokens", "4",
+                   "--n", "3", "--logprobs", "2", *stream])
+        out = capsys.readouterr().out
+        assert rc == 0 and "n 3, logprobs 2" in out and "errors      0 server (5xx or dropped), 0 other" in out
+        assert 12 <= int(out.split("throughput  ")[1].split()[0]) <= 48

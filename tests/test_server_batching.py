@@ -494,6 +494,8 @@ def test_bench_load_rounds_need_two_values(tiny_cflow, capsys):
     (["--parallel", "0"], "must be >= 1"),
     (["--frequency-penalty", "2.5"], "--frequency-penalty must be in -2..2"),
     (["--turns", "0"], "--turns must be >= 1"),
+    (["--n", "17"], "--n must be in 1..16"),
+    (["--logprobs", "21"], "--logprobs must be in 0..20"),
 ])
 def test_bench_load_refuses_bad_arguments_before_any_request(argv, message, capsys):
     from cflow.cli import main

@@ -53,6 +53,9 @@ def add_arguments(p):
                    "time to first token and inter-token latency")
     p.add_argument("--frequency-penalty", type=float, default=None,
                    help="frequency_penalty of each request (-2..2; default: not sent, no penalty)")
+    p.add_argument("--n", type=int, default=1, help="choices of each request (1..16; default %(default)s)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="ask for each token's logprob and its step's K most likely (0..20; default: not asked)")
     p.add_argument("--parallel", "--max-concurrency", dest="parallel", default="1",
                    help="sequences the started server decodes together; a list (1,2,4,8) runs one phase per "
                         "value, a server each, and plots them (default %(default)s)")
@@ -149,7 +152,9 @@ async def _stream(conn, body, headers, res: Result, cut: int | None, t0: float) 
             if "error" in event:
                 res.stream_error = True
             elif event.get("choices"):
-                res.text += event["choices"][0].get("delta", {}).get("content") or ""
+                choice = event["choices"][0]
+                if choice.get("index", 0) == 0:  # the conversation goes on with the first choice
+                    res.text += choice.get("delta", {}).get("content") or ""
                 now = time.perf_counter()
                 if last is None:
                     res.ttft = now - t0
@@ -180,6 +185,10 @@ async def _client(url, headers, args, k, results, bar, deadline):
                     "max_tokens": args.max_tokens, "temperature": 0.7, "seed": k * 1000 + i, "stream": args.stream}
             if args.frequency_penalty is not None:
                 body["frequency_penalty"] = args.frequency_penalty
+            if args.n > 1:
+                body["n"] = args.n
+            if args.logprobs is not None:
+                body.update(logprobs=True, top_logprobs=args.logprobs)
             i += 1
             res, t0 = Result(), time.perf_counter()
             try:
@@ -299,7 +308,8 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     print(f"load: {model} at {url}, parallel {slots}, {args.clients} clients {runs} = {len(results)}, "
           f"max_tokens {args.max_tokens}{f', conversations of {args.turns} turns' if args.turns > 1 else ''}"
           f"{', streamed' if args.stream else ''}"
-          f"{'' if args.frequency_penalty is None else f', frequency_penalty {args.frequency_penalty:g}'}, "
+          f"{'' if args.frequency_penalty is None else f', frequency_penalty {args.frequency_penalty:g}'}"
+          f"{f', n {args.n}' if args.n > 1 else ''}{'' if args.logprobs is None else f', logprobs {args.logprobs}'}, "
           f"{kernels_name()} kernels")
     print(f"  errors      {server_err} server (5xx or dropped), {other_err} other"
           + (f"; {abandoned} abandoned mid-stream by their client" if abandoned else ""))
@@ -392,6 +402,10 @@ def main(args) -> int:
         raise CflowError("--disconnect abandons streams: add --stream")
     if args.turns < 1:
         raise CflowError("--turns must be >= 1")
+    if not 1 <= args.n <= 16:
+        raise CflowError(f"--n must be in 1..16 (the server's range), got {args.n}")
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        raise CflowError(f"--logprobs must be in 0..20 (top_logprobs' range), got {args.logprobs}")
     if args.frequency_penalty is not None and not -2.0 <= args.frequency_penalty <= 2.0:
         raise CflowError(f"--frequency-penalty must be in -2..2 (the API's range), got {args.frequency_penalty:g}")
     plot = args.plot or ("bench-load.png" if len(values) > 1 else None)
