@@ -234,7 +234,6 @@ class Sampling(BaseModel):
             raise ValueError("only 1 is supported")
         return v
 
-
     @model_validator(mode="after")
     def _penalties(self):
         if self.repetition_penalty is not None and (self.frequency_penalty or self.presence_penalty):
@@ -264,8 +263,8 @@ class Sampling(BaseModel):
         else:
             # OpenAI's additive penalties in [-2, 2] -> a multiplicative one in [0.5, 2]
             rp = 2.0 ** (max(-2.0, min(2.0, (self.frequency_penalty or 0.0) + (self.presence_penalty or 0.0))) / 2)
-        kw = dict(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens, temperature=self.temperature,
-                  top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
+        kw = dict(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+                  temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
                   seed=self.seed, stop=[s for s in stop if s] or None, logprobs=self.top_n(),
                   prompt_logprobs=self.prompt_n(), logit_bias=self.bias())
         if isinstance(defaults, dict):
