@@ -210,7 +210,7 @@ class Decoder:
     def _biased(self, logits):
         if self.bias is None:
             return logits
-        x = np.array(logits[-1] if logits.ndim == 2 else logits, dtype=np.float32)
+        x = np.array(logits, dtype=np.float32)
         x[self.bias[0]] += self.bias[1]
         return x
 

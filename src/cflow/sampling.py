@@ -100,7 +100,6 @@ def token_logprob(logits: np.ndarray, chosen: int, n: int = 0) -> TokenLogprob:
     likely tokens. The log of the normaliser is summed in float64 (a 152k vocabulary)."""
     check_logprobs(n)
     x = np.asarray(logits)
-    x = x[-1] if x.ndim == 2 else x  # a prompt piece's rows: its last one's
     m = float(x.max())
     if not math.isfinite(m) or not np.isfinite(x[chosen]):
         raise CflowError("logprobs of logits that are not finite")

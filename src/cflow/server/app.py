@@ -366,7 +366,7 @@ class Server:
         gens: list[Job] = []
         try:
             for i in range(req.n):
-                seed = sampling["seed"] if sampling["seed"] is None or i == 0 else (sampling["seed"] + i) % 2**64
+                seed = None if sampling["seed"] is None else (sampling["seed"] + i) % 2**64
                 decoder = Decoder(self.llm.tokenizer, prompt, recompute=recompute_for(self.llm.engine),
                                   **dict(sampling, seed=seed))
                 gens.append(Job(self.batcher, decoder, stream=bool(req.stream)))
