@@ -86,10 +86,10 @@ FIELDS = {
     "tools": [[{"type": "function"}], "x", {}],
     "functions": [[{"name": "f"}], 3],
     "tool_choice": ["auto", {"type": "function"}, 1],
+    "response_format": [{"type": 5}, "text", 5, {}, {"type": "xml"}, {"type": "json_schema"}, [{"type": "text"}]],
 }
 CHAT_ONLY = {
     "max_completion_tokens": ["5", True, 0, -1],
-    "response_format": [{"type": "json_object"}, {"type": 5}, "text", 5],
     "logprobs": ["false", 1, [True], {}],
     "top_logprobs": [1, "0", True, -1, 21, 2.0],  # 1: without logprobs true
     "echo": [True, 1, "no"],

@@ -10,6 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from cflow.errors import CflowError
+from cflow.json_mode import JsonConstraint
 from cflow.sampling import TokenLogprob, check_logprobs, make_sampler, token_logprob
 from cflow.tokenizer import StreamDecoder, Tokenizer
 
@@ -104,13 +105,17 @@ class Decoder:
     prompt_logprobs: None, or n: the first Chunk carries the prompt's tokens' logprobs. Their
     pieces then need the logits of every row (`all_rows`), and no cached prefix is reused (it
     holds no logits). With max_tokens=0 the generation ends after the prompt (scoring a text).
+    json_object: the answer is one JSON object (cflow.json_mode): each draw is among the tokens
+    that keep it one, and the generation ends when it closes.
     """
 
     def __init__(self, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
                  stop: list[str] | None = None, ignore_eos: bool = False, recompute: int = 2,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 logit_bias: dict[int, float] | None = None, **sampling):
+                 logit_bias: dict[int, float] | None = None, json_object: bool = False, **sampling):
         self.sample = make_sampler(**sampling)  # bad settings fail here, before any step
+        self.json = JsonConstraint(tok) if json_object else None
+        self.top_k = int(sampling.get("top_k") or 0)
         self.bias = bias_arrays(logit_bias)
         for n in (logprobs, prompt_logprobs):
             if n is not None:
@@ -181,7 +186,9 @@ class Decoder:
                 return self._end("length")
         else:
             self.n_fwd += 1
-        t = self.sample(self._biased(logits), self.history)
+        t = self._draw(self._biased(logits))
+        if t is None:  # JSON mode, and no token of the vocabulary continues the text
+            return self._end("stop")
         if self.pending_lp is not None:
             self.pending_lp.append(token_logprob(logits, t, self.logprobs))
         if t in self.tok.eos_token_ids and not self.ignore_eos:
@@ -194,6 +201,8 @@ class Decoder:
         if hit >= 0:
             self.held = self.held[:hit]
             return self._end("stop", flush=False)
+        if self.json is not None and self.json.complete:
+            return self._end("stop")
         if len(self.out_ids) == self.max_tokens:
             return self._end("length")
         keep = _held_back(self.held, self.stops)
@@ -206,6 +215,14 @@ class Decoder:
         """The prompt's logprobs for the first Chunk; None after it."""
         out, self.prompt_lps = self.prompt_lps, None
         return out
+
+    def _draw(self, logits) -> int | None:
+        if self.json is None:
+            return self.sample(logits, self.history)
+        t = self.json.draw(self.sample, logits, self.history, self.top_k)
+        if t is not None:
+            self.json.advance(t)
+        return t
 
     def _biased(self, logits):
         if self.bias is None:

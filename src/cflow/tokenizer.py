@@ -56,6 +56,12 @@ class Tokenizer:
             b = self._spelt[i] = self._spell(i)
         return b
 
+    @property
+    def added_ids(self) -> frozenset[int]:
+        """The ids of the tokens the tokenizer adds to its model's vocabulary (control tokens
+        such as end-of-turn markers, and any other added token)."""
+        return frozenset(self._decoders[0])
+
     @functools.cached_property
     def _decoders(self) -> tuple[set[int], set[str], list[tuple[str, str]]]:
         """(added token ids, the decoder's step types, its Replace steps)."""

@@ -24,6 +24,9 @@ def add_sampling_arguments(p):
     s.add_argument("--seed", type=int, default=None, help="repeat a sampled run (default: a new draw each run)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--json", action="store_true",
+                   help="answer with one JSON object (JSON mode: each token keeps the answer JSON; it ends when "
+                        "the object closes)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--n-ctx", type=int, default=None,
                    help=f"context length in tokens (default: the model's own, capped at {DEFAULT_MAX_CTX}; "
@@ -81,7 +84,7 @@ def add_arguments(p):
 def sampling_kwargs(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-                ignore_eos=args.ignore_eos)
+                ignore_eos=args.ignore_eos, json_object=args.json)
 
 
 def load_llm(args):

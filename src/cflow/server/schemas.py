@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -199,6 +199,23 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text", or "json_object" (the answer is one JSON object,
+    cflow.json_mode). A JSON schema is not followed: "json_schema" is a 400 that says so, rather
+    than an answer that ignores the schema."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+
+    @field_validator("type")
+    @classmethod
+    def _no_schema(cls, v):
+        if v == "json_schema":
+            raise ValueError("a JSON schema is not supported; {'type': 'json_object'} constrains the answer "
+                             "to one JSON object")
+        return v
+
+
 class Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -221,6 +238,7 @@ class Sampling(BaseModel):
                                Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices: sequences decoded side by side
+    response_format: ResponseFormat | None = None  # OpenAI's in chat; vLLM takes it in completions too
     # accepted only at its neutral value: anything else would change the answer
     best_of: int | None = None
     tools: Annotated[list, Field(max_length=0)] | None = None
@@ -266,7 +284,8 @@ class Sampling(BaseModel):
         kw = dict(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                   temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
                   seed=self.seed, stop=[s for s in stop if s] or None, logprobs=self.top_n(),
-                  prompt_logprobs=self.prompt_n(), logit_bias=self.bias())
+                  prompt_logprobs=self.prompt_n(), logit_bias=self.bias(),
+                  json_object=bool(self.response_format and self.response_format.type == "json_object"))
         if isinstance(defaults, dict):
             given = self.model_fields_set | ({"repetition_penalty"} if self.frequency_penalty or self.presence_penalty else set())
             kw.update({k: v for k, v in defaults.items() if k in kw and k not in given})
@@ -294,15 +313,12 @@ class Message(BaseModel):
 class ChatRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    response_format: dict[str, Any] | None = None
     echo: bool = False  # not in the chat API: accepted only as false
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _chat(self):
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
