@@ -471,3 +471,11 @@ def test_bench_load_reports_a_clean_run(url, capsys):
         out = capsys.readouterr().out
         assert rc == 0 and "n 3, logprobs 2" in out and "errors      0 server (5xx or dropped), 0 other" in out
         assert 12 <= int(out.split("throughput  ")[1].split()[0]) <= 48
+    # JSON mode: every answer is checked (a closed object must parse)
+    for stream in (["--stream"], []):
+        rc = main(["bench", "load", "--url", url, "--clients", "2", "--requests", "2", "--max-tokens", "24",
+                   "--json", "1", *stream])
+        out = capsys.readouterr().out
+        assert rc == 0 and "JSON mode 1 of them" in out, out
+        assert "json mode   4 answers" in out and ", 0 do not)" in out
+        assert "errors      0 server (5xx or dropped, or JSON that does not parse), 0 other" in out

@@ -496,6 +496,7 @@ def test_bench_load_rounds_need_two_values(tiny_cflow, capsys):
     (["--turns", "0"], "--turns must be >= 1"),
     (["--n", "17"], "--n must be in 1..16"),
     (["--logprobs", "21"], "--logprobs must be in 0..20"),
+    (["--json", "1.5"], "--json is a share of the requests"),
 ])
 def test_bench_load_refuses_bad_arguments_before_any_request(argv, message, capsys):
     from cflow.cli import main

@@ -56,6 +56,9 @@ def add_arguments(p):
     p.add_argument("--n", type=int, default=1, help="choices of each request (1..16; default %(default)s)")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="ask for each token's logprob and its step's K most likely (0..20; default: not asked)")
+    p.add_argument("--json", type=float, default=0.0, metavar="SHARE",
+                   help="the share of requests (0..1) in JSON mode (response_format json_object); their answers "
+                        "are checked: a closed object must parse (default %(default)s)")
     p.add_argument("--parallel", "--max-concurrency", dest="parallel", default="1",
                    help="sequences the started server decodes together; a list (1,2,4,8) runs one phase per "
                         "value, a server each, and plots them (default %(default)s)")
@@ -128,6 +131,8 @@ class Result:
         self.gaps: list[float] = []
         self.abandoned = self.stream_error = False
         self.text = ""  # the answer (for the next turn of a conversation)
+        self.finish: str | None = None  # the first choice's finish_reason
+        self.json = False  # asked for JSON mode
 
     @property
     def server_error(self) -> bool:
@@ -155,6 +160,7 @@ async def _stream(conn, body, headers, res: Result, cut: int | None, t0: float) 
                 choice = event["choices"][0]
                 if choice.get("index", 0) == 0:  # the conversation goes on with the first choice
                     res.text += choice.get("delta", {}).get("content") or ""
+                    res.finish = choice.get("finish_reason") or res.finish
                 now = time.perf_counter()
                 if last is None:
                     res.ttft = now - t0
@@ -191,6 +197,8 @@ async def _client(url, headers, args, k, results, bar, deadline):
                 body.update(logprobs=True, top_logprobs=args.logprobs)
             i += 1
             res, t0 = Result(), time.perf_counter()
+            if args.json and rng.random() < args.json:
+                body["response_format"], res.json = {"type": "json_object"}, True
             try:
                 if args.stream:
                     body["stream_options"] = {"include_usage": True}
@@ -202,6 +210,7 @@ async def _client(url, headers, args, k, results, bar, deadline):
                         answer = json.loads(raw)
                         _usage(res, answer["usage"])
                         res.text = answer["choices"][0]["message"]["content"]
+                        res.finish = answer["choices"][0]["finish_reason"]
             except HttpError:
                 res.status = -1
             res.latency = time.perf_counter() - t0
@@ -302,6 +311,10 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     other_err = sum(1 for r in results if not r.server_error and r.status != 200)
     abandoned = sum(1 for r in results if r.abandoned)
     tokens = sum(r.tokens for r in results)
+    asked = [r for r in results if r.json and r.status == 200 and not r.abandoned and not r.stream_error]
+    closed = [r for r in asked if r.finish == "stop"]
+    unparsed = sum(1 for r in closed if not _is_json_object(r.text))
+    server_err += unparsed  # a closed JSON-mode answer that is not one JSON object: the server broke its word
     runs = f"for {args.duration:.0f} s" if args.duration else f"x {args.requests} requests"
     from cflow.kernels import kernels_name
 
@@ -309,10 +322,14 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
           f"max_tokens {args.max_tokens}{f', conversations of {args.turns} turns' if args.turns > 1 else ''}"
           f"{', streamed' if args.stream else ''}"
           f"{'' if args.frequency_penalty is None else f', frequency_penalty {args.frequency_penalty:g}'}"
-          f"{f', n {args.n}' if args.n > 1 else ''}{'' if args.logprobs is None else f', logprobs {args.logprobs}'}, "
-          f"{kernels_name()} kernels")
-    print(f"  errors      {server_err} server (5xx or dropped), {other_err} other"
+          f"{f', n {args.n}' if args.n > 1 else ''}{'' if args.logprobs is None else f', logprobs {args.logprobs}'}"
+          f"{f', JSON mode {args.json:g} of them' if args.json else ''}, {kernels_name()} kernels")
+    print(f"  errors      {server_err} server (5xx or dropped{', or JSON that does not parse' if args.json else ''}), "
+          f"{other_err} other"
           + (f"; {abandoned} abandoned mid-stream by their client" if abandoned else ""))
+    if args.json:
+        print(f"  json mode   {len(asked)} answers: {len(closed)} closed their object ({len(closed) - unparsed} "
+              f"parse as one, {unparsed} do not), {len(asked) - len(closed)} cut by max_tokens or a stop string")
     print(f"  latency     p50 {_pct(lat, 0.50):.3f} s   p95 {_pct(lat, 0.95):.3f} s   max {lat[-1]:.3f} s")
     if ttft:
         print(f"  first token p50 {_pct(ttft, 0.50):.3f} s   p95 {_pct(ttft, 0.95):.3f} s")
@@ -345,6 +362,15 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
                 lat50=_pct(lat, 0.50), lat95=_pct(lat, 0.95), ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95),
                 itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
                 rss_growth=growth)
+
+
+def _is_json_object(text: str) -> bool:
+    import json
+
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _median_row(runs: list[dict]) -> dict:
@@ -398,6 +424,8 @@ def main(args) -> int:
         raise CflowError(f"--url takes http://HOST:PORT (cflow serve speaks plain HTTP), got {args.url!r}")
     if args.url is not None and len(values) > 1:
         raise CflowError("several --parallel values start a server each: leave out --url")
+    if not 0.0 <= args.json <= 1.0:
+        raise CflowError(f"--json is a share of the requests, in 0..1, got {args.json:g}")
     if args.disconnect and not args.stream:
         raise CflowError("--disconnect abandons streams: add --stream")
     if args.turns < 1:
