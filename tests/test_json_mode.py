@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import pytest
 from cflow.json_mode import MAX_WS, START, complete, feed
 from hypothesis import example, given, settings
@@ -147,3 +148,18 @@ def test_a_response_format_that_cannot_be_kept_is_a_400(url, fmt, message):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"].startswith("response_format") and message in err["message"], err
+
+
+@settings(max_examples=60, deadline=None)
+@given(objects, st.integers(0, 10 ** 6), st.integers(0, 2 ** 32 - 1))
+def test_the_fallback_finds_the_most_likely_allowed_tokens_as_a_whole_check_would(tiny_llm, obj, cut, seed):
+    from cflow.json_mode import JsonConstraint
+
+    tok = tiny_llm.tokenizer
+    text = json.dumps(obj, indent=1).encode()
+    c = JsonConstraint(tok)
+    c.state = feed(START, text[:cut % len(text)])  # somewhere inside an object: any mode
+    x = np.random.default_rng(seed).standard_normal(tiny_llm.config.vocab_size + 7).astype(np.float32)
+    whole = [t for t in np.argsort(-x, kind="stable").tolist() if t < tok.vocab_size and c.allows(t)]
+    assert c._allowed_first(x, 64) == whole[:64]
+    assert [tok.token_bytes(i) for i in range(tok.vocab_size)] == tok.all_token_bytes()

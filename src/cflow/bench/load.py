@@ -237,18 +237,24 @@ async def _load(url, args) -> tuple[list[Result], float]:
         return results, time.perf_counter() - t0
 
 
-async def _warm(url, headers, n: int, max_tokens: int) -> None:
+async def _warm(url, headers, n: int, max_tokens: int, json_mode: bool = False) -> None:
     """n requests at once (a slot's worth and a client's worth), twice, the second time each
     asking the next question: every sequence slot and as many connections as the load will hold
     have run, and the first answers' histories have moved to the server's prompt cache, which then
-    holds what the load will keep there, before memory is measured."""
+    holds what the load will keep there, before memory is measured. json_mode: every other one in
+    JSON mode (whose first request builds the tokenizer's table of token bytes)."""
     import httpx
+
+    def body(i: int, shift: int) -> dict:
+        b = {"messages": [{"role": "user", "content": QUESTIONS[(i + shift) % len(QUESTIONS)]}], "max_tokens": max_tokens}
+        if json_mode and i % 2 == 0:
+            b["response_format"] = {"type": "json_object"}
+        return b
 
     async with httpx.AsyncClient(timeout=600) as http:
         for shift in (0, 1):
-            rs = await asyncio.gather(*(http.post(url + "/v1/chat/completions", headers=headers, json={
-                "messages": [{"role": "user", "content": QUESTIONS[(i + shift) % len(QUESTIONS)]}],
-                "max_tokens": max_tokens}) for i in range(n)))
+            rs = await asyncio.gather(*(http.post(url + "/v1/chat/completions", headers=headers, json=body(i, shift))
+                                        for i in range(n)))
             for r in rs:
                 r.raise_for_status()
 
@@ -290,7 +296,7 @@ def _phase(args, parallel: int | None) -> dict:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
         slots = httpx.get(url + "/health", timeout=10).json().get("slots", 1)
-        asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens))
+        asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens, args.json > 0))
         rss0, b0 = _rss(pid), _batcher(url, headers)
         results, wall = asyncio.run(_load(url, args))
         rss1, b1 = _rss(pid), _batcher(url, headers)
