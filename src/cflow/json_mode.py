@@ -157,7 +157,7 @@ class VocabTable:
     """What the fallback's first filter reads of every token of the tokenizer's vocabulary, as
     arrays: its first byte, its leading whitespace and the byte after it, and whether it is never
     allowed (added and end-of-sequence tokens, tokens of no text). Built once a tokenizer, when
-    its first JSON-mode request arrives (SmolLM2's 49,152 tokens: about 0.5 s)."""
+    its first JSON-mode request arrives (SmolLM2's 49,152 tokens: 0.17 s, Qwen2.5's 151,936: 0.56)."""
 
     def __init__(self, tok):
         self.data = tok.all_token_bytes()
