@@ -7,11 +7,13 @@ const $ = (id) => document.getElementById(id);
 const history = [];          // [{role, content}] of finished turns
 let controller = null;       // AbortController of the generation in flight
 
-const SETTINGS = ["system", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "api_key"];
-for (const k of SETTINGS) {  // settings survive a reload
+const SETTINGS = ["system", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "api_key",
+                  "json_mode"];
+for (const k of SETTINGS) {  // settings survive a reload (a checkbox's as "true" / "false")
+  const el = $(k), box = el.type === "checkbox";
   const saved = localStorage.getItem("cflow." + k);
-  if (saved !== null) $(k).value = saved;
-  $(k).addEventListener("change", () => localStorage.setItem("cflow." + k, $(k).value));
+  if (saved !== null) { if (box) el.checked = saved === "true"; else el.value = saved; }
+  el.addEventListener("change", () => localStorage.setItem("cflow." + k, box ? String(el.checked) : el.value));
 }
 
 function headers() {
@@ -45,6 +47,7 @@ function request(messages) {
     messages, stream: true,
     temperature: num("temperature"), top_p: num("top_p"), top_k: num("top_k", true), min_p: num("min_p"),
     repetition_penalty: num("repetition_penalty"), max_tokens: num("max_tokens", true), seed: num("seed", true),
+    response_format: $("json_mode").checked ? { type: "json_object" } : undefined,  // JSON mode (docs/SERVER.md)
   };
 }
 
