@@ -187,9 +187,7 @@ class JsonConstraint:
     object, `advance` takes the token chosen, `complete` says whether the object has closed."""
 
     def __init__(self, tok):
-        self.tok = tok
         self.state: State = START
-        self._banned = set(tok.added_ids) | set(tok.eos_token_ids)
         self._vocab = vocab_table(tok)  # here, in the request's handler, rather than mid-step
 
     @property
@@ -197,13 +195,11 @@ class JsonConstraint:
         return complete(self.state)
 
     def allows(self, t: int) -> bool:
-        if t in self._banned:
-            return False
-        data = self.tok.token_bytes(t)
-        return bool(data) and feed(self.state, data) is not None
+        v = self._vocab
+        return 0 <= t < v.banned.size and not v.banned[t] and feed(self.state, v.data[t]) is not None
 
     def advance(self, t: int) -> None:
-        nxt = feed(self.state, self.tok.token_bytes(t))
+        nxt = feed(self.state, self._vocab.data[t])
         if nxt is None:
             raise ValueError(f"token {t} does not continue the JSON text")
         self.state = nxt
