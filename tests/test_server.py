@@ -476,6 +476,13 @@ def test_bench_load_reports_a_clean_run(url, capsys):
         rc = main(["bench", "load", "--url", url, "--clients", "2", "--requests", "2", "--max-tokens", "24",
                    "--json", "1", *stream])
         out = capsys.readouterr().out
-        assert rc == 0 and "JSON mode 1 of them" in out, out
+        assert rc == 0 and "JSON json_object 1 of them" in out, out
         assert "json mode   4 answers" in out and ", 0 do not)" in out
         assert "errors      0 server (5xx or dropped, or JSON that does not parse), 0 other" in out
+    # a JSON schema: its answers too (an array of at most two integers)
+    rc = main(["bench", "load", "--url", url, "--clients", "2", "--requests", "2", "--max-tokens", "24",
+               "--json", "1", "--json-schema", '{"type": "array", "items": {"type": "integer"}, "maxItems": 2}'])
+    out = capsys.readouterr().out
+    assert rc == 0 and "JSON json_schema 1 of them" in out and "json schema 4 answers" in out, out
+    assert ", 0 do not)" in out and "errors      0 server (5xx or dropped, or JSON that does not parse), 0 other" in out
+    assert main(["bench", "load", "--url", url, "--json-schema", "{}"]) == 2  # a schema for no requests

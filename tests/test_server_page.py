@@ -87,12 +87,12 @@ def test_stop_button_cancels_the_generation(page):
     assert metric(url, "cflow_completion_tokens_total") < FOREVER  # the stopped answer never completed
 
 
-def test_the_json_box_asks_for_json_mode_and_the_answer_is_json(page):
-    from cflow.json_mode import START, feed
+def test_the_json_box_asks_for_json_mode_and_the_answer_is_json(page, tiny_llm):
+    from cflow.structured import follow, grammar
 
     page.click("#clear")
     page.fill("#temperature", "0")
-    page.fill("#max_tokens", "40")  # past the 20 bytes of whitespace an object may wait behind
+    page.fill("#max_tokens", "40")
     page.check("#json_mode")
     bodies = []
     page.on("request", lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith("/chat/completions") else None)
@@ -101,7 +101,7 @@ def test_the_json_box_asks_for_json_mode_and_the_answer_is_json(page):
     page.wait_for_selector(".msg.assistant .stats:has-text('decode')")
     assert bodies[-1]["response_format"] == {"type": "json_object"}
     text = page.locator(".msg.assistant .text").nth(0).text_content()
-    assert "{" in text and feed(START, text.encode()) is not None  # JSON, or its unfinished start
+    assert "{" in text and follow(tiny_llm.tokenizer, grammar(json_object=True), text) is not None  # or its start
     page.reload()  # the box is kept, as the other settings are
     assert page.is_checked("#json_mode")
     page.uncheck("#json_mode")

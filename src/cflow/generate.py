@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from cflow.errors import CflowError
-from cflow.json_mode import JsonConstraint
+from cflow.structured import Constraint
 from cflow.sampling import TokenLogprob, check_logprobs, make_sampler, token_logprob
 from cflow.tokenizer import StreamDecoder, Tokenizer
 
@@ -105,17 +105,17 @@ class Decoder:
     prompt_logprobs: None, or n: the first Chunk carries the prompt's tokens' logprobs. Their
     pieces then need the logits of every row (`all_rows`), and no cached prefix is reused (it
     holds no logits). With max_tokens=0 the generation ends after the prompt (scoring a text).
-    json_object: the answer is one JSON object (cflow.json_mode): each draw is among the tokens
-    that keep it one, and the generation ends when it closes.
+    grammar: None, or a structured output's grammar (cflow.structured.grammar: one JSON object, or
+    a JSON schema's): each draw is among the tokens it allows next, and the generation ends when
+    nothing but the end may follow.
     """
 
     def __init__(self, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
                  stop: list[str] | None = None, ignore_eos: bool = False, recompute: int = 2,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 logit_bias: dict[int, float] | None = None, json_object: bool = False, **sampling):
+                 logit_bias: dict[int, float] | None = None, grammar: str | None = None, **sampling):
         self.sample = make_sampler(**sampling)  # bad settings fail here, before any step
-        self.json = JsonConstraint(tok) if json_object else None
-        self.top_k = int(sampling.get("top_k") or 0)
+        self.constraint = None if grammar is None else Constraint(tok, grammar)
         self.bias = bias_arrays(logit_bias)
         for n in (logprobs, prompt_logprobs):
             if n is not None:
@@ -187,7 +187,7 @@ class Decoder:
         else:
             self.n_fwd += 1
         t = self._draw(self._biased(logits))
-        if t is None:  # JSON mode, and no token of the vocabulary continues the text
+        if t is None:  # a structured output whose grammar allows no token
             return self._end("stop")
         if self.pending_lp is not None:
             self.pending_lp.append(token_logprob(logits, t, self.logprobs))
@@ -201,7 +201,7 @@ class Decoder:
         if hit >= 0:
             self.held = self.held[:hit]
             return self._end("stop", flush=False)
-        if self.json is not None and self.json.complete:
+        if self.constraint is not None and self.constraint.complete:
             return self._end("stop")
         if len(self.out_ids) == self.max_tokens:
             return self._end("length")
@@ -217,12 +217,9 @@ class Decoder:
         return out
 
     def _draw(self, logits) -> int | None:
-        if self.json is None:
+        if self.constraint is None:
             return self.sample(logits, self.history)
-        t = self.json.draw(self.sample, logits, self.history, self.top_k)
-        if t is not None:
-            self.json.advance(t)
-        return t
+        return self.constraint.draw(self.sample, logits, self.history)
 
     def _biased(self, logits):
         if self.bias is None:

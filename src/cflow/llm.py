@@ -14,6 +14,7 @@ from cflow.errors import CflowError
 from cflow.generate import Chunk, bias_arrays, check_budget, generate_step
 from cflow.sampling import check_logprobs, generation_defaults, make_sampler
 from cflow.tokenizer import Tokenizer
+from cflow.structured import grammar
 
 # used when a model carries no chat template of its own
 CHATML_TEMPLATE = (
@@ -215,7 +216,7 @@ class LLM:
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None, stop: list[str] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 logit_bias: dict[int, float] | None = None, json_object: bool = False,
+                 logit_bias: dict[int, float] | None = None, json_object: bool = False, json_schema=None,
                  state=None) -> Iterator[Chunk]:
         """Generate from a prompt (text or token ids): one Chunk per token, the last with
         finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
@@ -234,8 +235,10 @@ class LLM:
         (None for the first token); max_tokens may then be 0, to score a text without generating.
         The whole prompt is computed again then (a reused state holds no logits).
         logit_bias: {token id: value in -100..100} added to those logits before every draw.
-        json_object: the answer is one JSON object (cflow.json_mode: each draw among the tokens
+        json_object: the answer is one JSON object (cflow.structured: each draw among the tokens
         that keep it one; the generation ends when it closes, or unfinished at max_tokens).
+        json_schema: a JSON schema (a dict, or its JSON text) the answer follows, likewise;
+        CflowError now for one that cannot be followed.
         """
         ids = self.encode_prompt(prompt)
         check_budget(len(ids), max_tokens, self.n_ctx, scoring=prompt_logprobs is not None)
@@ -249,8 +252,9 @@ class LLM:
             if any(not 0 <= int(i) < self.config.vocab_size for i in logit_bias):
                 raise CflowError(f"logit_bias: token ids must be in 0..{self.config.vocab_size - 1}")
             sampling["logit_bias"] = logit_bias
-        if json_object:
-            sampling["json_object"] = True
+        g = grammar(json_object, json_schema)
+        if g is not None:
+            sampling["grammar"] = g
         for key, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if n is not None:
                 check_logprobs(n)  # as must a bad n

@@ -32,7 +32,7 @@ class Tokenizer:
         self.add_bos: bool = bool(special.get("add_bos", False))
         self.vocab_size = self.backend.get_vocab_size()
         self._spelt: dict[int, bytes] = {}  # token_bytes, as tokens are asked for
-        self._all_spelt: list[bytes] | None = None  # every token's, once all_token_bytes built it
+        self._llguidance = None  # structured outputs' view of it (cflow.structured.matcher_tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of text; with add_special_tokens, BOS is prepended when the model wants it."""
@@ -52,27 +52,10 @@ class Tokenizer:
         logprobs spell a token. Byte-level vocabularies (GPT-2's, Qwen's) map each byte to a
         printable character; SentencePiece ones write a space as U+2581 and a byte they have no
         piece for as <0xNN>; added (special) tokens stand for their own text."""
-        if self._all_spelt is not None and 0 <= i < len(self._all_spelt):
-            return self._all_spelt[i]
         b = self._spelt.get(i)
         if b is None:
             b = self._spelt[i] = self._spell(i)
         return b
-
-    def all_token_bytes(self) -> list[bytes]:
-        """Every token's bytes (token_bytes), spelt once into a list: JSON mode looks at the whole
-        vocabulary. token_bytes reads the list from then on (a list of bytes is a third of the
-        dict that caches tokens as they are asked for)."""
-        if self._all_spelt is None:
-            self._all_spelt = [self._spell(i) for i in range(self.vocab_size)]
-            self._spelt = {}
-        return self._all_spelt
-
-    @property
-    def added_ids(self) -> frozenset[int]:
-        """The ids of the tokens the tokenizer adds to its model's vocabulary (control tokens
-        such as end-of-turn markers, and any other added token)."""
-        return frozenset(self._decoders[0])
 
     @functools.cached_property
     def _decoders(self) -> tuple[set[int], set[str], list[tuple[str, str]]]:

@@ -59,6 +59,9 @@ def add_arguments(p):
     p.add_argument("--json", type=float, default=0.0, metavar="SHARE",
                    help="the share of requests (0..1) in JSON mode (response_format json_object); their answers "
                         "are checked: a closed object must parse (default %(default)s)")
+    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="with --json: those requests give this JSON schema (a file, or the schema's text; "
+                        "response_format json_schema) instead of asking for any object; a closed answer must parse")
     p.add_argument("--parallel", "--max-concurrency", dest="parallel", default="1",
                    help="sequences the started server decodes together; a list (1,2,4,8) runs one phase per "
                         "value, a server each, and plots them (default %(default)s)")
@@ -198,7 +201,7 @@ async def _client(url, headers, args, k, results, bar, deadline):
             i += 1
             res, t0 = Result(), time.perf_counter()
             if args.json and rng.random() < args.json:
-                body["response_format"], res.json = {"type": "json_object"}, True
+                body["response_format"], res.json = args.response_format, True
             try:
                 if args.stream:
                     body["stream_options"] = {"include_usage": True}
@@ -237,18 +240,18 @@ async def _load(url, args) -> tuple[list[Result], float]:
         return results, time.perf_counter() - t0
 
 
-async def _warm(url, headers, n: int, max_tokens: int, json_mode: bool = False) -> None:
+async def _warm(url, headers, n: int, max_tokens: int, fmt: dict | None = None) -> None:
     """n requests at once (a slot's worth and a client's worth), twice, the second time each
     asking the next question: every sequence slot and as many connections as the load will hold
     have run, and the first answers' histories have moved to the server's prompt cache, which then
-    holds what the load will keep there, before memory is measured. json_mode: every other one in
-    JSON mode (whose first request builds the tokenizer's table of token bytes)."""
+    holds what the load will keep there, before memory is measured. fmt: every other one asks
+    that response_format (whose first request builds the matcher's view of the tokenizer)."""
     import httpx
 
     def body(i: int, shift: int) -> dict:
         b = {"messages": [{"role": "user", "content": QUESTIONS[(i + shift) % len(QUESTIONS)]}], "max_tokens": max_tokens}
-        if json_mode and i % 2 == 0:
-            b["response_format"] = {"type": "json_object"}
+        if fmt is not None and i % 2 == 0:
+            b["response_format"] = fmt
         return b
 
     async with httpx.AsyncClient(timeout=600) as http:
@@ -296,7 +299,8 @@ def _phase(args, parallel: int | None) -> dict:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
         slots = httpx.get(url + "/health", timeout=10).json().get("slots", 1)
-        asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens, args.json > 0))
+        asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens,
+                          args.response_format if args.json > 0 else None))
         rss0, b0 = _rss(pid), _batcher(url, headers)
         results, wall = asyncio.run(_load(url, args))
         rss1, b1 = _rss(pid), _batcher(url, headers)
@@ -319,9 +323,10 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     tokens = sum(r.tokens for r in results)
     asked = [r for r in results if r.json and r.status == 200 and not r.abandoned and not r.stream_error]
     closed = [r for r in asked if r.finish == "stop"]
-    unparsed = sum(1 for r in closed if not _is_json_object(r.text))
-    server_err += unparsed  # a closed JSON-mode answer that is not one JSON object: the server broke its word
+    unparsed = sum(1 for r in closed if not _parses(r.text, objects_only=args.json_schema is None))
+    server_err += unparsed  # a closed answer that is not JSON (not one object in JSON mode): the server broke its word
     runs = f"for {args.duration:.0f} s" if args.duration else f"x {args.requests} requests"
+    fmt = args.response_format["type"]
     from cflow.kernels import kernels_name
 
     print(f"load: {model} at {url}, parallel {slots}, {args.clients} clients {runs} = {len(results)}, "
@@ -329,13 +334,14 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
           f"{', streamed' if args.stream else ''}"
           f"{'' if args.frequency_penalty is None else f', frequency_penalty {args.frequency_penalty:g}'}"
           f"{f', n {args.n}' if args.n > 1 else ''}{'' if args.logprobs is None else f', logprobs {args.logprobs}'}"
-          f"{f', JSON mode {args.json:g} of them' if args.json else ''}, {kernels_name()} kernels")
+          f"{f', JSON {fmt} {args.json:g} of them' if args.json else ''}, {kernels_name()} kernels")
     print(f"  errors      {server_err} server (5xx or dropped{', or JSON that does not parse' if args.json else ''}), "
           f"{other_err} other"
           + (f"; {abandoned} abandoned mid-stream by their client" if abandoned else ""))
     if args.json:
-        print(f"  json mode   {len(asked)} answers: {len(closed)} closed their object ({len(closed) - unparsed} "
-              f"parse as one, {unparsed} do not), {len(asked) - len(closed)} cut by max_tokens or a stop string")
+        what = ("json schema", "ended", "parse") if args.json_schema else ("json mode", "closed their object", "parse as one")
+        print(f"  {what[0]:<11} {len(asked)} answers: {len(closed)} {what[1]} ({len(closed) - unparsed} "
+              f"{what[2]}, {unparsed} do not), {len(asked) - len(closed)} cut by max_tokens or a stop string")
     print(f"  latency     p50 {_pct(lat, 0.50):.3f} s   p95 {_pct(lat, 0.95):.3f} s   max {lat[-1]:.3f} s")
     if ttft:
         print(f"  first token p50 {_pct(ttft, 0.50):.3f} s   p95 {_pct(ttft, 0.95):.3f} s")
@@ -370,13 +376,15 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
                 rss_growth=growth)
 
 
-def _is_json_object(text: str) -> bool:
+def _parses(text: str, objects_only: bool) -> bool:
+    """Whether text is JSON (one JSON object, objects_only)."""
     import json
 
     try:
-        return isinstance(json.loads(text), dict)
+        value = json.loads(text)
     except ValueError:
         return False
+    return isinstance(value, dict) or not objects_only
 
 
 def _median_row(runs: list[dict]) -> dict:
@@ -432,6 +440,19 @@ def main(args) -> int:
         raise CflowError("several --parallel values start a server each: leave out --url")
     if not 0.0 <= args.json <= 1.0:
         raise CflowError(f"--json is a share of the requests, in 0..1, got {args.json:g}")
+    args.response_format = {"type": "json_object"}
+    if args.json_schema is not None:
+        if not args.json:
+            raise CflowError("--json-schema is the schema of the --json share of the requests: add --json SHARE")
+        import json
+
+        from cflow.commands.generate import schema_arg
+
+        try:
+            schema = json.loads(schema_arg(args.json_schema))
+        except ValueError as e:
+            raise CflowError(f"--json-schema: not JSON: {e}") from None
+        args.response_format = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
     if args.disconnect and not args.stream:
         raise CflowError("--disconnect abandons streams: add --stream")
     if args.turns < 1:

@@ -27,6 +27,9 @@ def add_sampling_arguments(p):
     p.add_argument("--json", action="store_true",
                    help="answer with one JSON object (JSON mode: each token keeps the answer JSON; it ends when "
                         "the object closes)")
+    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="answer with JSON that this JSON schema accepts (a file, or the schema's JSON text; "
+                        "structured outputs, as OpenAI's response_format json_schema)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--n-ctx", type=int, default=None,
                    help=f"context length in tokens (default: the model's own, capped at {DEFAULT_MAX_CTX}; "
@@ -84,7 +87,21 @@ def add_arguments(p):
 def sampling_kwargs(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-                ignore_eos=args.ignore_eos, json_object=args.json)
+                ignore_eos=args.ignore_eos, json_object=args.json, json_schema=schema_arg(args.json_schema))
+
+
+def schema_arg(value: str | None) -> str | None:
+    """--json-schema: the schema's JSON text, given inline (it starts with '{') or as a file."""
+    from pathlib import Path
+
+    from cflow.errors import CflowError
+
+    if value is None or value.lstrip().startswith("{"):
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as e:
+        raise CflowError(f"--json-schema: cannot read {value}: {e.strerror}") from None
 
 
 def load_llm(args):

@@ -363,15 +363,19 @@ class Server:
         + i when a seed is given. A client that leaves cancels them all."""
         sampling = self.sampling(req, prompt)
         t0 = time.perf_counter()
-        gens: list[Job] = []
+
+        def decoders() -> list[Decoder]:
+            return [Decoder(self.llm.tokenizer, prompt, recompute=recompute_for(self.llm.engine),
+                            **dict(sampling, seed=None if sampling["seed"] is None else (sampling["seed"] + i) % 2**64))
+                    for i in range(req.n)]
+
         try:
-            for i in range(req.n):
-                seed = None if sampling["seed"] is None else (sampling["seed"] + i) % 2**64
-                decoder = Decoder(self.llm.tokenizer, prompt, recompute=recompute_for(self.llm.engine),
-                                  **dict(sampling, seed=seed))
-                gens.append(Job(self.batcher, decoder, stream=bool(req.stream)))
+            # a structured output's first request builds the tokenizer's matcher view (seconds
+            # for a large vocabulary), and a large schema's matcher takes a while: off the loop
+            made = await asyncio.to_thread(decoders) if sampling["grammar"] is not None else decoders()
         except CflowError as e:
             raise _model_error(e) from None
+        gens = [Job(self.batcher, decoder, stream=bool(req.stream)) for decoder in made]
         submitted = 0
         watch = None
         handed_off = False

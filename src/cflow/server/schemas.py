@@ -199,21 +199,49 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the schema the answer follows (cflow.structured).
+    `name` and `description` are the client's labels; `strict` is accepted either way (the
+    schema is always followed). No schema: any JSON value."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")] | None = None
+    description: str | None = None
+    json_schema: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    """OpenAI's response_format: "text", or "json_object" (the answer is one JSON object,
-    cflow.json_mode). A JSON schema is not followed: "json_schema" is a 400 that says so, rather
-    than an answer that ignores the schema."""
+    """OpenAI's response_format: "text"; "json_object", one JSON object; "json_schema", text
+    that its JSON schema accepts (cflow.structured). A schema that cannot be followed (a keyword
+    or format the compiler does not know, a broken reference) is a 400 that says why, rather than
+    an answer that ignores it."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    _grammar: str | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _no_schema(cls, v):
-        if v == "json_schema":
-            raise ValueError("a JSON schema is not supported; {'type': 'json_object'} constrains the answer "
-                             "to one JSON object")
-        return v
+    @model_validator(mode="after")
+    def _compile(self):
+        from cflow.errors import CflowError
+        from cflow.structured import grammar
+
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object: {'name': ..., 'schema': {...}}")
+        try:
+            if self.type == "json_schema":
+                schema = self.json_schema.json_schema
+                self._grammar = grammar(json_schema={} if schema is None else schema)
+            else:
+                self._grammar = grammar(json_object=self.type == "json_object")
+        except CflowError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    def grammar(self) -> str | None:
+        """The answer's grammar (cflow.structured.grammar); None for free text."""
+        return self._grammar
 
 
 class Sampling(BaseModel):
@@ -273,7 +301,7 @@ class Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_llm(self, default_max_tokens: int, defaults: dict | None = None) -> dict:
-        """Keyword arguments for LLM.complete (docs/SERVER.md, "Parameter mapping"); `defaults`
+        """Keyword arguments for the request's Decoders (docs/SERVER.md, "Parameter mapping"); `defaults`
         (the model's sampling defaults, when it has them) fill the fields the request omits."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if self.repetition_penalty is not None:
@@ -285,7 +313,7 @@ class Sampling(BaseModel):
                   temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
                   seed=self.seed, stop=[s for s in stop if s] or None, logprobs=self.top_n(),
                   prompt_logprobs=self.prompt_n(), logit_bias=self.bias(),
-                  json_object=bool(self.response_format and self.response_format.type == "json_object"))
+                  grammar=self.response_format.grammar() if self.response_format else None)
         if isinstance(defaults, dict):
             given = self.model_fields_set | ({"repetition_penalty"} if self.frequency_penalty or self.presence_penalty else set())
             kw.update({k: v for k, v in defaults.items() if k in kw and k not in given})
