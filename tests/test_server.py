@@ -486,3 +486,10 @@ def test_bench_load_reports_a_clean_run(url, capsys):
     assert rc == 0 and "JSON json_schema 1 of them" in out and "json schema 4 answers" in out, out
     assert ", 0 do not)" in out and "errors      0 server (5xx or dropped, or JSON that does not parse), 0 other" in out
     assert main(["bench", "load", "--url", url, "--json-schema", "{}"]) == 2  # a schema for no requests
+    # tools: every call is checked (a named tool, arguments that parse as an object)
+    rc = main(["bench", "load", "--url", url, "--clients", "2", "--requests", "2", "--max-tokens", "60",
+               "--tools", "1", "--stream"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "tools 1 of them" in out and "tools       4 answers" in out, out
+    assert ", 0 not)" in out and "errors      0 server (5xx or dropped, or calls that do not), 0 other" in out
+    assert main(["bench", "load", "--url", url, "--json", "0.5", "--tools", "0.6"]) == 2  # more than all

@@ -93,6 +93,7 @@ CHAT_ONLY = {
     "logprobs": ["false", 1, [True], {}],
     "top_logprobs": [1, "0", True, -1, 21, 2.0],  # 1: without logprobs true
     "echo": [True, 1, "no"],
+    "parallel_tool_calls": ["true", 1, [True]],
 }
 COMPLETION_ONLY = {"suffix": ["x", 5, True], "logprobs": [True, "1", 6, -1, 1.5, [1]], "echo": [1, "no", [True]]}
 
@@ -136,7 +137,9 @@ MESSAGES = [
     ([["user", "hi"]], "messages.0"),
     ([{"role": "robot", "content": "hi"}], "messages.0.role"),
     ([{"role": 5, "content": "hi"}], "messages.0.role"),
-    ([{"role": "tool", "content": "hi"}], "messages.0.role"),
+    ([{"role": "tool", "content": "hi"}], "messages.0.tool_call_id"),
+    ([{"role": "user", "content": "hi", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}],
+     "messages.0.tool_calls"),
     ([{"content": "hi"}], "messages.0.role"),
     ([{"role": "user"}], "messages.0.content"),
     ([{"role": "user", "content": None}], "messages.0.content"),

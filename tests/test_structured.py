@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 from cflow.errors import CflowError
-from cflow.structured import MAX_WS, Constraint, follow, grammar
+from cflow.structured import MAX_INDENT, Constraint, follow, grammar
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from server_util import TIMEOUT, serving
@@ -68,7 +68,7 @@ def test_every_prefix_of_a_json_object_is_taken_and_only_the_whole_is_complete(t
     assert c is not None and c.complete
 
 
-JSONISH = st.text(alphabet='{}[]":,-+.0159eEtrufalsn \n\\u', max_size=MAX_WS)  # no run of whitespace over the bound
+JSONISH = st.text(alphabet='{}[]":,-+.0159eEtrufalsn\\u', max_size=24)  # whitespace: its own test below
 
 
 @settings(max_examples=600, deadline=None)
@@ -93,17 +93,28 @@ def test_a_text_is_complete_exactly_when_python_parses_it_as_an_object(tiny_llm,
     "[1]", '"a"', "1", "x", '{"a" 1}', '{"a":01}', '{"a":1,}', "{,", '{"a":tru e}', '{"a":"\x01"}',
     '{"a":"\n"}', '{"a":"\\x"}', '{"a":"\\u12G4"}', '{"a":1}}', '{"a":1} x', '{"a":-}', '{"a":1.}',
     '{"a":1e}', '{"a":.5}', '{"a":+1}', "{]", '{"a":[1,]}', '{"a":[,1]}', '{"a":nul1}', '{"a":[}', "{'a':1}",
-    '{"a":NaN}', '{"a":Infinity}', "{a:1}", '{"a":1 2}', '{"a"::1}', "{" + " " * (MAX_WS + 1),
+    '{"a":NaN}', '{"a":Infinity}', "{a:1}", '{"a":1 2}', '{"a"::1}',
 ])
 def test_texts_no_object_starts_with_are_refused(tiny_llm, byte_token, text):
     assert not all(took for took, _ in states_of(tiny_llm.tokenizer, byte_token, OBJECT, text.encode()))
 
 
-def test_whitespace_runs_are_bounded_outside_strings_only(tiny_llm, byte_token):
-    tok = tiny_llm.tokenizer
-    ok = b"{" + b" " * MAX_WS + b'"k  ' + b" " * 40 + b'"' + b"\n" * MAX_WS + b":" + b" " * MAX_WS + b"1" + b"}"
-    assert [s for s in states_of(tok, byte_token, OBJECT, ok)][-1] == (True, True)
-    assert not all(took for took, _ in states_of(tok, byte_token, OBJECT, b"{" + b" " * (MAX_WS + 1)))
+@pytest.mark.parametrize("text, taken", [
+    ('{ "a": [ 1, 2 ] }', True),
+    ('{\n\t\t"a":\n' + " " * MAX_INDENT + '1\n}', True),
+    ('{"k' + " " * 40 + '": 1}', True),  # inside strings any run of spaces
+    ('{  "a": 1}', False),  # one space at most, or a newline and an indent
+    ('{\n' + " " * (MAX_INDENT + 1) + '"a": 1}', False),
+    ('{\n\n"a": 1}', False),
+    ('{\r\n"a": 1}', False),
+    ('{\t"a": 1}', False),
+    (' {"a": 1}', False),  # nothing before the object
+])
+def test_whitespace_between_tokens_is_a_space_or_a_newline_and_an_indent(tiny_llm, byte_token, text, taken):
+    states = list(states_of(tiny_llm.tokenizer, byte_token, OBJECT, text.encode()))
+    assert all(took for took, _ in states) == taken
+    if taken:
+        assert states[-1][1]
 
 
 # ------------------------------------------------------------------ JSON schemas

@@ -174,8 +174,9 @@ class LLM:
         self._template = None
 
     # ------------------------------------------------------------------ prompts
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The model's own chat template (jinja2, sandboxed) applied to messages."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The model's own chat template (jinja2, sandboxed) applied to messages; `tools` (OpenAI's
+        function tools) for a template that renders them (cflow.tools)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise CflowError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if self._template is None:
@@ -196,7 +197,7 @@ class LLM:
         eos = tok.token_text(min(tok.eos_token_ids)) if tok.eos_token_ids else ""
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos or "", eos_token=eos or "")
+                                         bos_token=bos or "", eos_token=eos or "", tools=tools)
         except CflowError:
             raise
         except Exception as e:  # noqa: BLE001 - the template is the model file's code: any failure is its

@@ -16,9 +16,10 @@ repeats, and a batched sequence gets its alone tokens (nothing depends on the re
 Ends: when nothing but the end may follow (the object closed), the answer ends there
 (finish_reason "stop", no end-of-sequence token drawn); where the text may end or go on (a
 schema whose value is a number), the end-of-sequence token is one of the allowed tokens. It may
-end earlier at max_tokens ("length", unfinished, as OpenAI's) or at a stop string. Outside
-strings at most MAX_WS whitespace bytes follow one another (a model can otherwise loop on
-newlines; llama.cpp's JSON grammar bounds them too). Control tokens (the tokenizer's added
+end earlier at max_tokens ("length", unfinished, as OpenAI's) or at a stop string. Between
+JSON tokens whitespace is one space, or a newline and at most MAX_INDENT spaces or tabs, as
+llama.cpp's JSON grammar has it (a model can otherwise loop on newlines, and a random one fills
+its answer with whitespace); nothing comes before the first token or after the last. Control tokens (the tokenizer's added
 tokens) never match text, so they are never drawn. Strings take every JSON escape but `\\/`, and
 DEL (0x7F) only escaped (llguidance's JSON; a solidus is written as itself).
 """
@@ -33,9 +34,11 @@ import numpy as np
 
 from cflow.errors import CflowError
 
-MAX_WS = 20
-# JSON text as RFC 8259 has it, whitespace runs bounded, any \\uXXXX escape in strings
-_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0," + str(MAX_WS) + "}",
+MAX_INDENT = 20
+# JSON text as RFC 8259 has it, but whitespace between tokens is one space, or a newline and an
+# indent of at most MAX_INDENT spaces or tabs (llama.cpp's JSON grammar's rule); any \\uXXXX
+# escape in strings
+_OPTIONS = {"whitespace_pattern": r"( |\n[ \t]{0," + str(MAX_INDENT) + "})?",
             "json_allow_general_unicode_escapes": True}
 _MASKED = np.float32(np.finfo(np.float32).min)  # a logit no sampler setting gives mass to
 _ANY_OBJECT = {"type": "object"}
@@ -69,6 +72,18 @@ def _compiled(schema: str) -> str:
     err = llg.LLMatcher.validate_grammar(g)
     if err:
         raise CflowError(f"the JSON schema cannot be followed: {err}")
+    return g
+
+
+@functools.lru_cache(maxsize=64)
+def lark_grammar(lark: str) -> str:
+    """The checked grammar of a Lark grammar in llguidance's dialect (JSON schemas inside as
+    `%json {...}`, special tokens as `<name>`): tool calls' (cflow.tools)."""
+    llg = _llguidance()
+    g = llg.LLMatcher.grammar_from_lark(lark)
+    err = llg.LLMatcher.validate_grammar(g)
+    if err:
+        raise CflowError(f"the grammar cannot be followed: {err}")
     return g
 
 

@@ -32,6 +32,15 @@ QUESTIONS = [
     "Why is the sky blue?",
     "Give me a name for a cat.",
 ]
+# offered with --tools' share of the requests (tool_choice auto)
+BENCH_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                      "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+                                                     "required": ["tz"]}}},
+]
 
 
 def add_arguments(p):
@@ -62,6 +71,10 @@ def add_arguments(p):
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="with --json: those requests give this JSON schema (a file, or the schema's text; "
                         "response_format json_schema) instead of asking for any object; a closed answer must parse")
+    p.add_argument("--tools", type=float, default=0.0, metavar="SHARE",
+                   help="the share of requests (0..1, beside --json's) offered two tools (get_weather, get_time; "
+                        "tool_choice auto); their calls are checked: arguments must parse as a JSON object "
+                        "(default %(default)s)")
     p.add_argument("--parallel", "--max-concurrency", dest="parallel", default="1",
                    help="sequences the started server decodes together; a list (1,2,4,8) runs one phase per "
                         "value, a server each, and plots them (default %(default)s)")
@@ -136,6 +149,8 @@ class Result:
         self.text = ""  # the answer (for the next turn of a conversation)
         self.finish: str | None = None  # the first choice's finish_reason
         self.json = False  # asked for JSON mode
+        self.tools = False  # offered tools
+        self.calls: list[dict] = []  # the first choice's tool calls
 
     @property
     def server_error(self) -> bool:
@@ -163,6 +178,7 @@ async def _stream(conn, body, headers, res: Result, cut: int | None, t0: float) 
                 choice = event["choices"][0]
                 if choice.get("index", 0) == 0:  # the conversation goes on with the first choice
                     res.text += choice.get("delta", {}).get("content") or ""
+                    res.calls += choice.get("delta", {}).get("tool_calls") or []
                     res.finish = choice.get("finish_reason") or res.finish
                 now = time.perf_counter()
                 if last is None:
@@ -200,8 +216,11 @@ async def _client(url, headers, args, k, results, bar, deadline):
                 body.update(logprobs=True, top_logprobs=args.logprobs)
             i += 1
             res, t0 = Result(), time.perf_counter()
-            if args.json and rng.random() < args.json:
+            draw = rng.random()
+            if draw < args.json:
                 body["response_format"], res.json = args.response_format, True
+            elif draw < args.json + args.tools:
+                body["tools"], res.tools = BENCH_TOOLS, True
             try:
                 if args.stream:
                     body["stream_options"] = {"include_usage": True}
@@ -212,12 +231,13 @@ async def _client(url, headers, args, k, results, bar, deadline):
                     if res.status == 200:
                         answer = json.loads(raw)
                         _usage(res, answer["usage"])
-                        res.text = answer["choices"][0]["message"]["content"]
+                        res.text = answer["choices"][0]["message"]["content"] or ""
+                        res.calls = answer["choices"][0]["message"].get("tool_calls") or []
                         res.finish = answer["choices"][0]["finish_reason"]
             except HttpError:
                 res.status = -1
             res.latency = time.perf_counter() - t0
-            if res.status == 200 and not res.abandoned and not res.stream_error:
+            if res.status == 200 and not res.abandoned and not res.stream_error and not res.calls:
                 chat.append({"role": "assistant", "content": res.text})
             else:  # an answer cut short or failed: the client starts a new conversation
                 chat = []
@@ -325,6 +345,10 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     closed = [r for r in asked if r.finish == "stop"]
     unparsed = sum(1 for r in closed if not _parses(r.text, objects_only=args.json_schema is None))
     server_err += unparsed  # a closed answer that is not JSON (not one object in JSON mode): the server broke its word
+    offered = [r for r in results if r.tools and r.status == 200 and not r.abandoned and not r.stream_error]
+    called = [r for r in offered if r.calls]
+    bad_calls = sum(1 for r in called if not _calls_parse(r.calls) or r.finish != "tool_calls")
+    server_err += bad_calls  # a call of no offered tool, or arguments that are not a JSON object
     runs = f"for {args.duration:.0f} s" if args.duration else f"x {args.requests} requests"
     fmt = args.response_format["type"]
     from cflow.kernels import kernels_name
@@ -334,14 +358,19 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
           f"{', streamed' if args.stream else ''}"
           f"{'' if args.frequency_penalty is None else f', frequency_penalty {args.frequency_penalty:g}'}"
           f"{f', n {args.n}' if args.n > 1 else ''}{'' if args.logprobs is None else f', logprobs {args.logprobs}'}"
-          f"{f', JSON {fmt} {args.json:g} of them' if args.json else ''}, {kernels_name()} kernels")
-    print(f"  errors      {server_err} server (5xx or dropped{', or JSON that does not parse' if args.json else ''}), "
+          f"{f', JSON {fmt} {args.json:g} of them' if args.json else ''}"
+          f"{f', tools {args.tools:g} of them' if args.tools else ''}, {kernels_name()} kernels")
+    print(f"  errors      {server_err} server (5xx or dropped{', or JSON that does not parse' if args.json else ''}"
+          f"{', or calls that do not' if args.tools else ''}), "
           f"{other_err} other"
           + (f"; {abandoned} abandoned mid-stream by their client" if abandoned else ""))
     if args.json:
         what = ("json schema", "ended", "parse") if args.json_schema else ("json mode", "closed their object", "parse as one")
         print(f"  {what[0]:<11} {len(asked)} answers: {len(closed)} {what[1]} ({len(closed) - unparsed} "
               f"{what[2]}, {unparsed} do not), {len(asked) - len(closed)} cut by max_tokens or a stop string")
+    if args.tools:
+        print(f"  tools       {len(offered)} answers: {len(called)} called tools ({len(called) - bad_calls} "
+              f"with calls that parse, {bad_calls} not), {len(offered) - len(called)} answered in text")
     print(f"  latency     p50 {_pct(lat, 0.50):.3f} s   p95 {_pct(lat, 0.95):.3f} s   max {lat[-1]:.3f} s")
     if ttft:
         print(f"  first token p50 {_pct(ttft, 0.50):.3f} s   p95 {_pct(ttft, 0.95):.3f} s")
@@ -374,6 +403,21 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
                 lat50=_pct(lat, 0.50), lat95=_pct(lat, 0.95), ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95),
                 itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
                 rss_growth=growth)
+
+
+def _calls_parse(calls: list[dict]) -> bool:
+    """Whether every tool call names a bench tool and its arguments are a JSON object."""
+    import json
+
+    names = {t["function"]["name"] for t in BENCH_TOOLS}
+    for c in calls:
+        try:
+            ok = c["function"]["name"] in names and isinstance(json.loads(c["function"]["arguments"]), dict)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            return False
+    return True
 
 
 def _parses(text: str, objects_only: bool) -> bool:
@@ -440,6 +484,8 @@ def main(args) -> int:
         raise CflowError("several --parallel values start a server each: leave out --url")
     if not 0.0 <= args.json <= 1.0:
         raise CflowError(f"--json is a share of the requests, in 0..1, got {args.json:g}")
+    if not 0.0 <= args.tools <= 1.0 - args.json:
+        raise CflowError(f"--tools is a share of the requests, in 0..1 less --json's, got {args.tools:g}")
     args.response_format = {"type": "json_object"}
     if args.json_schema is not None:
         if not args.json:

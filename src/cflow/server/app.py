@@ -35,6 +35,7 @@ from cflow.server.batcher import CACHE_RAM_MIB, END, Batcher, Job, QueueFull
 from cflow.server.metrics import Metrics
 from cflow.server.schemas import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                   check_content_type, from_validation, parse_body)
+from cflow.tools import ToolCalling, native
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 1 << 20  # bytes; a full context of text is far below this
@@ -195,13 +196,17 @@ class _Chat:
     prefix, obj, chunk_obj = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     @staticmethod
-    def choice(text, finish, logprobs=None, index=0):
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+    def choice(text, finish, logprobs=None, index=0, calls=None):
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
-    def delta(text, finish, first=False, logprobs=None, index=0):
+    def delta(text, finish, first=False, logprobs=None, index=0, calls=None):
         d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        if calls:  # streamed whole, each call one entry (OpenAI's clients gather them by index)
+            d["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
         return {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
@@ -222,11 +227,11 @@ class _Text:
     prefix, obj, chunk_obj = "cmpl", "text_completion", "text_completion"
 
     @staticmethod
-    def choice(text, finish, logprobs=None, index=0):
+    def choice(text, finish, logprobs=None, index=0, calls=None):
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
-    def delta(text, finish, first=False, logprobs=None, index=0):
+    def delta(text, finish, first=False, logprobs=None, index=0, calls=None):
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
@@ -256,8 +261,8 @@ class _Choice:
     text is still held back carried to the next piece), an echoed prompt before its first text
     (echo_logprobs: its entries from the first chunk's prompt_logprobs)."""
 
-    def __init__(self, index: int, gen: Job, echo: str, echo_logprobs):
-        self.index, self.gen, self.echo, self.echo_logprobs = index, gen, echo, echo_logprobs
+    def __init__(self, index: int, gen: Job, echo: str, echo_logprobs, calling: ToolCalling | None = None):
+        self.index, self.gen, self.echo, self.echo_logprobs, self.calling = index, gen, echo, echo_logprobs, calling
         self.text: list[str] = []
         self.carry: list = []
         self.offset, self.first, self.ended = 0, True, False
@@ -275,9 +280,18 @@ class _Choice:
         """An unstreamed answer: keep the chunk."""
         self.text.append(self._take(item))
 
+    def answer(self, text: str, finish: str | None) -> tuple[str | None, str | None, list | None]:
+        """(content, finish_reason, tool calls): with tools, the calls read from the answer
+        (cflow.tools), and finish_reason "tool_calls" when it made some."""
+        if self.calling is None or finish is None:
+            return text, finish, None
+        content, calls = self.calling.parse(text)
+        return content, ("tool_calls" if calls and finish == "stop" else finish), calls
+
     def whole(self, fmt, tok, want_logprobs: bool) -> dict:
         logprobs = fmt.logprobs(tok, self.carry, 0)[0] if want_logprobs else None
-        return fmt.choice("".join(self.text), self.last.finish_reason, logprobs, self.index)
+        text, finish, calls = self.answer("".join(self.text), self.last.finish_reason)
+        return fmt.choice(text, finish, logprobs, self.index, calls)
 
     def piece(self, item, fmt, tok, want_logprobs: bool) -> dict | None:
         """A streamed chunk's choice for item, or None when it has nothing to send yet."""
@@ -288,7 +302,8 @@ class _Choice:
         if want_logprobs:
             logprobs, self.offset = fmt.logprobs(tok, self.carry, self.offset)
             self.carry = []
-        out = fmt.delta(text, item.finish_reason, self.first, logprobs, self.index)
+        text, finish, calls = self.answer(text, item.finish_reason)  # with tools: the whole answer, once
+        out = fmt.delta(text, finish, self.first, logprobs, self.index, calls)
         self.first = False
         return out
 
@@ -357,14 +372,18 @@ class Server:
         return req.to_llm(min(self.default_max_tokens, n_ctx - n), getattr(self.llm, "generation_defaults", None))
 
     # ---- generation
-    async def run(self, request: Request, req, prompt: list[int], fmt):
+    async def run(self, request: Request, req, prompt: list[int], fmt, calling: ToolCalling | None = None):
         """Generate the request's n choices: n jobs, which the batcher decodes side by side (the
         later ones copy the prompt's KV from the first while it runs); choice i draws with seed
-        + i when a seed is given. A client that leaves cancels them all."""
+        + i when a seed is given. A client that leaves cancels them all. calling: the chat's
+        tools (cflow.tools): their grammar constrains the answer, which is streamed whole at its
+        end (its calls are known only then)."""
         sampling = self.sampling(req, prompt)
         t0 = time.perf_counter()
 
         def decoders() -> list[Decoder]:
+            if calling is not None:
+                sampling["grammar"] = calling.grammar(self.llm.tokenizer)
             return [Decoder(self.llm.tokenizer, prompt, recompute=recompute_for(self.llm.engine),
                             **dict(sampling, seed=None if sampling["seed"] is None else (sampling["seed"] + i) % 2**64))
                     for i in range(req.n)]
@@ -372,10 +391,11 @@ class Server:
         try:
             # a structured output's first request builds the tokenizer's matcher view (seconds
             # for a large vocabulary), and a large schema's matcher takes a while: off the loop
-            made = await asyncio.to_thread(decoders) if sampling["grammar"] is not None else decoders()
+            slow = sampling["grammar"] is not None or calling is not None
+            made = await asyncio.to_thread(decoders) if slow else decoders()
         except CflowError as e:
             raise _model_error(e) from None
-        gens = [Job(self.batcher, decoder, stream=bool(req.stream)) for decoder in made]
+        gens = [Job(self.batcher, decoder, stream=bool(req.stream) and calling is None) for decoder in made]
         submitted = 0
         watch = None
         handed_off = False
@@ -391,7 +411,7 @@ class Server:
                 firsts.append(await _next(gen, watch))
                 if isinstance(firsts[-1], Exception):
                     raise _model_error(firsts[-1])
-            choices = [_Choice(i, g, self.echoed(req), partial(self.echoed_logprobs, req, prompt))
+            choices = [_Choice(i, g, self.echoed(req), partial(self.echoed_logprobs, req, prompt), calling)
                        for i, g in enumerate(gens)]
             if req.stream:
                 handed_off = True
@@ -509,10 +529,15 @@ class Server:
         except ValidationError as e:
             raise from_validation(e) from None
 
-    def chat_text(self, messages) -> str:
-        """Messages rendered with the model's chat template, the generation prompt added."""
+    def chat_text(self, messages, calling: ToolCalling | None = None) -> str:
+        """Messages rendered with the model's chat template, the generation prompt added (with
+        tools: as cflow.tools shapes them for it)."""
+        plain = [m.plain() for m in messages]
         try:
-            return self.llm.render_chat([m.plain() for m in messages], add_generation_prompt=True)
+            if calling is not None:
+                plain = calling.messages(plain)
+            tools = None if calling is None else calling.template_tools()
+            return self.llm.render_chat(plain, add_generation_prompt=True, tools=tools)
         except (jinja2.TemplateError, CflowError) as e:
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
 
@@ -524,8 +549,10 @@ class Server:
 
     async def chat_completions(self, request: Request):
         req = await self.parsed(request, ChatRequest)
-        prompt = self.llm.tokenizer.encode(self.chat_text(req.messages), add_special_tokens=False)
-        return await self.run(request, req, prompt, _Chat)
+        spec = req.calling()
+        calling = None if spec is None else ToolCalling(*spec, native=native(self.llm.chat_template))
+        prompt = self.llm.tokenizer.encode(self.chat_text(req.messages, calling), add_special_tokens=False)
+        return await self.run(request, req, prompt, _Chat, calling)
 
     async def completions(self, request: Request):
         req = await self.parsed(request, CompletionRequest)

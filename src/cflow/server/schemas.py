@@ -26,6 +26,7 @@ MAX_STOP_CHARS = 512  # characters of one stop string
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI's
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_CHOICES = 16  # n: choices of one request
+MAX_TOOLS = 128  # tools of one chat request, as OpenAI's
 
 
 class ApiError(Exception):
@@ -269,9 +270,7 @@ class Sampling(BaseModel):
     response_format: ResponseFormat | None = None  # OpenAI's in chat; vLLM takes it in completions too
     # accepted only at its neutral value: anything else would change the answer
     best_of: int | None = None
-    tools: Annotated[list, Field(max_length=0)] | None = None
-    functions: Annotated[list, Field(max_length=0)] | None = None
-    tool_choice: Literal["none", None] = None
+    functions: Annotated[list, Field(max_length=0)] | None = None  # the deprecated form of tools
 
     @field_validator("best_of")
     @classmethod
@@ -326,20 +325,103 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _strict
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant turn made (cflow.tools)."""
+
+    model_config = _strict
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    @field_validator("function")
+    @classmethod
+    def _json_arguments(cls, v):
+        try:
+            json.loads(v.arguments)
+        except ValueError:
+            raise ValueError("function.arguments must be JSON text") from None
+        return v
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    model_config = _strict
+    # in this order: each check below reads the fields before its own
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = Field(None, validate_default=True)  # a tool turn's: the call it answers
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, v, info):
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("tool_calls belong to assistant turns")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, v, info):
+        if info.data.get("role") == "tool" and not v:
+            raise ValueError("a tool turn needs the tool_call_id it answers")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _given(cls, v, info):
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("required (null only in an assistant turn that calls tools)")
+        return v
+
     def plain(self) -> dict:
-        """{role, content} with content as one string, as chat templates expect."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """{role, content} with content as one string, as chat templates expect, and the turn's
+        tool calls or the call it answers (cflow.tools shapes them for the template)."""
+        text = self.content if isinstance(self.content, str) or self.content is None else "".join(
+            p.text for p in self.content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = _strict
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # accepted either way: the arguments always follow the schema
+
+
+class Tool(BaseModel):
+    model_config = _strict
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _strict
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _strict
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, validate_default=True)
+    parallel_tool_calls: bool = True
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     echo: bool = False  # not in the chat API: accepted only as false
     logprobs: bool | None = None
@@ -350,6 +432,38 @@ class ChatRequest(Sampling):
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _named_once(cls, v):
+        names = [t.function.name for t in v or []]
+        if len(set(names)) < len(names):
+            raise ValueError("two tools have one name")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choosable(cls, v, info):
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"no tool is named {v.function.name!r}")
+        if v in ("auto", "required") and not names:
+            raise ValueError(f"{v!r} needs tools")
+        fmt = info.data.get("response_format")
+        if names and v != "none" and fmt is not None and fmt.type != "text":
+            raise ValueError("give tools or a JSON response_format, not both")
+        return v
+
+    def calling(self) -> tuple[list[dict], str, bool] | None:
+        """(tools, choice, parallel) for cflow.tools.ToolCalling; None when no tool may be called
+        (none given, or tool_choice "none"). choice: "auto", "required" or the tool's name."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.function.name
+        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools], choice, \
+            self.parallel_tool_calls
 
     @field_validator("echo")
     @classmethod
@@ -381,6 +495,8 @@ class CompletionRequest(Sampling):
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool = False  # the answer starts with the prompt (and, with logprobs, its tokens')
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo (Server.sampling checks)
+    tools: Annotated[list, Field(max_length=0)] | None = None  # tools are the chat API's
+    tool_choice: Literal["none", None] = None
 
     def top_n(self) -> int | None:
         return self.logprobs

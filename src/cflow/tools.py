@@ -1,0 +1,205 @@
+"""Tool calls (function calling): OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`.
+
+The model answers either in text or with calls of the functions it was given, each a name and
+JSON arguments. How it writes them depends on its chat template, so there are two formats:
+- native: a template that renders `tools` itself and writes calls as `<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>` (Hermes; Qwen 2, 2.5 and 3): the template gets the tools and
+  the earlier turns' calls and results as it expects them; the answer's blocks are read back.
+- generic, for every other template (llama.cpp's generic format): a system message lists the
+  tools and asks for one JSON object, `{"tool_calls": [{"name", "arguments"}]}` or
+  `{"response": "..."}`; the answer is constrained to that JSON (cflow.structured), so it is
+  always one of the two, and read from it. Earlier calls and results become that JSON too.
+
+`tool_choice`: "none" (the tools are not shown; free text), "auto" (the model decides; the
+default with tools), "required" (at least one call) or `{"type": "function", "function":
+{"name": n}}` (a call of n). Where the answer must be calls, or in the generic format, a grammar
+constrains it: each call's name is one of the tools' (that one, when named) and its arguments
+follow that tool's `parameters` schema; `parallel_tool_calls` false allows one call. In the
+native format under "auto" the answer is free, and a block whose JSON does not parse, or that
+names no given tool, stays in the text (as vLLM's hermes parser leaves it); an answer that is
+nothing but one call's JSON without the markers (small models write that) is that call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from cflow.errors import CflowError
+from cflow.structured import grammar as json_grammar
+from cflow.structured import lark_grammar, matcher_tokenizer
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool without parameters
+
+GENERIC_PROMPT = (
+    "You can call these tools (JSON schemas of their arguments):\n{tools}\n\n"
+    "Answer with one JSON object: {{\"tool_calls\": [{{\"name\": \"a tool's name\", \"arguments\": {{...}}}}]}} "
+    "to call tools{alone}, or {{\"response\": \"your answer\"}} to answer without them.")
+GENERIC_REQUIRED = (
+    "You can call these tools (JSON schemas of their arguments):\n{tools}\n\n"
+    "Answer with one JSON object that calls {which}: "
+    "{{\"tool_calls\": [{{\"name\": \"a tool's name\", \"arguments\": {{...}}}}]}}.")
+
+
+def native(template: str | None) -> bool:
+    """Whether a chat template renders tools and writes calls in <tool_call> blocks."""
+    return bool(template) and OPEN in template and re.search(r"\btools\b", template) is not None
+
+
+@dataclass
+class ToolCalling:
+    """A chat request's tools: what they make of its messages, its grammar and its answer.
+
+    tools: OpenAI function definitions ({"name", "description", "parameters"}); choice: "auto",
+    "required" or a tool's name; parallel: whether an answer may make several calls; native: the
+    template's own format (native()) or the generic one."""
+
+    tools: list[dict]
+    choice: str
+    parallel: bool
+    native: bool
+
+    @property
+    def must_call(self) -> bool:
+        return self.choice != "auto"
+
+    def _callable(self) -> list[dict]:
+        return [t for t in self.tools if self.choice in ("auto", "required") or t["name"] == self.choice]
+
+    # ---- the prompt
+    def template_tools(self) -> list[dict] | None:
+        """The `tools` a native template renders (OpenAI's shape, as transformers passes them)."""
+        return [{"type": "function", "function": t} for t in self.tools] if self.native else None
+
+    def messages(self, messages: list[dict]) -> list[dict]:
+        """The conversation as the template is to see it: earlier calls and tool results in the
+        native template's shape, or as the generic format's JSON after a system message that
+        lists the tools."""
+        names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or []}
+        out = []
+        for m in messages:
+            m = dict(m)
+            calls = m.pop("tool_calls", None) or []
+            if self.native:
+                if calls:
+                    m["tool_calls"] = [{"type": "function", "id": c["id"], "function": {
+                        "name": c["function"]["name"], "arguments": _arguments(c)}} for c in calls]
+                m["content"] = m.get("content") or ""
+            elif calls:
+                m["content"] = json.dumps({"tool_calls": [{"name": c["function"]["name"], "arguments": _arguments(c)}
+                                                          for c in calls]}, ensure_ascii=False)
+            elif m["role"] == "tool":
+                m = {"role": "user", "content": json.dumps({"tool_response": {
+                    "name": names.get(m.get("tool_call_id")), "content": m.get("content") or ""}}, ensure_ascii=False)}
+            elif m["role"] == "assistant":
+                m["content"] = json.dumps({"response": m.get("content") or ""}, ensure_ascii=False)
+            out.append(m)
+        if not self.native:
+            listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.tools)
+            if self.must_call:
+                which = "tools" if self.choice == "required" else f"the tool {self.choice}"
+                text = GENERIC_REQUIRED.format(tools=listed, which=which)
+            else:
+                text = GENERIC_PROMPT.format(tools=listed, alone="" if self.parallel else " (one call)")
+            if out and out[0]["role"] == "system":
+                out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + text)
+            else:
+                out.insert(0, {"role": "system", "content": text})
+        return out
+
+    # ---- the answer
+    def call_schema(self) -> dict:
+        """The JSON schema of one call: a callable tool's name and its arguments."""
+        return {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                                            "arguments": t.get("parameters") or NO_PARAMETERS},
+                           "required": ["name", "arguments"], "additionalProperties": False}
+                          for t in self._callable()]}
+
+    def grammar(self, tok) -> str | None:
+        """The grammar the answer follows (cflow.structured); None: free text (native, "auto").
+        CflowError for a tool whose parameters schema cannot be followed."""
+        try:
+            return self._grammar(tok)
+        except CflowError as e:
+            raise CflowError(f"tools: {e}") from None
+
+    def _grammar(self, tok) -> str | None:
+        if self.native:
+            if not self.must_call:
+                return None
+            opener = _token_or_text(tok, OPEN)
+            closer = _token_or_text(tok, CLOSE)
+            more = ' ("\\n" call)*' if self.parallel else ""  # a newline between calls, and one may end them
+            return lark_grammar(f"start: call{more} \"\\n\"?\ncall: {opener} \"\\n\" body \"\\n\" {closer}\n"
+                                f"body: %json {json.dumps(self.call_schema())}\n")
+        calls = {"type": "array", "items": self.call_schema(), "minItems": 1}
+        if not self.parallel:
+            calls["maxItems"] = 1
+        calling = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                   "additionalProperties": False}
+        if self.must_call:
+            return json_grammar(json_schema=calling)
+        answering = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                     "additionalProperties": False}
+        return json_grammar(json_schema={"anyOf": [calling, answering]})
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, calls) of an answer: the text left (None when nothing is) and the calls, each
+        {"id", "type": "function", "function": {"name", "arguments": JSON text}} as OpenAI's."""
+        names = {t["name"] for t in self.tools}
+        if not self.native:
+            try:
+                got = json.loads(text)
+            except ValueError:  # unfinished (max_tokens): as it came
+                return text or None, []
+            if isinstance(got, dict) and isinstance(got.get("tool_calls"), list):
+                return None, [_call(c["name"], c["arguments"]) for c in got["tool_calls"]]
+            return (got.get("response") if isinstance(got, dict) else None) or None, []
+        calls, kept, at = [], [], 0
+        for m in _BLOCK.finditer(text):
+            try:
+                c = json.loads(m.group(1))
+            except ValueError:
+                continue
+            if not (isinstance(c, dict) and c.get("name") in names and isinstance(c.get("arguments", {}), (dict, str))):
+                continue
+            kept.append(text[at:m.start()])
+            at = m.end()
+            calls.append(_call(c["name"], c.get("arguments", {})))
+        kept.append(text[at:])
+        content = "".join(kept).strip()
+        if not calls:  # a call written without its markers (small models do): the whole answer is one
+            try:
+                c = json.loads(content)
+            except ValueError:
+                c = None
+            if isinstance(c, dict) and set(c) == {"name", "arguments"} and c["name"] in names:
+                return None, [_call(c["name"], c["arguments"])]
+        return content or None, calls
+
+
+def _arguments(call: dict):
+    """An earlier call's arguments as the template writes them: the JSON text parsed (templates
+    write `arguments | tojson`)."""
+    args = call["function"].get("arguments") or "{}"
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        raise CflowError(f"tool call {call.get('id')}: its arguments are not JSON") from None
+
+
+def _call(name: str, arguments) -> dict:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _token_or_text(tok, text: str) -> str:
+    """A marker in a lark grammar: the tokenizer's special token of that text when it has one
+    (Qwen's <tool_call>), else the text itself."""
+    ids = tok.encode(text)
+    special = len(ids) == 1 and matcher_tokenizer(tok).is_special_token(ids[0])
+    return text if special else json.dumps(text)

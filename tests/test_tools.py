@@ -1,0 +1,285 @@
+"""Tool calls (cflow.tools): the two formats' prompts, grammars and answers on the tiny real model
+of conftest, and the chat API's `tools`, `tool_choice` and `parallel_tool_calls` over HTTP (the
+openai client reads the answers)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from cflow.errors import CflowError
+from cflow.generate import generate_step
+from cflow.tools import ToolCalling, native
+from server_util import TIMEOUT, serving
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city", "days"], "additionalProperties": False}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
+                                           "required": ["tz"], "additionalProperties": False}}
+PING = {"name": "ping"}  # no parameters: an empty object
+TOOLS = [WEATHER, TIME, PING]
+
+# a template in the Hermes convention (Qwen 2.5's): it renders the tools and writes calls in
+# <tool_call> blocks, tool results in <tool_response> blocks
+HERMES = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "Tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "Call them as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% elif m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def follows(call: dict) -> bool:
+    """Whether a call (OpenAI's shape) names a tool and its arguments follow that tool's schema."""
+    args = json.loads(call["function"]["arguments"])
+    name = call["function"]["name"]
+    if name == "get_weather":
+        return set(args) == {"city", "days"} and len(args["city"]) <= 12 and 1 <= args["days"] <= 7
+    if name == "get_time":
+        return args == {"tz": "UTC"} or args == {"tz": "CET"}
+    return name == "ping" and isinstance(args, dict)
+
+
+def answer(llm, calling: ToolCalling, messages, max_tokens=200, **sampling) -> tuple[str, str]:
+    """The model's answer (text, finish_reason) to messages under calling, as the server makes it."""
+    text = llm.render_chat(calling.messages(messages), tools=calling.template_tools())
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    g = calling.grammar(llm.tokenizer)
+    chunks = list(generate_step(llm.engine, llm.engine.new_state(), llm.tokenizer, ids, max_tokens=max_tokens,
+                                **sampling, **({} if g is None else {"grammar": g})))
+    return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+# ------------------------------------------------------------------ the formats
+
+def test_a_template_that_renders_tools_in_tool_call_blocks_is_native(tiny_llm):
+    assert native(HERMES) and not native(tiny_llm.chat_template) and not native(None)
+
+
+@pytest.mark.parametrize("is_native", [False, True])
+@pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), ("get_time", True),
+                                              ("ping", False)])
+def test_calls_that_must_be_made_name_a_tool_and_follow_its_schema(tiny_llm, is_native, choice, parallel):
+    calling = ToolCalling(TOOLS, choice, parallel, native=is_native)
+    ended = 0
+    for seed in range(6):
+        text, finish = answer(tiny_llm, calling, ASK, temperature=1.0, seed=seed)
+        content, calls = calling.parse(text)
+        if finish != "stop":
+            continue  # cut by max_tokens: the random model may write long strings, or many calls
+        ended += 1
+        assert calls and content is None, text
+        assert all(follows(c) for c in calls), calls
+        assert len(calls) == 1 or parallel
+        if choice not in ("auto", "required"):
+            assert {c["function"]["name"] for c in calls} == {choice}
+        assert len({c["id"] for c in calls}) == len(calls) and all(c["id"].startswith("call_") for c in calls)
+    assert ended >= 2  # most answers end: the checks above ran
+
+
+def test_generic_auto_answers_are_calls_or_a_response(tiny_llm):
+    calling = ToolCalling(TOOLS, "auto", True, native=False)
+    for seed in range(6):
+        text, finish = answer(tiny_llm, calling, ASK, temperature=1.0, seed=seed)
+        if finish == "stop":
+            got = json.loads(text)
+            content, calls = calling.parse(text)
+            if "tool_calls" in got:
+                assert content is None and calls and all(follows(c) for c in calls)
+            else:
+                assert set(got) == {"response"} and content == (got["response"] or None) and not calls
+
+
+def test_native_auto_answers_are_free_text():
+    calling = ToolCalling(TOOLS, "auto", True, native=True)
+    assert calling.grammar(None) is None
+
+
+def test_the_native_answer_is_read_as_vllms_hermes_parser_reads_it():
+    calling = ToolCalling(TOOLS, "auto", True, native=True)
+    text = ('Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>\n'
+            '<tool_call>{"name": "nope", "arguments": {}}</tool_call>\n<tool_call>{"name": "ping", broken</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\", \\"days\\": 2}"}</tool_call>')
+    content, calls = calling.parse(text)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_time", {"tz": "UTC"}), ("get_weather", {"city": "Oslo", "days": 2})]
+    # an unknown tool's block and one that does not parse stay in the text
+    assert content == ('Let me look.\n\n<tool_call>{"name": "nope", "arguments": {}}</tool_call>\n'
+                       '<tool_call>{"name": "ping", broken</tool_call>')
+    assert calling.parse("Sunny.") == ("Sunny.", [])
+    # a whole answer that is one call's JSON without its markers
+    content, calls = calling.parse(' {"name": "ping", "arguments": {}} ')
+    assert content is None and calls[0]["function"] == {"name": "ping", "arguments": "{}"}
+    assert calling.parse('{"name": "other", "arguments": {}}')[1] == []
+
+
+def test_the_generic_answer_is_read_from_its_json():
+    calling = ToolCalling(TOOLS, "auto", True, native=False)
+    content, calls = calling.parse('{"tool_calls": [{"name": "ping", "arguments": {}}]}')
+    assert content is None and calls[0]["function"] == {"name": "ping", "arguments": "{}"}
+    assert calling.parse('{"response": "Sunny."}') == ("Sunny.", [])
+    assert calling.parse('{"response": "Sun') == ('{"response": "Sun', [])  # cut by max_tokens: as it came
+
+
+CALLED = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+    {"role": "tool", "content": "Snow.", "tool_call_id": "call_1"},
+]
+
+
+def test_generic_messages_list_the_tools_and_carry_calls_and_results_as_json():
+    calling = ToolCalling(TOOLS, "auto", False, native=False)
+    out = calling.messages(CALLED)
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\n")
+    assert json.dumps(WEATHER) in out[0]["content"] and "(one call)" in out[0]["content"]
+    assert json.loads(out[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo",
+                                                                                                  "days": 1}}]}
+    assert out[3]["role"] == "user" and json.loads(out[3]["content"]) == {
+        "tool_response": {"name": "get_weather", "content": "Snow."}}
+    required = ToolCalling(TOOLS, "get_time", True, native=False).messages(CALLED[1:2])
+    assert required[0]["role"] == "system" and "the tool get_time" in required[0]["content"]
+
+
+def test_native_messages_go_to_the_template_in_its_shape(tiny_llm):
+    calling = ToolCalling(TOOLS, "auto", True, native=True)
+    out = calling.messages(CALLED)
+    assert out[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo", "days": 1}  # a dict: `| tojson`
+    llm = _with_template(tiny_llm.__class__, tiny_llm, HERMES)
+    text = llm.render_chat(out, tools=calling.template_tools())
+    assert '"name": "get_time"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>' in text
+    assert "<tool_response>\nSnow.\n</tool_response>" in text
+
+
+def test_a_tool_whose_parameters_cannot_be_followed_is_an_error(tiny_llm):
+    bad = [{"name": "f", "parameters": {"type": "objekt"}}]
+    for is_native in (False, True):
+        with pytest.raises(CflowError, match="tools: .*objekt"):
+            ToolCalling(bad, "required", True, native=is_native).grammar(tiny_llm.tokenizer)
+    with pytest.raises(CflowError, match="arguments are not JSON"):
+        ToolCalling(TOOLS, "auto", True, native=True).messages(
+            [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{"}}]}])
+
+
+def _with_template(cls, llm, template: str):
+    """The tiny model with another chat template (a second LLM of the same file)."""
+    other = cls(str(llm.file.path), n_ctx=llm.n_ctx, quiet=True)
+    other.chat_template, other._template = template, None
+    return other
+
+
+# ------------------------------------------------------------------ over HTTP
+
+@pytest.fixture(scope="module")
+def url(tiny_llm):
+    with serving(tiny_llm, parallel=2) as u:
+        yield u
+
+
+def chat(url, **body):
+    body.setdefault("messages", ASK)
+    return httpx.post(url + "/v1/chat/completions", json=dict({"max_tokens": 120, "temperature": 0}, **body),
+                      timeout=TIMEOUT)
+
+
+def test_the_openai_client_reads_tool_calls_streamed_or_not(url):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="x", timeout=TIMEOUT)
+    tools = [{"type": "function", "function": t} for t in TOOLS]
+    # one call (the random model, free to add calls, adds them until max_tokens)
+    made = client.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
+                                          parallel_tool_calls=False, temperature=0, max_tokens=200)
+    choice = made.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    calls = [c.model_dump() for c in choice.message.tool_calls]
+    assert calls and all(follows(c) for c in calls)
+    streamed = client.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
+                                              parallel_tool_calls=False, temperature=0, max_tokens=200, stream=True)
+    got, finish = {}, None
+    for chunk in streamed:
+        for d in chunk.choices:
+            for c in d.delta.tool_calls or []:
+                got[c.index] = (c.function.name, c.function.arguments)
+            finish = d.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [got[i] for i in sorted(got)] == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    # the next turn carries the call and its result
+    turn = [*ASK, choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": "Sunny."}]
+    r = chat(url, messages=turn, tools=tools)
+    assert r.status_code == 200, r.text
+
+
+def test_a_named_tool_choice_calls_that_tool_once_without_parallel_calls(url):
+    tools = [{"type": "function", "function": t} for t in TOOLS]
+    for seed in range(3):
+        r = chat(url, tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                 parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=200).json()
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        calls = choice["message"]["tool_calls"]
+        assert len(calls) == 1 and calls[0]["function"]["name"] == "get_time" and follows(calls[0])
+
+
+def test_tool_choice_none_answers_in_text(url):
+    tools = [{"type": "function", "function": t} for t in TOOLS]
+    plain = chat(url, max_tokens=8).json()["choices"][0]
+    none = chat(url, tools=tools, tool_choice="none", max_tokens=8).json()["choices"][0]
+    assert none == plain  # the tools are not shown: the same prompt, the same answer
+
+
+def test_a_native_template_gets_the_tools_and_its_calls_are_read(tiny_llm):
+    llm = _with_template(tiny_llm.__class__, tiny_llm, HERMES)
+    with serving(llm) as u:
+        r = chat(u, tools=[{"type": "function", "function": TIME}], tool_choice="required", max_tokens=60).json()
+        prompt = httpx.post(u + "/tokenize", json={"messages": ASK}, timeout=TIMEOUT).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] in ("tool_calls", "length"), choice
+    if choice["finish_reason"] == "tool_calls":
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_time"]
+        assert all(follows(c) for c in choice["message"]["tool_calls"]) and choice["message"]["content"] is None
+    # the tools went into the prompt: it is longer than the same messages' without them
+    assert r["usage"]["prompt_tokens"] > prompt["count"]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tool_choice": "required", "tools": None}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": WEATHER}] * 2}, "tools", "one name"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "name"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools", "type"),
+    ({"response_format": {"type": "json_object"}}, "tool_choice", "not both"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}, None, "objekt"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content", "required"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "ping", "arguments": "{"}}]}]}, "messages", "JSON"),
+])
+def test_tools_that_cannot_be_used_are_a_400(url, body, param, message):
+    full = {"tools": [{"type": "function", "function": t} for t in TOOLS], **body}
+    r = chat(url, **{k: v for k, v in full.items() if v is not None})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"], err
+    if param is not None:
+        assert (err["param"] or "").startswith(param), err
+
+
+def test_completions_take_no_tools(url):
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                  "tools": [{"type": "function", "function": PING}]}, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
