@@ -102,6 +102,23 @@ def test_the_json_box_asks_for_json_mode_and_the_answer_is_json(page, tiny_llm):
     assert bodies[-1]["response_format"] == {"type": "json_object"}
     text = page.locator(".msg.assistant .text").nth(0).text_content()
     assert "{" in text and follow(tiny_llm.tokenizer, grammar(json_object=True), text) is not None  # or its start
-    page.reload()  # the box is kept, as the other settings are
-    assert page.is_checked("#json_mode")
+    # a schema in the schema box: the answer follows it
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    page.fill("#json_schema", json.dumps(schema))
+    page.fill("#prompt", "A number, please.")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.assistant >> nth=1 >> .stats:has-text('decode')")
+    assert bodies[-1]["response_format"] == {"type": "json_schema", "json_schema": {"name": "page", "schema": schema}}
+    text = page.locator(".msg.assistant .text").nth(1).text_content()
+    assert follow(tiny_llm.tokenizer, grammar(json_schema=schema), text) is not None  # the schema's text, or its start
+    # a schema that is not JSON: an error on the page, and nothing sent
+    sent = len(bodies)
+    page.fill("#json_schema", "{nope")
+    page.fill("#prompt", "Again.")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.error:has-text('not JSON')")
+    assert len(bodies) == sent
+    page.reload()  # the box and the schema are kept, as the other settings are
+    assert page.is_checked("#json_mode") and page.input_value("#json_schema") == "{nope"
+    page.fill("#json_schema", "")
     page.uncheck("#json_mode")

@@ -260,18 +260,21 @@ async def _load(url, args) -> tuple[list[Result], float]:
         return results, time.perf_counter() - t0
 
 
-async def _warm(url, headers, n: int, max_tokens: int, fmt: dict | None = None) -> None:
+async def _warm(url, headers, n: int, max_tokens: int, fmt: dict | None = None, tools: bool = False) -> None:
     """n requests at once (a slot's worth and a client's worth), twice, the second time each
     asking the next question: every sequence slot and as many connections as the load will hold
     have run, and the first answers' histories have moved to the server's prompt cache, which then
-    holds what the load will keep there, before memory is measured. fmt: every other one asks
-    that response_format (whose first request builds the matcher's view of the tokenizer)."""
+    holds what the load will keep there, before memory is measured. fmt: a third of them ask that
+    response_format (whose first request builds the matcher's view of the tokenizer); tools: a
+    third are offered the bench's tools (their grammar, and histories with tools in the cache)."""
     import httpx
 
     def body(i: int, shift: int) -> dict:
         b = {"messages": [{"role": "user", "content": QUESTIONS[(i + shift) % len(QUESTIONS)]}], "max_tokens": max_tokens}
-        if fmt is not None and i % 2 == 0:
+        if fmt is not None and i % 3 == 0:
             b["response_format"] = fmt
+        elif tools and i % 3 == 1:
+            b["tools"] = BENCH_TOOLS
         return b
 
     async with httpx.AsyncClient(timeout=600) as http:
@@ -320,7 +323,7 @@ def _phase(args, parallel: int | None) -> dict:
         model = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
         slots = httpx.get(url + "/health", timeout=10).json().get("slots", 1)
         asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens,
-                          args.response_format if args.json > 0 else None))
+                          args.response_format if args.json > 0 else None, args.tools > 0))
         rss0, b0 = _rss(pid), _batcher(url, headers)
         results, wall = asyncio.run(_load(url, args))
         rss1, b1 = _rss(pid), _batcher(url, headers)

@@ -8,7 +8,7 @@ const history = [];          // [{role, content}] of finished turns
 let controller = null;       // AbortController of the generation in flight
 
 const SETTINGS = ["system", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "api_key",
-                  "json_mode"];
+                  "json_mode", "json_schema"];
 for (const k of SETTINGS) {  // settings survive a reload (a checkbox's as "true" / "false")
   const el = $(k), box = el.type === "checkbox";
   const saved = localStorage.getItem("cflow." + k);
@@ -41,13 +41,23 @@ function setStats(div, text) {
   s.textContent = text;
 }
 
+// JSON mode, following the schema box's schema when it holds one (docs/SERVER.md, "Structured outputs")
+function responseFormat() {
+  if (!$("json_mode").checked) return undefined;
+  const text = $("json_schema").value.trim();
+  if (!text) return { type: "json_object" };
+  let schema;
+  try { schema = JSON.parse(text); } catch (e) { throw new Error("the JSON schema is not JSON: " + e.message); }
+  return { type: "json_schema", json_schema: { name: "page", schema } };
+}
+
 function request(messages) {
   const num = (k, int) => { const v = $(k).value.trim(); return v === "" ? undefined : (int ? parseInt(v, 10) : parseFloat(v)); };
   return {
     messages, stream: true,
     temperature: num("temperature"), top_p: num("top_p"), top_k: num("top_k", true), min_p: num("min_p"),
     repetition_penalty: num("repetition_penalty"), max_tokens: num("max_tokens", true), seed: num("seed", true),
-    response_format: $("json_mode").checked ? { type: "json_object" } : undefined,  // JSON mode (docs/SERVER.md)
+    response_format: responseFormat(),
   };
 }
 
