@@ -13,6 +13,7 @@ import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, is_dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -328,6 +329,9 @@ class Server:
         self.name = _display_name(llm.name)
         self.batcher = Batcher(llm.engine, parallel, max_queue, cache_bytes=cache_ram << 20)
         self.metrics = Metrics(self.batcher)
+        # one thread builds the grammars and matchers of structured outputs and tools, off the event
+        # loop (the default executor ran up to six, each with a malloc arena of its own)
+        self.grammars = ThreadPoolExecutor(1, thread_name_prefix="cflow-grammar")
         self.created = int(time.time())
 
     # ---- request checks
@@ -392,7 +396,7 @@ class Server:
             # a structured output's first request builds the tokenizer's matcher view (seconds
             # for a large vocabulary), and a large schema's matcher takes a while: off the loop
             slow = sampling["grammar"] is not None or calling is not None
-            made = await asyncio.to_thread(decoders) if slow else decoders()
+            made = await asyncio.get_running_loop().run_in_executor(self.grammars, decoders) if slow else decoders()
         except CflowError as e:
             raise _model_error(e) from None
         gens = [Job(self.batcher, decoder, stream=bool(req.stream) and calling is None) for decoder in made]
@@ -688,6 +692,7 @@ def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None 
             yield
         finally:
             await asyncio.to_thread(srv.batcher.stop)
+            srv.grammars.shutdown(wait=False)
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
                     middleware=[Middleware(_AnswerBeforeClosing)], lifespan=lifespan)
