@@ -4,14 +4,15 @@ as llama-server's grammars and vLLM's guided decoding constrain them.
 
 The grammar and the sets of allowed tokens come from llguidance (the constrained-decoding
 library that vLLM, SGLang and llama.cpp use): `grammar(...)` compiles a schema to its grammar
-and checks it (an unsupported keyword or a broken reference is an error, never a schema
-silently ignored), a `Constraint` follows one sequence's tokens with a matcher. What cflow adds
-is the draw. The sampler runs as usual; when the matcher refuses its token (a check of a few
-microseconds), the refused tokens of the whole vocabulary are masked (the matcher's bitmask:
-tens to a few hundred microseconds for a 150k vocabulary) and the sampler draws once more from
-the same logits. Masking the refused tokens and drawing again is a draw from the sampler's
-distribution over the allowed ones, so greedy takes the most likely allowed token, a seeded draw
-repeats, and a batched sequence gets its alone tokens (nothing depends on the rest of its step).
+and checks it (an unsupported keyword or a broken reference is an error, never a schema silently
+ignored), a `Constraint` follows one sequence's tokens with a matcher. What cflow adds is the
+draw. The sampler runs as usual; when the matcher refuses its token (a check of 2-5 us, about 50
+between engine steps, which evict its tables from the caches), the refused tokens of the whole
+vocabulary are masked (the matcher's bitmask: tens to a few hundred microseconds for a 150k
+vocabulary) and the sampler draws once more from the same logits. Masking the refused tokens and
+drawing again is a draw from the sampler's distribution over the allowed ones, so greedy takes
+the most likely allowed token, a seeded draw repeats, and a batched sequence gets its alone
+tokens (nothing depends on the rest of its step).
 
 Ends: when nothing but the end may follow (the object closed), the answer ends there
 (finish_reason "stop", no end-of-sequence token drawn); where the text may end or go on (a
@@ -19,9 +20,10 @@ schema whose value is a number), the end-of-sequence token is one of the allowed
 end earlier at max_tokens ("length", unfinished, as OpenAI's) or at a stop string. Between
 JSON tokens whitespace is one space, or a newline and at most MAX_INDENT spaces or tabs, as
 llama.cpp's JSON grammar has it (a model can otherwise loop on newlines, and a random one fills
-its answer with whitespace); nothing comes before the first token or after the last. Control tokens (the tokenizer's added
-tokens) never match text, so they are never drawn. Strings take every JSON escape but `\\/`, and
-DEL (0x7F) only escaped (llguidance's JSON; a solidus is written as itself).
+its answer with whitespace); nothing comes before the first token or after the last. Control
+tokens (the tokenizer's added tokens) never match text, so they are never drawn. Strings take
+every JSON escape but `\\/`, and DEL (0x7F) only escaped (llguidance's JSON; a solidus is
+written as itself).
 """
 
 from __future__ import annotations
