@@ -9,7 +9,8 @@ ignored), a `Constraint` follows one sequence's tokens with a matcher. What cflo
 draw. The sampler runs as usual; when the matcher refuses its token (a check of 2-5 us, about 50
 between engine steps, which evict its tables from the caches), the refused tokens of the whole
 vocabulary are masked (the matcher's bitmask: tens to a few hundred microseconds for a 150k
-vocabulary) and the sampler draws once more from the same logits. Masking the refused tokens and
+vocabulary; where the next bytes are forced it holds the tokenizer's own spelling of them, "ll"
+after "nu" but not "l") and the sampler draws once more from the same logits. Masking the refused tokens and
 drawing again is a draw from the sampler's distribution over the allowed ones, so greedy takes
 the most likely allowed token, a seeded draw repeats, and a batched sequence gets its alone
 tokens (nothing depends on the rest of its step).
