@@ -41,7 +41,7 @@ MAX_INDENT = 20
 # JSON text as RFC 8259 has it, but whitespace between tokens is one space, or a newline and an
 # indent of at most MAX_INDENT spaces or tabs (llama.cpp's JSON grammar's rule); any \\uXXXX
 # escape in strings
-_OPTIONS = {"whitespace_pattern": r"( |\n[ \t]{0," + str(MAX_INDENT) + "})?",
+JSON_OPTIONS = {"whitespace_pattern": r"( |\n[ \t]{0," + str(MAX_INDENT) + "})?",
             "json_allow_general_unicode_escapes": True}
 _MASKED = np.float32(np.finfo(np.float32).min)  # a logit no sampler setting gives mass to
 _ANY_OBJECT = {"type": "object"}
@@ -69,7 +69,7 @@ def _compiled(schema: str) -> str:
     every request compiles and checks it once."""
     llg = _llguidance()
     try:
-        g = llg.LLMatcher.grammar_from_json_schema(schema, overrides=_OPTIONS)
+        g = llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     except ValueError as e:
         raise CflowError(f"the JSON schema cannot be followed: {e}") from None
     err = llg.LLMatcher.validate_grammar(g)
@@ -81,7 +81,8 @@ def _compiled(schema: str) -> str:
 @functools.lru_cache(maxsize=64)
 def lark_grammar(lark: str) -> str:
     """The checked grammar of a Lark grammar in llguidance's dialect (JSON schemas inside as
-    `%json {...}`, special tokens as `<name>`): tool calls' (cflow.tools)."""
+    `%json {...}`, special tokens as `<name>`): tool calls' (cflow.tools). A schema inside takes
+    JSON_OPTIONS as its "x-guidance" to follow this module's JSON text."""
     llg = _llguidance()
     g = llg.LLMatcher.grammar_from_lark(lark)
     err = llg.LLMatcher.validate_grammar(g)
