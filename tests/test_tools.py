@@ -89,6 +89,7 @@ def test_calls_that_must_be_made_name_a_tool_and_follow_its_schema(tiny_llm, is_
 
 def test_generic_auto_answers_are_calls_or_a_response(tiny_llm):
     calling = ToolCalling(TOOLS, "auto", True, native=False)
+    kinds = set()
     for seed in range(6):
         text, finish = answer(tiny_llm, calling, ASK, temperature=1.0, seed=seed)
         if finish == "stop":
@@ -98,6 +99,8 @@ def test_generic_auto_answers_are_calls_or_a_response(tiny_llm):
                 assert content is None and calls and all(follows(c) for c in calls)
             else:
                 assert set(got) == {"response"} and content == (got["response"] or None) and not calls
+            kinds |= set(got)
+    assert kinds == {"tool_calls", "response"}  # these seeds give both kinds
 
 
 @pytest.mark.parametrize("is_native", [False, True])
