@@ -78,11 +78,16 @@ def _compiled(schema: str) -> str:
     return g
 
 
+def lark_json(schema: dict) -> str:
+    """A Lark rule's body of JSON text that `schema` accepts, written as grammar() writes JSON
+    (JSON_OPTIONS, the schema's "x-guidance"), for lark_grammar."""
+    return "%json " + json.dumps(dict(schema, **{"x-guidance": JSON_OPTIONS}))
+
+
 @functools.lru_cache(maxsize=64)
 def lark_grammar(lark: str) -> str:
-    """The checked grammar of a Lark grammar in llguidance's dialect (JSON schemas inside as
-    `%json {...}`, special tokens as `<name>`): tool calls' (cflow.tools). A schema inside takes
-    JSON_OPTIONS as its "x-guidance" to follow this module's JSON text."""
+    """The checked grammar of a Lark grammar in llguidance's dialect (JSON inside as lark_json's
+    `%json {...}`, special tokens as `<name>`): tool calls' (cflow.tools)."""
     llg = _llguidance()
     g = llg.LLMatcher.grammar_from_lark(lark)
     err = llg.LLMatcher.validate_grammar(g)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from cflow.errors import CflowError
 from cflow.structured import grammar as json_grammar
-from cflow.structured import JSON_OPTIONS, lark_grammar, matcher_tokenizer
+from cflow.structured import lark_grammar, lark_json, matcher_tokenizer
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -135,7 +135,7 @@ class ToolCalling:
             closer = _token_or_text(tok, CLOSE)
             more = ' ("\\n" call)*' if self.parallel else ""  # a newline between calls, and one may end them
             return lark_grammar(f"start: call{more} \"\\n\"?\ncall: {opener} \"\\n\" body \"\\n\" {closer}\n"
-                                f"body: %json {json.dumps(dict(self.call_schema(), **{'x-guidance': JSON_OPTIONS}))}\n")
+                                f"body: {lark_json(self.call_schema())}\n")
         calls = {"type": "array", "items": self.call_schema(), "minItems": 1}
         if not self.parallel:
             calls["maxItems"] = 1

@@ -386,10 +386,10 @@ class Server:
         t0 = time.perf_counter()
 
         def decoders() -> list[Decoder]:
-            if calling is not None:
-                sampling["grammar"] = calling.grammar(self.llm.tokenizer)
+            grammar = sampling["grammar"] if calling is None else calling.grammar(self.llm.tokenizer)
             return [Decoder(self.llm.tokenizer, prompt, recompute=recompute_for(self.llm.engine),
-                            **dict(sampling, seed=None if sampling["seed"] is None else (sampling["seed"] + i) % 2**64))
+                            **dict(sampling, grammar=grammar,
+                                   seed=None if sampling["seed"] is None else (sampling["seed"] + i) % 2**64))
                     for i in range(req.n)]
 
         try:

@@ -18,7 +18,9 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cflow.errors import CflowError
 from cflow.sampling import MAX_TOP_LOGPROBS
+from cflow.structured import grammar
 
 MAX_JSON_DEPTH = 64  # arrays / objects inside each other; a request needs 4
 MAX_INT_DIGITS = 40  # a JSON integer longer than this is refused (2**64 has 20 digits)
@@ -225,9 +227,6 @@ class ResponseFormat(BaseModel):
 
     @model_validator(mode="after")
     def _compile(self):
-        from cflow.errors import CflowError
-        from cflow.structured import grammar
-
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs a json_schema object: {'name': ..., 'schema': {...}}")
         try:
