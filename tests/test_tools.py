@@ -10,7 +10,9 @@ import httpx
 import pytest
 from cflow.errors import CflowError
 from cflow.generate import generate_step
-from cflow.tools import ToolCalling, native
+from cflow.tools import AnswerStream, ToolCalling, native
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from server_util import TIMEOUT, serving
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -146,7 +148,71 @@ def test_the_generic_answer_is_read_from_its_json():
     content, calls = calling.parse('{"tool_calls": [{"name": "ping", "arguments": {}}]}')
     assert content is None and calls[0]["function"] == {"name": "ping", "arguments": "{}"}
     assert calling.parse('{"response": "Sunny."}') == ("Sunny.", [])
-    assert calling.parse('{"response": "Sun') == ('{"response": "Sun', [])  # cut by max_tokens: as it came
+    # cut by max_tokens: the response as far as it came, else the text as it came
+    assert calling.parse('{"response": "Sun\\u00e9 \\u00') == ("Suné ", [])
+    assert calling.parse('{"tool_calls": [{"na') == ('{"tool_calls": [{"na', [])
+
+
+# ---- answers streamed (AnswerStream): the content as it comes adds up to the answer's
+
+_PIECES = ["Sure", ",", " ", "\n", "it is", " <", "tool", "<tool_", "{", "}", "<tool_call>", "</tool_call>",
+           '\n{"name": "ping", "arguments": {}}\n', '{"name": "get_time", "arguments": {"tz": "UTC"}}',
+           '{"name": "nope", "arguments": {}}', "é", "😀"]
+
+
+def _streamed(calling: ToolCalling, text: str, cuts: list[int], finish: str):
+    """(content sent piece by piece, the rest at the end, finish, calls) of text fed in pieces cut at cuts."""
+    reader, sent, at = AnswerStream(calling), [], 0
+    for c in sorted(set(cuts)) + [len(text)]:
+        sent.append(reader.feed(text[at:c]))
+        at = max(at, c)
+    rest, finish, calls = reader.end(finish)
+    return "".join(sent), rest, finish, calls
+
+
+def _names(calls):
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(st.sampled_from(_PIECES), max_size=12), cuts=st.lists(st.integers(0, 300), max_size=8))
+def test_native_content_streamed_adds_up_to_the_answers_content(parts, cuts):
+    calling = ToolCalling(TOOLS, "auto", True, native=True)
+    text = "".join(parts)
+    sent, rest, finish, calls = _streamed(calling, text, cuts, "stop")
+    content, whole = calling.parse(text)
+    assert sent + rest == (content or "")
+    assert _names(calls) == _names(whole) and finish == ("tool_calls" if whole else "stop")
+    if calls:  # no part of a call went out as content
+        assert "<tool_call>" not in sent and '"arguments"' not in sent
+
+
+@settings(max_examples=400, deadline=None)
+@given(response=st.text(st.one_of(st.sampled_from('a é😀"\\\n'), st.characters()), max_size=20),
+       ascii_only=st.booleans(), cut=st.integers(0, 200), calls=st.booleans(),
+       cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_generic_response_streamed_adds_up_to_the_answers_content(response, ascii_only, cut, calls, cuts):
+    calling = ToolCalling(TOOLS, "auto", True, native=False)
+    whole = {"tool_calls": [{"name": "ping", "arguments": {}}]} if calls else {"response": response}
+    text = json.dumps(whole, ensure_ascii=ascii_only)
+    text, finish = (text, "stop") if cut >= len(text) else (text[:cut], "length")  # max_tokens cuts it
+    sent, rest, finish_out, got = _streamed(calling, text, cuts, finish)
+    content, made = calling.parse(text)
+    assert sent + rest == (content or "") and _names(got) == _names(made)
+    if finish == "stop" and not calls:
+        assert sent + rest == response
+    assert finish_out == ("tool_calls" if made and finish == "stop" else finish)
+
+
+def test_content_goes_out_before_the_answer_ends():
+    native_ = AnswerStream(ToolCalling(TOOLS, "auto", True, native=True))
+    assert [native_.feed(p) for p in ["It", " is", " <tool", "_call>", "\n{"]] == ["It", " is", "", "", ""]
+    generic = AnswerStream(ToolCalling(TOOLS, "auto", True, native=False))
+    assert [generic.feed(p) for p in ['{"resp', 'onse": "Su', "n\\u00", "e9", '."}']] == ["", "Su", "n", "é", "."]
+    pair = AnswerStream(ToolCalling(TOOLS, "auto", True, native=False))  # a surrogate pair's halves wait for each other
+    assert [pair.feed(p) for p in ['{"response": "\\ud83d', "\\ude00", '"}']] == ["", "😀", ""]
+    held = AnswerStream(ToolCalling(TOOLS, "required", True, native=False))  # calls only: nothing streams
+    assert held.feed('{"response": "x') == ""
 
 
 CALLED = [
@@ -240,6 +306,41 @@ def test_the_openai_client_reads_tool_calls_streamed_or_not(url):
             {"role": "tool", "tool_call_id": calls[0]["id"], "content": "Sunny."}]
     r = chat(url, messages=turn, tools=tools)
     assert r.status_code == 200, r.text
+
+
+def _answers(url, seed, **body):
+    """The unstreamed answer (content, calls, finish) and the streamed one, with the content's
+    pieces as they came, read by the openai client."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="x", timeout=TIMEOUT)
+    body = dict(model="x", messages=ASK, temperature=1.0, seed=seed, max_tokens=120,
+                tools=[{"type": "function", "function": t} for t in TOOLS], **body)
+    choice = client.chat.completions.create(**body).choices[0]
+    whole = (choice.message.content or "", [(c.function.name, c.function.arguments)
+                                            for c in choice.message.tool_calls or []], choice.finish_reason)
+    pieces, calls, finish = [], {}, None
+    for chunk in client.chat.completions.create(stream=True, **body):
+        for d in chunk.choices:
+            pieces += [d.delta.content] if d.delta.content else []
+            for c in d.delta.tool_calls or []:
+                calls[c.index] = (c.function.name, c.function.arguments)
+            finish = d.finish_reason or finish
+    return whole, ("".join(pieces), [calls[i] for i in sorted(calls)], finish), pieces
+
+
+def test_tool_answers_stream_their_content_as_it_comes(url, tiny_llm):
+    """Under "auto" a streamed answer's content comes piece by piece, its calls at the end, and
+    both are the unstreamed answer's; generic format (the tiny model's template), then native."""
+    kinds = set()
+    for seed in range(6):
+        whole, streamed, pieces = _answers(url, seed)
+        assert streamed == whole, seed
+        kinds.add("calls" if whole[1] else "streamed" if len(pieces) > 1 else "short")
+    assert {"calls", "streamed"} <= kinds  # these seeds give both
+    with serving(_with_template(tiny_llm.__class__, tiny_llm, HERMES)) as u:
+        whole, streamed, pieces = _answers(u, 0)
+    assert streamed == whole and not whole[1] and len(pieces) > 1
 
 
 def test_a_named_tool_choice_calls_that_tool_once_without_parallel_calls(url):

@@ -18,6 +18,12 @@ follow that tool's `parameters` schema; `parallel_tool_calls` false allows one c
 native format under "auto" the answer is free, and a block whose JSON does not parse, or that
 names no given tool, stays in the text (as vLLM's hermes parser leaves it); an answer that is
 nothing but one call's JSON without the markers (small models write that) is that call.
+
+Streamed (`AnswerStream`), an answer under "auto" sends its content as it comes and its calls at
+its end: native, the text up to the first `<tool_call>` (a marker's first characters held back
+until they are seen not to be one, an answer that starts with `{` held whole: it may be a call
+without markers); generic, the `response` string decoded as it grows. What is sent adds up to
+the unstreamed answer's content. Answers that must be calls come whole at their end.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from cflow.structured import grammar as json_grammar
 from cflow.structured import lark_grammar, lark_json, matcher_tokenizer
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_RESPONSE = re.compile(r'\s*\{\s*"response"\s*:\s*"')  # the generic format's answer in text, up to its string
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool without parameters
 
@@ -154,8 +161,9 @@ class ToolCalling:
         if not self.native:
             try:
                 got = json.loads(text)
-            except ValueError:  # unfinished (max_tokens): as it came
-                return text or None, []
+            except ValueError:  # unfinished (max_tokens): the response written so far, else as it came
+                m = _RESPONSE.match(text)
+                return (_string_so_far(text[m.end():]) if m else text) or None, []
             if isinstance(got, dict) and isinstance(got.get("tool_calls"), list):
                 return None, [_call(c["name"], c["arguments"]) for c in got["tool_calls"]]
             return (got.get("response") if isinstance(got, dict) else None) or None, []
@@ -180,6 +188,76 @@ class ToolCalling:
             if isinstance(c, dict) and set(c) == {"name", "arguments"} and c["name"] in names:
                 return None, [_call(c["name"], c["arguments"])]
         return content or None, calls
+
+
+class AnswerStream:
+    """An answer under tools read as its text comes: feed(piece) gives the content that is sure
+    to be content, end(finish_reason) the rest of it, the finish reason and the calls (parse)."""
+
+    def __init__(self, calling: ToolCalling):
+        self.calling, self.text, self.sent = calling, "", ""
+
+    def _sure(self) -> str:
+        """The content so far that no later text can make part of a call."""
+        if self.calling.must_call:
+            return ""
+        if not self.calling.native:
+            m = _RESPONSE.match(self.text)
+            return _string_so_far(self.text[m.end():]) if m else ""
+        text = self.text
+        at = text.find(OPEN)
+        if at >= 0:
+            text = text[:at]
+        else:  # hold back an end that may begin a marker
+            for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+                if text.endswith(OPEN[:k]):
+                    text = text[:-k]
+                    break
+        text = text.strip()  # parse strips the content: whitespace waits for what follows it
+        return "" if text.startswith("{") else text
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        sure = self._sure()
+        if len(sure) <= len(self.sent) or not sure.startswith(self.sent):
+            return ""
+        new, self.sent = sure[len(self.sent):], sure
+        return new
+
+    def end(self, finish: str | None) -> tuple[str, str | None, list[dict]]:
+        """(the content not sent yet, the finish reason, the calls) of the whole answer."""
+        content, calls = self.calling.parse(self.text)
+        content = content or ""
+        rest = content[len(self.sent):] if content.startswith(self.sent) else ""
+        return rest, ("tool_calls" if calls and finish == "stop" else finish), calls
+
+
+def _string_so_far(body: str) -> str:
+    """The text of a JSON string (after its opening quote) as far as it is written: its escapes
+    whole (a surrogate pair's two), up to its closing quote."""
+    i, n = 0, len(body)
+    while i < n and body[i] != '"':
+        if body[i] != "\\":
+            i += 1
+            continue
+        if i + 1 >= n:
+            break
+        if body[i + 1] != "u":
+            i += 2
+            continue
+        if i + 6 > n:
+            break
+        try:
+            high = 0xD800 <= int(body[i + 2:i + 6], 16) < 0xDC00
+        except ValueError:
+            break
+        if high and (i + 8 > n or (body[i + 6:i + 8] == "\\u" and i + 12 > n)):
+            break  # its low half may follow
+        i += 12 if high and body[i + 6:i + 8] == "\\u" else 6
+    try:
+        return json.loads('"' + body[:i] + '"')
+    except ValueError:
+        return ""
 
 
 def _arguments(call: dict):

@@ -36,7 +36,7 @@ from cflow.server.batcher import CACHE_RAM_MIB, END, Batcher, Job, QueueFull
 from cflow.server.metrics import Metrics
 from cflow.server.schemas import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                   check_content_type, from_validation, parse_body)
-from cflow.tools import ToolCalling, native
+from cflow.tools import AnswerStream, ToolCalling, native
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 1 << 20  # bytes; a full context of text is far below this
@@ -260,10 +260,12 @@ class _Text:
 class _Choice:
     """One choice of an answer as its chunks come: its text, its logprobs (those of tokens whose
     text is still held back carried to the next piece), an echoed prompt before its first text
-    (echo_logprobs: its entries from the first chunk's prompt_logprobs)."""
+    (echo_logprobs: its entries from the first chunk's prompt_logprobs). With tools, streamed:
+    its content as cflow.tools.AnswerStream lets it go, its calls at the end."""
 
     def __init__(self, index: int, gen: Job, echo: str, echo_logprobs, calling: ToolCalling | None = None):
         self.index, self.gen, self.echo, self.echo_logprobs, self.calling = index, gen, echo, echo_logprobs, calling
+        self.reader = AnswerStream(calling) if calling is not None and gen.stream else None
         self.text: list[str] = []
         self.carry: list = []
         self.offset, self.first, self.ended = 0, True, False
@@ -297,13 +299,19 @@ class _Choice:
     def piece(self, item, fmt, tok, want_logprobs: bool) -> dict | None:
         """A streamed chunk's choice for item, or None when it has nothing to send yet."""
         text = self._take(item)
-        if not (text or item.finish_reason or self.first):
+        if self.reader is None:
+            text, finish, calls = self.answer(text, item.finish_reason)  # with tools: the whole answer, once
+        else:
+            text, finish, calls = self.reader.feed(text), item.finish_reason, None
+            if finish is not None:
+                rest, finish, calls = self.reader.end(finish)
+                text += rest
+        if not (text or finish or self.first):
             return None
         logprobs = None
         if want_logprobs:
             logprobs, self.offset = fmt.logprobs(tok, self.carry, self.offset)
             self.carry = []
-        text, finish, calls = self.answer(text, item.finish_reason)  # with tools: the whole answer, once
         out = fmt.delta(text, finish, self.first, logprobs, self.index, calls)
         self.first = False
         return out
@@ -380,8 +388,8 @@ class Server:
         """Generate the request's n choices: n jobs, which the batcher decodes side by side (the
         later ones copy the prompt's KV from the first while it runs); choice i draws with seed
         + i when a seed is given. A client that leaves cancels them all. calling: the chat's
-        tools (cflow.tools): their grammar constrains the answer, which is streamed whole at its
-        end (its calls are known only then)."""
+        tools (cflow.tools): their grammar constrains the answer; streamed, its content comes as
+        it is written and its calls at its end (an answer that must be calls comes whole)."""
         sampling = self.sampling(req, prompt)
         t0 = time.perf_counter()
 
@@ -399,7 +407,8 @@ class Server:
             made = await asyncio.get_running_loop().run_in_executor(self.grammars, decoders) if slow else decoders()
         except CflowError as e:
             raise _model_error(e) from None
-        gens = [Job(self.batcher, decoder, stream=bool(req.stream) and calling is None) for decoder in made]
+        streamed = bool(req.stream) and (calling is None or not calling.must_call)
+        gens = [Job(self.batcher, decoder, stream=streamed) for decoder in made]
         submitted = 0
         watch = None
         handed_off = False
