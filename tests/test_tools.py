@@ -265,6 +265,65 @@ def _with_template(cls, llm, template: str):
     return other
 
 
+# ------------------------------------------------------------------ the Python API: LLM.chat(tools=)
+
+def _joined(deltas) -> dict:
+    message = {"role": "assistant", "content": None}
+    for d in deltas:
+        if "content" in d:
+            message["content"] = (message["content"] or "") + d["content"]
+        else:
+            message.update(d)
+    return message
+
+
+def _without_ids(message: dict) -> dict:
+    return dict(message, tool_calls=[c["function"] for c in message.get("tool_calls") or []])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
+def test_chat_with_tools_returns_a_message_with_its_calls(tiny_llm, choice):
+    tools = [{"type": "function", "function": t} for t in TOOLS]
+    kw = dict(tools=tools, tool_choice=choice, parallel_tool_calls=False, temperature=1.0, max_tokens=200)
+    message = tiny_llm.chat(ASK, seed=3, **kw)
+    assert set(message) <= {"role", "content", "tool_calls"} and message["role"] == "assistant"
+    if choice != "auto":
+        assert message["content"] is None and len(message["tool_calls"]) == 1 and follows(message["tool_calls"][0])
+        if isinstance(choice, dict):
+            assert message["tool_calls"][0]["function"]["name"] == "get_time"
+    # streamed: deltas that add up to the same message; and what the server answers
+    assert _without_ids(_joined(tiny_llm.chat(ASK, seed=3, stream=True, **kw))) == _without_ids(message)
+    made = ToolCalling([t["function"] for t in tools], choice if isinstance(choice, str) else "get_time", False,
+                       native=False)
+    sampling = dict(tiny_llm.generation_defaults, temperature=1.0, seed=3)
+    content, calls = made.parse(answer(tiny_llm, made, ASK, max_tokens=200, **sampling)[0])
+    assert (content, [c["function"] for c in calls]) == (message["content"], _without_ids(message)["tool_calls"])
+    if message.get("tool_calls"):  # the message goes back as it is, the results after it
+        turn = [*ASK, message, *({"role": "tool", "tool_call_id": c["id"], "content": "Sunny."}
+                                 for c in message["tool_calls"])]
+        assert tiny_llm.chat(turn, tools=tools, max_tokens=8, temperature=0)["role"] == "assistant"
+
+
+def test_chat_with_tools_none_answers_as_without_them(tiny_llm):
+    plain = tiny_llm.chat(ASK, max_tokens=8, temperature=0)
+    none = tiny_llm.chat(ASK, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0)
+    assert none == {"role": "assistant", "content": plain}
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"tools": [{"name": "bad name"}]}, "name of 1-64"),
+    ({"tools": [WEATHER, WEATHER]}, "one name"),
+    ({"tools": [{"name": "f", "parameters": "x"}]}, "JSON schema"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "sometimes"),
+    ({"tools": [], "tool_choice": "required"}, "needs tools"),
+    ({"tools": [{"name": "f", "parameters": {"type": "objekt"}}]}, "objekt"),
+])
+def test_chat_with_tools_that_cannot_be_used_is_an_error(tiny_llm, kw, message):
+    with pytest.raises(CflowError, match=message):
+        tiny_llm.chat(ASK, max_tokens=4, **kw)
+
+
 # ------------------------------------------------------------------ over HTTP
 
 @pytest.fixture(scope="module")

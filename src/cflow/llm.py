@@ -14,7 +14,8 @@ from cflow.errors import CflowError
 from cflow.generate import Chunk, bias_arrays, check_budget, generate_step
 from cflow.sampling import check_logprobs, generation_defaults, make_sampler
 from cflow.tokenizer import Tokenizer
-from cflow.structured import grammar
+from cflow.structured import grammar as json_grammar
+from cflow.tools import AnswerStream, calling_for
 
 # used when a model carries no chat template of its own
 CHATML_TEMPLATE = (
@@ -218,7 +219,7 @@ class LLM:
                  repetition_penalty: float | None = None, seed: int | None = None, stop: list[str] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None, json_object: bool = False, json_schema=None,
-                 state=None) -> Iterator[Chunk]:
+                 grammar: str | None = None, state=None) -> Iterator[Chunk]:
         """Generate from a prompt (text or token ids): one Chunk per token, the last with
         finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
         plus max_tokens does not fit the context. Close the generator to cancel.
@@ -240,6 +241,8 @@ class LLM:
         that keep it one; the generation ends when it closes, or unfinished at max_tokens).
         json_schema: a JSON schema (a dict, or its JSON text) the answer follows, likewise;
         CflowError now for one that cannot be followed.
+        grammar: a grammar of cflow.structured (`grammar()`, `lark_grammar()`) the answer follows,
+        instead of json_object / json_schema.
         """
         ids = self.encode_prompt(prompt)
         check_budget(len(ids), max_tokens, self.n_ctx, scoring=prompt_logprobs is not None)
@@ -253,7 +256,9 @@ class LLM:
             if any(not 0 <= int(i) < self.config.vocab_size for i in logit_bias):
                 raise CflowError(f"logit_bias: token ids must be in 0..{self.config.vocab_size - 1}")
             sampling["logit_bias"] = logit_bias
-        g = grammar(json_object, json_schema)
+        if grammar is not None and (json_object or json_schema is not None):
+            raise CflowError("give a grammar or json_object / json_schema, not both")
+        g = grammar if grammar is not None else json_grammar(json_object, json_schema)
         if g is not None:
             sampling["grammar"] = g
         for key, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
@@ -282,14 +287,58 @@ class LLM:
     def generate(self, prompt, **sampling) -> str:
         return "".join(self.stream(prompt, **sampling))
 
-    def chat(self, messages: list[dict], *, stream: bool = False, **sampling):
-        """Reply to a conversation with the model's chat template; a str, or an iterator of pieces."""
-        ids = self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
-        pieces = self.stream(ids, **sampling)
-        return pieces if stream else "".join(pieces)
+    def chat(self, messages: list[dict], *, stream: bool = False, tools: list[dict] | None = None,
+             tool_choice=None, parallel_tool_calls: bool = True, **sampling):
+        """Reply to a conversation with the model's chat template; a str, or an iterator of pieces.
+
+        tools (OpenAI's function tools; `tool_choice` "none", "auto" (the default), "required" or
+        {"type": "function", "function": {"name": ...}}; `parallel_tool_calls`, as the server takes
+        them, docs/SERVER.md "Tool calls"): the reply is a message, {"role": "assistant", "content":
+        str | None} with "tool_calls" when it calls some ([{"id", "type": "function", "function":
+        {"name", "arguments": JSON text}}]), to append to `messages` as it is, each call's result
+        after it as {"role": "tool", "tool_call_id": id, "content": ...}; streamed, an iterator of
+        deltas: {"content": piece} as the content comes, then {"tool_calls": [...]} at the end."""
+        calling = calling_for(tools, tool_choice, parallel_tool_calls, self.chat_template)
+        if calling is None:
+            ids = self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+            pieces = self.stream(ids, **sampling)
+            if tools is None:
+                return pieces if stream else "".join(pieces)
+            return ({"content": p} for p in pieces) if stream else {"role": "assistant", "content": "".join(pieces)}
+        text = self.render_chat(calling.messages(messages), tools=calling.template_tools())
+        chunks = self.complete(self.tokenizer.encode(text, add_special_tokens=False),
+                               grammar=calling.grammar(self.tokenizer), **sampling)
+        deltas = _tool_deltas(calling, chunks)
+        if stream:
+            return deltas
+        message = {"role": "assistant", "content": None}
+        for d in deltas:
+            if "content" in d:
+                message["content"] = (message["content"] or "") + d["content"]
+            message.update({k: v for k, v in d.items() if k != "content"})
+        return message
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """(len, vocab) float32 logits of a teacher-forced sequence, on a fresh state."""
         ids = self.encode_prompt(list(token_ids))
         check_budget(len(ids), 0 + 1, self.n_ctx + 1)
         return self.engine.forward(self.engine.new_state(), ids, all_logits=True)
+
+
+def _tool_deltas(calling, chunks: Iterator[Chunk]) -> Iterator[dict]:
+    """The deltas of an answer under tools (LLM.chat): its content as cflow.tools.AnswerStream
+    lets it go, its calls at the end."""
+    reader = AnswerStream(calling)
+    try:
+        for c in chunks:
+            piece = reader.feed(c.text)
+            if piece:
+                yield {"content": piece}
+            if c.finish_reason is not None:
+                rest, _, calls = reader.end(c.finish_reason)
+                if rest:
+                    yield {"content": rest}
+                if calls:
+                    yield {"tool_calls": calls}
+    finally:
+        chunks.close()  # a reader that stops early cancels the generation

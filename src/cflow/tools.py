@@ -52,6 +52,9 @@ GENERIC_REQUIRED = (
     "{{\"tool_calls\": [{{\"name\": \"a tool's name\", \"arguments\": {{...}}}}]}}.")
 
 
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # a tool's name, as OpenAI's API allows it
+
+
 def native(template: str | None) -> bool:
     """Whether a chat template renders tools and writes calls in <tool_call> blocks."""
     return bool(template) and OPEN in template and re.search(r"\btools\b", template) is not None
@@ -188,6 +191,39 @@ class ToolCalling:
             if isinstance(c, dict) and set(c) == {"name", "arguments"} and c["name"] in names:
                 return None, [_call(c["name"], c["arguments"])]
         return content or None, calls
+
+
+def calling_for(tools: list[dict] | None, tool_choice=None, parallel_tool_calls: bool = True,
+                template: str | None = None) -> ToolCalling | None:
+    """The ToolCalling of OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` (the Python
+    API's; the server checks them with its request schema) for a model's chat template; None when
+    no tool may be called (none given, or "none"). A tool is `{"type": "function", "function":
+    {"name", "description", "parameters"}}` or the function's dict alone. CflowError names what
+    is wrong."""
+    fns = []
+    for i, t in enumerate(tools or []):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else t
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and NAME.fullmatch(f["name"])):
+            raise CflowError(f"tools[{i}]: a function with a name of 1-64 letters, digits, _ or - is needed")
+        if not isinstance(f.get("parameters", {}), (dict, type(None))):
+            raise CflowError(f"tools[{i}]: parameters must be a JSON schema (a dict)")
+        fns.append({k: f[k] for k in ("name", "description", "parameters") if f.get(k) is not None})
+    names = [f["name"] for f in fns]
+    if len(set(names)) < len(names):
+        raise CflowError("tools: two tools have one name")
+    choice = tool_choice or "auto"
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or {}).get("name")
+        if choice not in names:
+            raise CflowError(f"tool_choice: no tool is named {choice!r}")
+    elif choice not in ("none", "auto", "required"):
+        raise CflowError(f"tool_choice: 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+                         f"{{'name': ...}}}}, got {tool_choice!r}")
+    if choice == "required" and not fns:
+        raise CflowError("tool_choice: 'required' needs tools")
+    if not fns or choice == "none":
+        return None
+    return ToolCalling(fns, choice, bool(parallel_tool_calls), native(template))
 
 
 class AnswerStream:
