@@ -293,6 +293,17 @@ def test_kv_caches_that_do_not_fit_fail_at_start(tiny_cflow, capsys):
     assert "--parallel 100000000 sequences x n_ctx 4096" in err and "lower --n-ctx or --parallel" in err
 
 
+def test_the_default_parallel_is_four_where_their_kv_caches_fit(tiny_llm):
+    from cflow.engine import AUTO_PARALLEL, auto_parallel, kv_bytes_per_token
+
+    eng = tiny_llm.engine
+    one = eng.n_ctx * kv_bytes_per_token(eng)  # a full sequence's KV cache
+    assert AUTO_PARALLEL == 4 and auto_parallel(eng, avail=1 << 50) == 4
+    assert auto_parallel(eng, avail=2 * 2 * one + one) == 2  # half the memory holds two
+    assert auto_parallel(eng, avail=0) == 1
+    assert 1 <= auto_parallel(eng) <= 4  # this machine's
+
+
 def test_a_negative_prompt_cache_is_refused_at_start(tiny_cflow, capsys):
     from cflow.cli import main
 

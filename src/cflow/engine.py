@@ -100,6 +100,20 @@ def check_kv_memory(engine, n: int) -> None:
                          f"{avail / 2**30:.2f} GiB of memory is available: lower --n-ctx or --parallel")
 
 
+AUTO_PARALLEL = 4  # `cflow serve`'s sequences by default, as llama-server's slots
+
+
+def auto_parallel(engine, avail: int | None = None) -> int:
+    """`cflow serve --parallel`'s default: AUTO_PARALLEL sequences, fewer (at least one) where
+    their full KV caches would take more than half the available memory (avail, bytes; default
+    available_memory()), the other half left to the prompt cache and the rest of the machine."""
+    avail = available_memory() if avail is None else avail
+    if avail is None:
+        return AUTO_PARALLEL
+    per_sequence = engine.n_ctx * kv_bytes_per_token(engine)
+    return max(1, min(AUTO_PARALLEL, avail // 2 // max(1, per_sequence)))
+
+
 def _plan():
     from cflow import plan
 

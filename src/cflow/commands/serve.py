@@ -5,7 +5,7 @@ HELP = "serve a model over an OpenAI-compatible HTTP API, with a chat page at /"
 
 def add_arguments(p):
     from cflow.commands.generate import add_activation_arguments
-    from cflow.engine import CACHE_RAM_MIB, DEFAULT_MAX_CTX
+    from cflow.engine import AUTO_PARALLEL, CACHE_RAM_MIB, DEFAULT_MAX_CTX
 
     p.add_argument("-m", "--model", default=None,
                    help="model name known to `cflow pull`, .cflow / .gguf path or HF directory (default: the built-in default model)")
@@ -16,10 +16,12 @@ def add_arguments(p):
     p.add_argument("--n-ctx", type=int, default=None,
                    help=f"context length in tokens of each sequence (default: the model's own, capped at "
                         f"{DEFAULT_MAX_CTX}; a value you give is used as given, beyond the model's own too)")
-    p.add_argument("--parallel", "--max-concurrency", dest="parallel", type=int, default=1,
+    p.add_argument("--parallel", "--max-concurrency", dest="parallel", type=int, default=None,
                    help="sequences decoded together, one engine step for all (continuous batching); later "
                         "requests queue, in arrival order but for those whose prompts are cached. Their KV "
-                        "caches (parallel x n_ctx tokens) must fit in memory (default %(default)s)")
+                        "caches (parallel x n_ctx tokens) must fit in memory (default: auto, "
+                        f"{AUTO_PARALLEL} as llama-server's slots, fewer where their KV caches would take more "
+                        "than half the available memory; a lone request runs as fast either way)")
     p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait; more get 503 (default %(default)s)")
     p.add_argument("--cache-ram", type=int, default=CACHE_RAM_MIB, metavar="MIB",
                    help="MiB of memory for the prompt cache: the KV caches of histories that left the slots, "
@@ -41,9 +43,10 @@ def main(args) -> int:
         from cflow.server import create_app
     except ImportError as e:
         raise CflowError(f"the server needs the serve extra: pip install 'cflow[serve]' ({e})") from e
+    from cflow.engine import auto_parallel
     from cflow.llm import LLM
 
-    if args.parallel < 1:
+    if args.parallel is not None and args.parallel < 1:
         raise CflowError("--parallel must be at least 1")
     if args.cache_ram < 0:
         raise CflowError("--cache-ram must be >= 0 (MiB; 0 turns the prompt cache off)")
@@ -52,9 +55,10 @@ def main(args) -> int:
     kw = dict(threads=args.threads, n_ctx=args.n_ctx, **activation_kwargs(args))
     llm = LLM(args.model, **kw) if args.model else LLM(**kw)
     api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None
-    app = create_app(llm, parallel=args.parallel, api_key=api_key, max_queue=args.max_queue, cache_ram=args.cache_ram)
+    parallel = auto_parallel(llm.engine) if args.parallel is None else args.parallel
+    app = create_app(llm, parallel=parallel, api_key=api_key, max_queue=args.max_queue, cache_ram=args.cache_ram)
     print(f"cflow serve: {llm.name} (n_ctx {llm.n_ctx}) on http://{args.host}:{args.port}/  "
-          f"[{args.parallel} parallel sequence(s), prompt cache "
+          f"[{parallel} parallel sequence(s){' (auto)' if args.parallel is None else ''}, prompt cache "
           f"{f'{args.cache_ram} MiB' if args.cache_ram else 'off'}{', API key required' if api_key else ''}]", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
