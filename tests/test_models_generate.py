@@ -135,6 +135,51 @@ def test_a_penalised_draw_is_the_whole_penalised_vocabularys(seed, vocab, scale,
     if native[0] is not None:
         assert native == [int(ids[pick(p, u)]) for u in us]
 
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), history=st.lists(st.integers(0, 63), max_size=30),
+       answer=st.lists(st.integers(0, 63), max_size=30), repetition=st.sampled_from([1.0, 0.5, 1.3]),
+       frequency=st.sampled_from([0.0, -2.0, 0.5, 2.0]), presence=st.sampled_from([0.0, -1.0, 0.7, 2.0]))
+def test_penalties_move_each_token_as_openai_and_vllm_define_them(seed, history, answer, repetition, frequency,
+                                                                  presence):
+    from cflow.sampling import apply_penalties
+
+    x = np.random.default_rng(seed).normal(0, 4, 64).astype(np.float32)
+    got = apply_penalties(x, history + answer, answer, repetition, frequency, presence)
+    for t in range(64):  # the multiplicative penalty on the history's tokens, then the additive ones
+        want = float(x[t])
+        if t in history + answer and repetition != 1.0:
+            want = want / repetition if want > 0 else want * repetition
+        c = answer.count(t)
+        want -= frequency * c + (presence if c else 0.0)
+        assert got[t] == np.float32(want), (t, got[t], want)
+    assert x.dtype == np.float32 and got is not x  # the logits themselves are not moved
+    # a draw under the penalties is the draw of the penalised logits
+    for temperature, top_k in ((0.0, 0), (0.8, 8), (1.0, 0)):
+        s1 = make_sampler(temperature, top_k, repetition_penalty=repetition, frequency_penalty=frequency,
+                          presence_penalty=presence, seed=seed)
+        s2 = make_sampler(temperature, top_k, seed=seed)
+        pen = apply_penalties(x, history + answer, answer, repetition, frequency, presence) if answer else None
+        for _ in range(3):
+            want = s2(pen, []) if answer else make_sampler(temperature, top_k, repetition_penalty=repetition,
+                                                           seed=seed)(x, history)
+            assert s1(x, history + answer, answer) == want
+            if not answer:
+                break
+
+
+def test_a_presence_penalty_keeps_the_answers_tokens_apart(llm):
+    ids = [t for c in llm.complete("The cat", max_tokens=40, temperature=0, ignore_eos=True) for t in c.token_ids]
+    assert len(set(ids)) < len(ids)  # greedy repeats itself here
+    apart = [t for c in llm.complete("The cat", max_tokens=40, temperature=0, ignore_eos=True, presence_penalty=100)
+             for t in c.token_ids]
+    assert len(set(apart)) == len(apart) == 40
+    same = [t for c in llm.complete("The cat", max_tokens=40, temperature=0, ignore_eos=True, frequency_penalty=0.0,
+                                    presence_penalty=0.0) for t in c.token_ids]
+    assert same == ids
+    with pytest.raises(CflowError, match="frequency_penalty"):
+        llm.complete("x", frequency_penalty=float("nan"))
+
+
 
 @pytest.mark.parametrize("scale,top_k,lead", [(0.01, 40, 0), (40.0, 40, 0), (4.0, 5000, 0), (4.0, 40, 3)])
 def test_top_k_keeps_the_k_largest_and_their_ties(scale, top_k, lead):

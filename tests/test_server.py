@@ -240,6 +240,26 @@ def test_seed_makes_sampling_repeatable(client):
     assert a == b
 
 
+def test_frequency_and_presence_penalties_are_openais(client, tiny_llm):
+    """Additive, on the answer's tokens (as vLLM and llama.cpp apply them): the tokens of
+    LLM.complete with the same penalties, beside a repetition penalty too."""
+    def tokens(**kw):
+        r = client.completions.create(model="any", prompt="Once upon a time", max_tokens=24, temperature=0,
+                                      logprobs=0, **kw)
+        return r.choices[0].logprobs.tokens
+
+    def alone(**kw):
+        chunks = tiny_llm.complete("Once upon a time", max_tokens=24, temperature=0, **kw)
+        return [tiny_llm.tokenizer.token_bytes(t).decode("utf-8", "replace") for c in chunks for t in c.token_ids]
+
+    plain = tokens()
+    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 1.5, "frequency_penalty": -0.5}):
+        assert tokens(**kw) == alone(**kw)
+    both = {"frequency_penalty": 1.0, "presence_penalty": 1.0}
+    assert tokens(**both, extra_body={"repetition_penalty": 1.3}) == alone(**both, repetition_penalty=1.3)
+    assert tokens(presence_penalty=2.0) != plain  # the random model repeats itself greedily
+
+
 def test_models_health_metrics(client, url, tiny_llm):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny-llama"]

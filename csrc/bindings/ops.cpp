@@ -3,6 +3,7 @@
 // and writes into caller-given output arrays (src/cflow/ops.py allocates them); those must
 // already be contiguous arrays of the right dtype (noconvert: never a silent temporary copy). The optional
 // `isa` argument (scalar|avx2|avx512) picks a path explicitly, for tests; None = best_isa().
+#include <algorithm>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -156,6 +157,38 @@ void bind_ops(nb::module_& root) {
           return nb::int_(id);
         },
         "x"_a, "k"_a, "history"_a, "penalty"_a, "temperature"_a, "top_p"_a, "min_p"_a, "u"_a, "isa"_a = nb::none());
+
+  // The same draw with the distinct tokens `moved` (int32, each < x's size) at `values` (float64,
+  // finite) instead of their logits: `sample_top_k_moved` in ops.h (the frequency and presence
+  // penalties, cflow.sampling). None where x holds a value that is not finite or k plus the
+  // moved tokens reach x's size (the caller moves a copy of the whole vocabulary).
+  m.def("sample_top_k_moved",
+        [](CF32 x, int k, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> moved,
+           nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu> values, double temperature,
+           double top_p, double min_p, double u, const Isa& isa) -> nb::object {
+          require(x.ndim() == 1, "sample_top_k_moved: x must be 1-D, got " + shape_str(x));
+          const size_t n = x.shape(0), h = moved.shape(0);
+          require(n < (size_t(1) << 31), "sample_top_k_moved: array too large");
+          require(values.shape(0) == h, "sample_top_k_moved: one value per moved token");
+          require(k >= 1 && (size_t)k < n, "sample_top_k_moved: k must be in 1.." + std::to_string(n - 1));
+          const int32_t* ms = moved.data();
+          std::vector<int32_t> sorted(ms, ms + h);  // a few dozen ids: sorted, not marked in a vocabulary
+          std::sort(sorted.begin(), sorted.end());
+          bool ok = std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end() &&
+                    (h == 0 || (sorted.front() >= 0 && (size_t)sorted.back() < n));
+          for (size_t i = 0; i < h; ++i) ok &= std::isfinite(values.data()[i]);
+          require(ok, "sample_top_k_moved: moved ids must be distinct, in 0.." + std::to_string(n - 1) +
+                          ", their values finite");
+          require(temperature >= 0 && std::isfinite(temperature), "sample_top_k_moved: temperature must be >= 0");
+          require(top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1,
+                  "sample_top_k_moved: top_p must be in (0, 1], min_p in [0, 1]");
+          require(u >= 0 && u < 1, "sample_top_k_moved: u must be in [0, 1)");
+          const int id = cflow::sample_top_k_moved(pick(isa), x.data(), (int)n, k, ms, values.data(), (int)h,
+                                                   temperature, top_p, min_p, u);
+          if (id < 0) return nb::none();
+          return nb::int_(id);
+        },
+        "x"_a, "k"_a, "moved"_a, "values"_a, "temperature"_a, "top_p"_a, "min_p"_a, "u"_a, "isa"_a = nb::none());
 
   // h = f(g, u), element-wise.
   for (auto [name, fn] : {std::pair{"swiglu", &cflow::OpsTable::swiglu},

@@ -196,36 +196,30 @@ int sample_top_k(const OpsTable& t, const float* x, int n, int k, double tempera
 // costs less than a selection of thousands).
 constexpr int kPenaltyDirect = 256;
 
-bool penalised_top_k(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len,
-                     double penalty, std::vector<int32_t>& ids, std::vector<double>& vals) {
-  thread_local std::vector<uint8_t> mark;  // per token: 1 in the history; all zero between calls
-  thread_local std::vector<int32_t> seen, top;
+bool moved_top_k(const OpsTable& t, const float* x, int n, int k, const int32_t* moved, const double* values,
+                 int h, std::vector<int32_t>& ids, std::vector<double>& vals) {
+  thread_local std::vector<uint8_t> mark;  // per token: 1 if moved; all zero between calls
+  thread_local std::vector<int32_t> top;
   thread_local std::vector<float> rest;
   thread_local std::vector<std::pair<int32_t, double>> cand;
   thread_local std::vector<double> v;
   if (mark.size() < (size_t)n) mark.resize(n, 0);
-  seen.clear();
-  for (int i = 0; i < len; ++i)
-    if (!mark[history[i]]) {
-      mark[history[i]] = 1;
-      seen.push_back(history[i]);
-    }
-  const int h = (int)seen.size();
+  for (int i = 0; i < h; ++i) mark[moved[i]] = 1;
   auto unmark = [&] {
-    for (int32_t s : seen) mark[s] = 0;
+    for (int i = 0; i < h; ++i) mark[moved[i]] = 0;
   };
-  if (k + h >= n) {  // the caller penalises the whole vocabulary
+  if (k + h >= n) {  // the caller moves the whole vocabulary
     unmark();
     return false;
   }
   bool finite = true;
   if (h <= kPenaltyDirect) {
     finite = top_k_ids(t, x, n, k + h, top);
-  } else {  // a long history: the k largest of the tokens outside it, from a copy without it
+  } else {  // many moved: the k largest of the tokens outside them, from a copy without them
     rest.assign(x, x + n);
-    for (int32_t s : seen) {
-      finite &= std::isfinite(x[s]);  // what the copy hides: not finite fails as top_k_ids does
-      rest[s] = -std::numeric_limits<float>::max();
+    for (int i = 0; i < h; ++i) {
+      finite &= std::isfinite(x[moved[i]]);  // what the copy hides: not finite fails as top_k_ids does
+      rest[moved[i]] = -std::numeric_limits<float>::max();
     }
     finite = finite && top_k_ids(t, rest.data(), n, k, top);
   }
@@ -233,30 +227,23 @@ bool penalised_top_k(const OpsTable& t, const float* x, int n, int k, const int3
     unmark();
     return false;
   }
-  // The tokens outside the history among `top`: at least k, unmoved; the k-th largest of them
-  // bounds the answer's k-th value from below, so a history token penalised under it is out.
+  // The unmoved tokens among `top`: at least k; the k-th largest of them bounds the answer's
+  // k-th value from below, so a moved token under it is out.
   cand.clear();
   for (int32_t i : top)
     if (!mark[i]) cand.emplace_back(i, x[i]);
-  if (cand.size() < (size_t)k) {  // logits at -FLT_MAX tied with the hidden ones: the whole vocabulary
-    unmark();
-    return false;
-  }
+  unmark();
+  if (cand.size() < (size_t)k) return false;  // logits at -FLT_MAX tied with the hidden ones: the whole vocabulary
   v.clear();
   for (auto& c : cand) v.push_back(c.second);
   std::nth_element(v.begin(), v.begin() + (v.size() - k), v.end());
   const double floor = v[v.size() - k];
-  const double big = std::numeric_limits<double>::max() / 4;
-  auto penalised = [&](double a) { return std::clamp(a > 0 ? a / penalty : a * penalty, -big, big); };
-  for (int32_t s : seen) {
-    const double a = penalised(x[s]);
-    if (a >= floor) cand.emplace_back(s, a);
-  }
-  unmark();
+  for (int i = 0; i < h; ++i)
+    if (values[i] >= floor) cand.emplace_back(moved[i], values[i]);
   v.clear();
   for (auto& c : cand) v.push_back(c.second);
   std::nth_element(v.begin(), v.begin() + (v.size() - k), v.end());
-  const double kth = v[v.size() - k];  // the k-th largest penalised value
+  const double kth = v[v.size() - k];  // the k-th largest value after the moves
   std::sort(cand.begin(), cand.end());  // id order
   ids.clear();
   vals.clear();
@@ -268,13 +255,49 @@ bool penalised_top_k(const OpsTable& t, const float* x, int n, int k, const int3
   return true;
 }
 
-int sample_top_k_penalised(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len,
-                           double penalty, double temperature, double top_p, double min_p, double u) {
+// The history's distinct tokens (first seen first) and their values after a repetition penalty.
+static void penalised_moves(const float* x, int n, const int32_t* history, int len, double penalty,
+                            std::vector<int32_t>& seen, std::vector<double>& moved) {
+  thread_local std::vector<uint8_t> mark;  // per token: 1 in the history; all zero between calls
+  if (mark.size() < (size_t)n) mark.resize(n, 0);
+  seen.clear();
+  for (int i = 0; i < len; ++i)
+    if (!mark[history[i]]) {
+      mark[history[i]] = 1;
+      seen.push_back(history[i]);
+    }
+  for (int32_t s : seen) mark[s] = 0;
+  const double big = std::numeric_limits<double>::max() / 4;
+  moved.clear();
+  for (int32_t s : seen) {
+    const double a = x[s];
+    moved.push_back(std::clamp(a > 0 ? a / penalty : a * penalty, -big, big));
+  }
+}
+
+bool penalised_top_k(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len,
+                     double penalty, std::vector<int32_t>& ids, std::vector<double>& vals) {
+  thread_local std::vector<int32_t> seen;
+  thread_local std::vector<double> moved;
+  penalised_moves(x, n, history, len, penalty, seen, moved);
+  return moved_top_k(t, x, n, k, seen.data(), moved.data(), (int)seen.size(), ids, vals);
+}
+
+int sample_top_k_moved(const OpsTable& t, const float* x, int n, int k, const int32_t* moved, const double* values,
+                       int h, double temperature, double top_p, double min_p, double u) {
   thread_local std::vector<int32_t> ids;
   thread_local std::vector<double> p;
-  if (!penalised_top_k(t, x, n, temperature == 0 ? 1 : k, history, len, penalty, ids, p)) return -1;
+  if (!moved_top_k(t, x, n, temperature == 0 ? 1 : k, moved, values, h, ids, p)) return -1;
   if (temperature == 0) return ids[std::max_element(p.begin(), p.end()) - p.begin()];  // the first of ties
   return draw(ids, p, temperature, top_p, min_p, u);
+}
+
+int sample_top_k_penalised(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len,
+                           double penalty, double temperature, double top_p, double min_p, double u) {
+  thread_local std::vector<int32_t> seen;
+  thread_local std::vector<double> moved;
+  penalised_moves(x, n, history, len, penalty, seen, moved);
+  return sample_top_k_moved(t, x, n, k, seen.data(), moved.data(), (int)seen.size(), temperature, top_p, min_p, u);
 }
 
 // ---- dispatch ------------------------------------------------------------------------------

@@ -218,8 +218,8 @@ class Decoder:
 
     def _draw(self, logits) -> int | None:
         if self.constraint is None:
-            return self.sample(logits, self.history)
-        return self.constraint.draw(self.sample, logits, self.history)
+            return self.sample(logits, self.history, self.out_ids)
+        return self.constraint.draw(lambda x, history: self.sample(x, history, self.out_ids), logits, self.history)
 
     def _biased(self, logits):
         if self.bias is None:

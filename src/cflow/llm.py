@@ -216,7 +216,8 @@ class LLM:
     # ------------------------------------------------------------------ generation
     def complete(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                 repetition_penalty: float | None = None, seed: int | None = None, stop: list[str] | None = None,
+                 repetition_penalty: float | None = None, frequency_penalty: float = 0.0,
+                 presence_penalty: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None, json_object: bool = False, json_schema=None,
                  grammar: str | None = None, state=None) -> Iterator[Chunk]:
@@ -225,7 +226,9 @@ class LLM:
         plus max_tokens does not fit the context. Close the generator to cancel.
 
         Sampling settings left at None take `generation_defaults`; temperature=0 is greedy. With a
-        seed the draws repeat from call to call; without one they differ.
+        seed the draws repeat from call to call; without one they differ. frequency_penalty and
+        presence_penalty are OpenAI's (-2..2 there; any finite value here): a token the answer
+        holds c times loses frequency_penalty x c + presence_penalty from its logit.
 
         state: reuse an engine state across calls (prompt cache: the common prefix of the prompt
         and the tokens the state holds is kept, the rest recomputed).
@@ -249,7 +252,7 @@ class LLM:
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      repetition_penalty=repetition_penalty)
         sampling = {k: self.generation_defaults[k] if v is None else v for k, v in given.items()}
-        sampling["seed"] = seed
+        sampling.update(seed=seed, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
         make_sampler(**sampling)  # bad settings fail here, not at the first token
         if logit_bias:
             bias_arrays(logit_bias)  # bad values fail here too

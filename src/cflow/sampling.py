@@ -1,7 +1,8 @@
 """Samplers: small composable functions over a logits vector (as mlx-lm's make_sampler).
 
-make_sampler(...) returns sample(logits, history) -> token id. Order: repetition penalty,
-then temperature; greedy when temperature == 0; otherwise top-k, top-p, min-p filters on the
+make_sampler(...) returns sample(logits, history, answer=()) -> token id (history: the prompt
+and the answer so far; answer: the answer's tokens alone). Order: repetition penalty (on the
+history's tokens), frequency and presence penalties (on the answer's), then temperature; greedy when temperature == 0; otherwise top-k, top-p, min-p filters on the
 probabilities and a draw from the seeded generator. With top-k on and float32 logits (the
 engine's), the filters and the draw run in one native call (`cflow._core.ops.sample_top_k`, the
 same float64 arithmetic for the generator's same uniform number; `sample_top_k_penalised` with a
@@ -24,7 +25,7 @@ import numpy as np
 
 from cflow.errors import CflowError
 
-Sampler = Callable[[np.ndarray, list[int]], int]
+Sampler = Callable[..., int]  # sample(logits, history, answer=())
 
 # llama.cpp's sampling defaults (common/common.h), for models that give none of their own
 LLAMA_CPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
@@ -62,6 +63,39 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: fl
 
 
 _BIG = np.finfo(np.float64).max / 4
+_BIG32 = 1e30  # float32 logits moved by penalties stay this far from overflow
+
+
+def penalty_moves(logits: np.ndarray, history: list[int], answer: list[int], repetition: float,
+                  frequency: float, presence: float) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, values): the tokens the penalties move and their logits after them (float32 values,
+    as float64): the repetition penalty on the history's tokens (apply_repetition_penalty's
+    rule), then OpenAI's additive penalties on the answer's: each token the answer holds c times
+    loses frequency x c + presence, as vLLM and llama.cpp apply them after the multiplicative one.
+    Computed in float64 and rounded once, clipped to +-1e30."""
+    if repetition == 1.0:  # the additive ones alone (the usual case): three numpy calls a draw
+        ids, counts = np.unique(np.asarray(answer, dtype=np.int32), return_counts=True)
+        v = np.asarray(logits)[ids].astype(np.float64) - (frequency * counts + presence)
+        return ids, np.clip(v, -_BIG32, _BIG32).astype(np.float32).astype(np.float64)
+    seen = np.unique(np.asarray(history if repetition != 1.0 else [], dtype=np.int64))
+    held, counts = np.unique(np.asarray(answer, dtype=np.int64), return_counts=True)
+    ids = np.union1d(seen, held)
+    v = np.asarray(logits)[ids].astype(np.float64)
+    if seen.size:
+        m = np.isin(ids, seen)
+        with np.errstate(over="ignore"):
+            v[m] = np.where(v[m] > 0, v[m] / repetition, v[m] * repetition)
+    v[np.searchsorted(ids, held)] -= frequency * counts + presence
+    return ids.astype(np.int32), np.clip(v, -_BIG32, _BIG32).astype(np.float32).astype(np.float64)
+
+
+def apply_penalties(logits: np.ndarray, history: list[int], answer: list[int], repetition: float,
+                    frequency: float, presence: float) -> np.ndarray:
+    """A float32 copy of logits with the penalties of penalty_moves applied."""
+    x = np.array(logits, dtype=np.float32)
+    ids, values = penalty_moves(logits, history, answer, repetition, frequency, presence)
+    x[ids] = values
+    return x
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -150,10 +184,12 @@ def pick(p: np.ndarray, u: float) -> int:
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0, seed: int | None = None) -> Sampler:
+                 repetition_penalty: float = 1.0, seed: int | None = None, frequency_penalty: float = 0.0,
+                 presence_penalty: float = 0.0) -> Sampler:
     """A sampler with these settings (checked here, so bad values fail before generation)."""
     for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
-                    ("repetition_penalty", repetition_penalty)):
+                    ("repetition_penalty", repetition_penalty), ("frequency_penalty", frequency_penalty),
+                    ("presence_penalty", presence_penalty)):
         if not math.isfinite(v):
             raise CflowError(f"{name} must be a finite number, got {v}")
     if temperature < 0:
@@ -169,18 +205,30 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < 1 << 64):
         raise CflowError(f"seed must be an integer in 0..2^64-1, got {seed}")
     rng = np.random.default_rng(seed)
+    counted = frequency_penalty != 0.0 or presence_penalty != 0.0
 
-    def sample(logits: np.ndarray, history: list[int]) -> int:
-        if temperature == 0.0 and repetition_penalty == 1.0:
+    def sample(logits: np.ndarray, history: list[int], answer=()) -> int:
+        moves = counted and len(answer) > 0
+        if temperature == 0.0 and repetition_penalty == 1.0 and not moves:
             return int(np.argmax(logits))  # the argmax of the float64 copy, without the copy
         x = np.asarray(logits)
         u = rng.random() if temperature > 0.0 else 0.0  # one draw a token, none when greedy
-        if repetition_penalty != 1.0:
-            t = _penalised_draw(x, history, repetition_penalty, 1 if temperature == 0.0 else top_k, temperature,
-                                top_p, min_p, u)
+        rp = repetition_penalty
+        if moves:  # all the penalties: the moved tokens' values, in the native draw or on a copy
+            ids, values = penalty_moves(x, history, answer, rp, frequency_penalty, presence_penalty)
+            k = 1 if temperature == 0.0 else top_k
+            if 0 < k < x.size and _native_vector(x):
+                t = _native().sample_top_k_moved(x, k, ids, values, temperature, top_p, min_p, u)
+                if t is not None:
+                    return t
+            x = np.array(x, dtype=np.float32)
+            x[ids] = values
+            rp = 1.0
+        if rp != 1.0:
+            t = _penalised_draw(x, history, rp, 1 if temperature == 0.0 else top_k, temperature, top_p, min_p, u)
             if t is not None:
                 return t
-            x = apply_repetition_penalty(x.astype(np.float64), history, repetition_penalty)
+            x = apply_repetition_penalty(x.astype(np.float64), history, rp)
         if temperature == 0.0:
             return int(np.argmax(x))
         if 0 < top_k < x.size and _native_vector(x):

@@ -120,6 +120,15 @@ int sample_top_k(const OpsTable& t, const float* x, int n, int k, double tempera
 // k-th largest of those others is out. No penalised copy of the vocabulary is made.
 bool penalised_top_k(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len, double penalty,
                      std::vector<int32_t>& ids, std::vector<double>& vals);
+// The same for any moves: the k largest of x with the h distinct tokens `moved` at `values`
+// instead (penalised_top_k is this with the history's penalised values; the frequency and
+// presence penalties move the answer's tokens, cflow.sampling), false likewise.
+bool moved_top_k(const OpsTable& t, const float* x, int n, int k, const int32_t* moved, const double* values, int h,
+                 std::vector<int32_t>& ids, std::vector<double>& vals);
+// sample_top_k's draw over moved_top_k; temperature 0: the largest value (k = 1), the first of
+// ties. -1 where moved_top_k is false.
+int sample_top_k_moved(const OpsTable& t, const float* x, int n, int k, const int32_t* moved, const double* values,
+                       int h, double temperature, double top_p, double min_p, double u);
 // sample_top_k's draw over penalised_top_k; temperature 0: the largest penalised value (k = 1),
 // the first of ties. -1 where penalised_top_k is false.
 int sample_top_k_penalised(const OpsTable& t, const float* x, int n, int k, const int32_t* history, int len,

@@ -21,6 +21,10 @@ def add_sampling_arguments(p):
     s.add_argument("--min-p", type=float, default=None, help=f"0: off (default: the model's, else {d['min_p']})")
     s.add_argument("--repetition-penalty", type=float, default=None,
                    help=f"1: off (default: the model's, else {d['repetition_penalty']:g})")
+    s.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's: a token's logit loses this times its count in the answer (default 0: off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's: a token's logit loses this once it is in the answer (default 0: off)")
     s.add_argument("--seed", type=int, default=None, help="repeat a sampled run (default: a new draw each run)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -86,7 +90,8 @@ def add_arguments(p):
 
 def sampling_kwargs(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty, seed=args.seed, stop=args.stop,
                 ignore_eos=args.ignore_eos, json_object=args.json, json_schema=schema_arg(args.json_schema))
 
 

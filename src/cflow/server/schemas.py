@@ -278,12 +278,6 @@ class Sampling(BaseModel):
             raise ValueError("only 1 is supported")
         return v
 
-    @model_validator(mode="after")
-    def _penalties(self):
-        if self.repetition_penalty is not None and (self.frequency_penalty or self.presence_penalty):
-            raise ValueError("give repetition_penalty or frequency_penalty/presence_penalty, not both")
-        return self
-
     def top_n(self) -> int | None:
         """None: no logprobs asked for; else the most likely tokens to give with each token's."""
         return None
@@ -302,19 +296,15 @@ class Sampling(BaseModel):
         """Keyword arguments for the request's Decoders (docs/SERVER.md, "Parameter mapping"); `defaults`
         (the model's sampling defaults, when it has them) fill the fields the request omits."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if self.repetition_penalty is not None:
-            rp = self.repetition_penalty
-        else:
-            # OpenAI's additive penalties in [-2, 2] -> a multiplicative one in [0.5, 2]
-            rp = 2.0 ** (max(-2.0, min(2.0, (self.frequency_penalty or 0.0) + (self.presence_penalty or 0.0))) / 2)
+        rp = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         kw = dict(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                   temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=rp,
+                  frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
                   seed=self.seed, stop=[s for s in stop if s] or None, logprobs=self.top_n(),
                   prompt_logprobs=self.prompt_n(), logit_bias=self.bias(),
                   grammar=self.response_format.grammar() if self.response_format else None)
         if isinstance(defaults, dict):
-            given = self.model_fields_set | ({"repetition_penalty"} if self.frequency_penalty or self.presence_penalty else set())
-            kw.update({k: v for k, v in defaults.items() if k in kw and k not in given})
+            kw.update({k: v for k, v in defaults.items() if k in kw and k not in self.model_fields_set})
         return kw
 
 
