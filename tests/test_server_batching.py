@@ -437,6 +437,46 @@ def test_a_prompt_in_a_running_sequence_is_copied_from_it(tiny_llm):
     assert again.cached == len(a_ids) and again.slot.state.tokens == a_ids
 
 
+def test_slots_say_what_each_slot_does(tiny_llm):
+    # a job given a slot (and not yet stepped) is prefilling; once it ends the slot is idle and
+    # keeps its history; over HTTP, /slots lists them with n_ctx and the queue, behind the API key
+    import asyncio
+
+    from cflow.generate import Decoder
+    from cflow.server.batcher import END, Batcher, Job
+
+    tok = tiny_llm.tokenizer
+    ids = tok.encode("Once upon a time there was a fox")
+
+    async def run():
+        b = Batcher(tiny_llm.engine, 2, max_queue=4)
+        job = Job(b, Decoder(tok, ids, max_tokens=6, ignore_eos=True, temperature=0))
+        b.submit(job)
+        with b._cv:
+            b._admit()
+        before = b.slot_states()
+        b.start()
+        try:
+            while await job.next() is not END:
+                pass
+        finally:
+            b.stop()
+        return before, b.slot_states()
+
+    before, after = asyncio.run(run())
+    busy = [s for s in before if s["is_processing"]]
+    assert len(busy) == 1 and busy[0] == {"id": busy[0]["id"], "is_processing": True, "state": "prefilling",
+                                          "n_prompt_tokens": len(ids), "n_cached_tokens": 0, "n_decoded": 0,
+                                          "n_remain": 6}
+    assert sorted(s["n_past"] for s in after) == [0, len(ids) + 5]  # the last token is drawn, not yet computed
+    assert all(s["state"] == "idle" for s in after)
+    with serving(tiny_llm, parallel=2, api_key="k") as u:
+        assert httpx.get(u + "/slots", timeout=TIMEOUT).status_code == 401
+        got = httpx.get(u + "/slots", headers={"Authorization": "Bearer k"}, timeout=TIMEOUT).json()
+    assert got["queued"] == 0 and [(s["id"], s["state"], s["n_ctx"]) for s in got["slots"]] == [
+        (0, "idle", tiny_llm.n_ctx), (1, "idle", tiny_llm.n_ctx)]
+
+
 def test_an_unstreamed_answer_is_handed_over_once(tiny_llm):
     # stream=False: the batcher holds a generation's chunks and hands out one at the end, with
     # all the text and tokens of the streamed chunks and the last one's end and usage

@@ -28,7 +28,7 @@ def add_arguments(p):
                         "so that a conversation coming back starts from its earlier turns; 0 turns it off "
                         "(default %(default)s)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $CFLOW_API_KEY, else open)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /metrics, /slots and the tokenizer endpoints (default: $CFLOW_API_KEY, else open)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 

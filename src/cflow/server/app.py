@@ -636,6 +636,13 @@ class Server:
             return JSONResponse(body)
         return JSONResponse(dict(body, status="error", **_unusable(reason).body()), status_code=503)
 
+    async def slots(self, request: Request):
+        """llama-server's /slots: per slot, what it does now (Batcher.slot_states), and the queue."""
+        self.auth(request)
+        n_ctx = self.llm.n_ctx
+        return JSONResponse({"slots": [dict(s, n_ctx=n_ctx) for s in self.batcher.slot_states()],
+                             "queued": self.batcher.queued})
+
     async def prometheus(self, request: Request):
         self.auth(request)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -681,6 +688,7 @@ def create_app(llm, *, parallel: int | None = None, max_concurrency: int | None 
         Route("/tokenizer_info", endpoint("tokenizer_info", srv.tokenizer_info), methods=["GET"]),
         Route("/health", endpoint("health", srv.health), methods=["GET"]),
         Route("/metrics", endpoint("metrics", srv.prometheus), methods=["GET"]),
+        Route("/slots", endpoint("slots", srv.slots), methods=["GET"]),
         Route("/", srv.page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]

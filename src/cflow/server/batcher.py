@@ -235,6 +235,23 @@ class Batcher:
         """Requests waiting for a slot (those that free slots will take at the next step aside)."""
         return max(0, self._beyond_free())
 
+    def slot_states(self) -> list[dict]:
+        """What each slot does now (GET /slots), read under the lock: its request's progress, or
+        the history it keeps for the next. No prompt text: the slots hold other users' requests."""
+        out = []
+        with self._cv:
+            for i, s in enumerate(self.slots):
+                job = s.job
+                if job is None:  # no forward touches an idle slot's state
+                    out.append({"id": i, "is_processing": False, "state": "idle", "n_past": len(s.state.tokens)})
+                    continue
+                d = job.decoder
+                decoded = len(d.out_ids)
+                out.append({"id": i, "is_processing": True, "state": "prefilling" if d.prefilling or not job.begun
+                            else "decoding", "n_prompt_tokens": len(d.prompt), "n_cached_tokens": job.cached,
+                            "n_decoded": decoded, "n_remain": d.max_tokens - decoded})
+        return out
+
     def _beyond_free(self) -> int:
         """Waiting requests less free slots (negative while slots are free)."""
         return len(self._waiting) - sum(1 for s in self.slots if s.job is None)
