@@ -349,6 +349,27 @@ def test_bench_load_conversations_carry_their_earlier_turns(tiny_cflow, stream, 
     assert chats > single and chats_cached > single_cached
 
 
+def test_bench_load_takes_its_prompts_from_a_file(tiny_cflow, tmp_path, capsys):
+    # a line of a long conversation makes the prompts far longer than the built-in questions'
+    import json
+    import re
+
+    from cflow.cli import main
+
+    def prompt_tokens(extra):
+        assert main(["bench", "load", "-m", str(tiny_cflow), "--clients", "2", "--requests", "2", "--max-tokens", "4",
+                     "--stream", *extra]) == 0
+        out = capsys.readouterr().out
+        assert "errors      0 server (5xx or dropped), 0 other" in out and "inter-token p50" in out and " max " in out
+        return int(re.search(r"prompts +(\d+) tokens", out).group(1))
+
+    f = tmp_path / "prompts.jsonl"
+    long = [{"role": "system", "content": "Read this. " + "The river runs by the mill. " * 40},
+            {"role": "user", "content": "What runs by the mill?"}]
+    f.write_text(json.dumps("Name a color.") + "\n\n" + json.dumps(long) + "\n")
+    assert prompt_tokens(["--prompts", str(f)]) > 2 * 200 + prompt_tokens([])  # client 1 asks the long one twice
+
+
 def test_bench_load_unstreamed_plots_request_latency(tiny_cflow, tmp_path, capsys):
     # no first-token or inter-token times without streams: the table says "-" and the plot
     # shows request latency (a log axis of nothing used to fail here); the requests carry a
@@ -548,9 +569,25 @@ def test_bench_load_rounds_need_two_values(tiny_cflow, capsys):
     (["--n", "17"], "--n must be in 1..16"),
     (["--logprobs", "21"], "--logprobs must be in 0..20"),
     (["--json", "1.5"], "--json is a share of the requests"),
+    (["--prompts", "/nonexistent/p.jsonl"], "--prompts: cannot read"),
 ])
 def test_bench_load_refuses_bad_arguments_before_any_request(argv, message, capsys):
     from cflow.cli import main
 
     assert main(["bench", "load", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ('"ok"\n{"role": "user"}\n', ":2: a string or a list"),
+    ('"ok"\n[{"role": "user", "content": 3}]\n', ":2: a string or a list"),
+    ('"ok"\n{bad\n', ":2: not JSON"),
+    ("\n\n", "no prompts in it"),
+])
+def test_bench_load_refuses_a_bad_prompts_file(text, message, tmp_path, capsys):
+    from cflow.cli import main
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(text)
+    assert main(["bench", "load", "--prompts", str(f)]) == 2
     assert message in capsys.readouterr().err

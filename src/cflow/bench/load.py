@@ -58,6 +58,10 @@ def add_arguments(p):
     p.add_argument("--turns", type=int, default=1,
                    help="turns of each client's conversations: a request carries the earlier turns' questions "
                         "and answers, as a chat does (default %(default)s: single questions)")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="the requests' prompts instead of the built-in questions: JSON lines, each a string (a "
+                        "user message) or a list of chat messages (a conversation to answer, a system prompt or a "
+                        "long document in it); request i of client k takes line k + i x clients, round the file")
     p.add_argument("--stream", action="store_true", help="streamed requests (server-sent events): also "
                    "time to first token and inter-token latency")
     p.add_argument("--frequency-penalty", type=float, default=None,
@@ -205,7 +209,11 @@ async def _client(url, headers, args, k, results, bar, deadline):
         while (time.perf_counter() < deadline) if deadline is not None else (i < args.requests):
             if len(chat) >= 2 * args.turns:  # the conversation is over: the client starts another
                 chat = []
-            chat.append({"role": "user", "content": QUESTIONS[(k + i) % len(QUESTIONS)]})
+            if args.prompts is None:
+                chat.append({"role": "user", "content": QUESTIONS[(k + i) % len(QUESTIONS)]})
+            else:
+                item = args.prompts[(k + i * args.clients) % len(args.prompts)]
+                chat = chat + [{"role": "user", "content": item}] if isinstance(item, str) else list(item)
             body = {"messages": list(chat),
                     "max_tokens": args.max_tokens, "temperature": 0.7, "seed": k * 1000 + i, "stream": args.stream}
             if args.frequency_penalty is not None:
@@ -377,7 +385,8 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     print(f"  latency     p50 {_pct(lat, 0.50):.3f} s   p95 {_pct(lat, 0.95):.3f} s   max {lat[-1]:.3f} s")
     if ttft:
         print(f"  first token p50 {_pct(ttft, 0.50):.3f} s   p95 {_pct(ttft, 0.95):.3f} s")
-        print(f"  inter-token p50 {1e3 * _pct(gaps, 0.50):.1f} ms   p95 {1e3 * _pct(gaps, 0.95):.1f} ms")
+        print(f"  inter-token p50 {1e3 * _pct(gaps, 0.50):.1f} ms   p95 {1e3 * _pct(gaps, 0.95):.1f} ms   "
+              f"max {1e3 * gaps[-1]:.1f} ms")
     prompt, cached = sum(r.prompt_tokens for r in results), sum(r.cached_tokens for r in results)
     if prompt:
         print(f"  prompts     {prompt} tokens, {cached} of them reused from KV caches "
@@ -406,6 +415,36 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
                 lat50=_pct(lat, 0.50), lat95=_pct(lat, 0.95), ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95),
                 itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
                 rss_growth=growth)
+
+
+def read_prompts(path: str) -> list:
+    """--prompts: the file's JSON lines (blank lines skipped), each a string or a list of chat
+    messages ({"role", "content": str}); CflowError naming the first bad line."""
+    import json
+
+    from cflow.errors import CflowError
+
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise CflowError(f"--prompts: cannot read {path}: {e.strerror or e}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise CflowError(f"--prompts {path}:{n}: not JSON: {e}") from None
+        ok = isinstance(item, str) or (isinstance(item, list) and item and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in item))
+        if not ok:
+            raise CflowError(f"--prompts {path}:{n}: a string or a list of {{\"role\", \"content\"}} messages is needed")
+        out.append(item)
+    if not out:
+        raise CflowError(f"--prompts {path}: no prompts in it")
+    return out
 
 
 def _calls_parse(calls: list[dict]) -> bool:
@@ -502,6 +541,8 @@ def main(args) -> int:
         except ValueError as e:
             raise CflowError(f"--json-schema: not JSON: {e}") from None
         args.response_format = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+    if args.prompts is not None:
+        args.prompts = read_prompts(args.prompts)
     if args.disconnect and not args.stream:
         raise CflowError("--disconnect abandons streams: add --stream")
     if args.turns < 1:
