@@ -45,12 +45,16 @@ def test_page_streams_an_answer_and_keeps_history(page, tiny_llm):
     assert "tok/s" in answer.locator(".stats").inner_text()
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
 
+    page.fill("#frequency_penalty", "0.5")  # the penalties are sent when given, left out when empty
     page.fill("#prompt", "And of Italy?")
     page.click("#send")
     page.wait_for_selector(".msg.assistant >> nth=1 >> .stats:has-text('decode')")
     assert [m["role"] for m in bodies[1]["messages"]] == ["user", "assistant", "user"]
     assert bodies[1]["messages"][1]["content"] == answer.locator(".text").text_content()
     assert bodies[1]["stream"] is True and bodies[1]["temperature"] == 0
+    assert "frequency_penalty" not in bodies[0] and bodies[1]["frequency_penalty"] == 0.5
+    assert "presence_penalty" not in bodies[1]
+    page.fill("#frequency_penalty", "")
 
 
 def test_stop_button_cancels_the_generation(page):

@@ -7,8 +7,8 @@ const $ = (id) => document.getElementById(id);
 const history = [];          // [{role, content}] of finished turns
 let controller = null;       // AbortController of the generation in flight
 
-const SETTINGS = ["system", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "api_key",
-                  "json_mode", "json_schema"];
+const SETTINGS = ["system", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty", "max_tokens", "seed", "api_key", "json_mode", "json_schema"];
 for (const k of SETTINGS) {  // settings survive a reload (a checkbox's as "true" / "false")
   const el = $(k), box = el.type === "checkbox";
   const saved = localStorage.getItem("cflow." + k);
@@ -56,7 +56,8 @@ function request(messages) {
   return {
     messages, stream: true,
     temperature: num("temperature"), top_p: num("top_p"), top_k: num("top_k", true), min_p: num("min_p"),
-    repetition_penalty: num("repetition_penalty"), max_tokens: num("max_tokens", true), seed: num("seed", true),
+    repetition_penalty: num("repetition_penalty"), frequency_penalty: num("frequency_penalty"),
+    presence_penalty: num("presence_penalty"), max_tokens: num("max_tokens", true), seed: num("seed", true),
     response_format: responseFormat(),
   };
 }
