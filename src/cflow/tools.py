@@ -166,7 +166,7 @@ class ToolCalling:
                 got = json.loads(text)
             except ValueError:  # unfinished (max_tokens): the response written so far, else as it came
                 m = _RESPONSE.match(text)
-                return (_string_so_far(text[m.end():]) if m else text) or None, []
+                return (_string_piece(text, m.end())[0] if m else text) or None, []
             if isinstance(got, dict) and isinstance(got.get("tool_calls"), list):
                 return None, [_call(c["name"], c["arguments"]) for c in got["tool_calls"]]
             return (got.get("response") if isinstance(got, dict) else None) or None, []
@@ -232,14 +232,20 @@ class AnswerStream:
 
     def __init__(self, calling: ToolCalling):
         self.calling, self.text, self.sent = calling, "", ""
+        self._at = None  # generic: where the response string's undecoded part starts (once it has begun)
 
     def _sure(self) -> str:
         """The content so far that no later text can make part of a call."""
         if self.calling.must_call:
             return ""
-        if not self.calling.native:
-            m = _RESPONSE.match(self.text)
-            return _string_so_far(self.text[m.end():]) if m else ""
+        if not self.calling.native:  # the response string, decoded as far as its escapes are whole
+            if self._at is None:
+                m = _RESPONSE.match(self.text)
+                if m is None:
+                    return ""
+                self._at = m.end()
+            piece, self._at = _string_piece(self.text, self._at)  # from where the last call stopped
+            return self.sent + piece
         text = self.text
         at = text.find(OPEN)
         if at >= 0:
@@ -268,10 +274,12 @@ class AnswerStream:
         return rest, ("tool_calls" if calls and finish == "stop" else finish), calls
 
 
-def _string_so_far(body: str) -> str:
-    """The text of a JSON string (after its opening quote) as far as it is written: its escapes
-    whole (a surrogate pair's two), up to its closing quote."""
-    i, n = 0, len(body)
+def _string_piece(body: str, i: int) -> tuple[str, int]:
+    """(the text, the index reached) of a JSON string's characters in body from index i (inside
+    the string, after its opening quote or a whole escape) as far as they are written: escapes
+    whole (a surrogate pair's two), up to the closing quote. A string decoded in such pieces is
+    the string decoded whole."""
+    start, n = i, len(body)
     while i < n and body[i] != '"':
         if body[i] != "\\":
             i += 1
@@ -291,9 +299,9 @@ def _string_so_far(body: str) -> str:
             break  # its low half may follow
         i += 12 if high and body[i + 6:i + 8] == "\\u" else 6
     try:
-        return json.loads('"' + body[:i] + '"')
+        return json.loads('"' + body[start:i] + '"'), i
     except ValueError:
-        return ""
+        return "", start
 
 
 def _arguments(call: dict):
