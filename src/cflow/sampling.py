@@ -2,11 +2,13 @@
 
 make_sampler(...) returns sample(logits, history, answer=()) -> token id (history: the prompt
 and the answer so far; answer: the answer's tokens alone). Order: repetition penalty (on the
-history's tokens), frequency and presence penalties (on the answer's), then temperature; greedy when temperature == 0; otherwise top-k, top-p, min-p filters on the
-probabilities and a draw from the seeded generator. With top-k on and float32 logits (the
-engine's), the filters and the draw run in one native call (`cflow._core.ops.sample_top_k`, the
-same float64 arithmetic for the generator's same uniform number; `sample_top_k_penalised` with a
-repetition penalty, which moves only the history's logits); other inputs take numpy.
+history's tokens), frequency and presence penalties (on the answer's), then temperature; greedy
+when temperature == 0; otherwise top-k, top-p, min-p filters on the probabilities and a draw
+from the seeded generator. With top-k on and float32 logits (the engine's), the filters and the
+draw run in one native call (`cflow._core.ops.sample_top_k`, the same float64 arithmetic for the
+generator's same uniform number; `sample_top_k_penalised` with a repetition penalty,
+`sample_top_k_moved` with the others: they move only the logits of the tokens seen); other
+inputs take numpy.
 
 No setting gives NaN probabilities: the logits are shifted by their maximum before they are
 divided by the temperature, so a temperature as small as 5e-324 gives the limit of the
@@ -77,7 +79,7 @@ def penalty_moves(logits: np.ndarray, history: list[int], answer: list[int], rep
         ids, counts = np.unique(np.asarray(answer, dtype=np.int32), return_counts=True)
         v = np.asarray(logits)[ids].astype(np.float64) - (frequency * counts + presence)
         return ids, np.clip(v, -_BIG32, _BIG32).astype(np.float32).astype(np.float64)
-    seen = np.unique(np.asarray(history if repetition != 1.0 else [], dtype=np.int64))
+    seen = np.unique(np.asarray(history, dtype=np.int64))
     held, counts = np.unique(np.asarray(answer, dtype=np.int64), return_counts=True)
     ids = np.union1d(seen, held)
     v = np.asarray(logits)[ids].astype(np.float64)
