@@ -243,7 +243,7 @@ class Batcher:
             for i, s in enumerate(self.slots):
                 job = s.job
                 if job is None:  # no forward touches an idle slot's state
-                    out.append({"id": i, "is_processing": False, "state": "idle", "n_past": len(s.state.tokens)})
+                    out.append({"id": i, "is_processing": False, "state": "idle", "n_past": s.state.pos})
                     continue
                 d = job.decoder
                 decoded = len(d.out_ids)
