@@ -160,18 +160,39 @@ _PIECES = ["Sure", ",", " ", "\n", "it is", " <", "tool", "<tool_", "{", "}", "<
            '{"name": "nope", "arguments": {}}', "é", "😀"]
 
 
-def _streamed(calling: ToolCalling, text: str, cuts: list[int], finish: str):
-    """(content sent piece by piece, the rest at the end, finish, calls) of text fed in pieces cut at cuts."""
-    reader, sent, at = AnswerStream(calling), [], 0
+def _streamed(calling: ToolCalling, text: str, cuts: list[int], finish: str, constrained: bool = False):
+    """(content sent piece by piece, the rest at the end, finish, calls, every call delta) of text
+    fed in pieces cut at cuts."""
+    reader, sent, deltas, at = AnswerStream(calling, constrained), [], [], 0
     for c in sorted(set(cuts)) + [len(text)]:
-        sent.append(reader.feed(text[at:c]))
+        piece, more = reader.feed(text[at:c])
+        sent.append(piece)
+        deltas += more
         at = max(at, c)
-    rest, finish, calls = reader.end(finish)
-    return "".join(sent), rest, finish, calls
+    rest, finish, more, calls = reader.end(finish)
+    return "".join(sent), rest, finish, calls, deltas + more
+
+
+def _gathered(deltas) -> list[tuple[str, str]]:
+    """(name, arguments) of each call, its deltas gathered by index as OpenAI's clients gather them."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        f = d.get("function", {})
+        if d["index"] not in calls:
+            assert d["index"] == len(calls) and d["type"] == "function" and d["id"].startswith("call_"), d
+            calls[d["index"]] = [f["name"], ""]
+        else:
+            assert "name" not in f and "id" not in d, d  # a call's head comes once
+        calls[d["index"]][1] += f.get("arguments", "")
+    return [tuple(calls[i]) for i in sorted(calls)]
 
 
 def _names(calls):
     return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def _read(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
 @settings(max_examples=400, deadline=None)
@@ -179,12 +200,60 @@ def _names(calls):
 def test_native_content_streamed_adds_up_to_the_answers_content(parts, cuts):
     calling = ToolCalling(TOOLS, "auto", True, native=True)
     text = "".join(parts)
-    sent, rest, finish, calls = _streamed(calling, text, cuts, "stop")
+    sent, rest, finish, calls, deltas = _streamed(calling, text, cuts, "stop")
     content, whole = calling.parse(text)
     assert sent + rest == (content or "")
-    assert _names(calls) == _names(whole) and finish == ("tool_calls" if whole else "stop")
+    assert _names(calls) == _names(whole) == _gathered(deltas) and finish == ("tool_calls" if whole else "stop")
     if calls:  # no part of a call went out as content
         assert "<tool_call>" not in sent and '"arguments"' not in sent
+
+
+_BLOCKS = ['<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',
+           '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>',
+           '<tool_call>\n{"arguments": {"city": "Nice \\"\\u00e9\\" }", "days": 2}, "name": "get_weather"}\n</tool_call>']
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(st.sampled_from(["Sure", ",", " ", "\n", "it is", " <", "<tool_", "é", "😀"] + _BLOCKS),
+                      max_size=10),
+       cut=st.integers(0, 400), cuts=st.lists(st.integers(0, 400), max_size=8))
+def test_native_calls_streamed_as_written_add_up_to_the_answers_calls(parts, cut, cuts):
+    """Blocks a grammar keeps valid (ToolCalling.block_grammar) go out as they are written: the
+    deltas add up to the calls, whatever the pieces; uncut, they are parse's."""
+    calling = ToolCalling(TOOLS, "auto", True, native=True)
+    text = "".join(parts)
+    text, finish = (text, "stop") if cut >= len(text) else (text[:cut], "length")
+    sent, rest, finish_out, calls, deltas = _streamed(calling, text, cuts, finish, constrained=True)
+    whole_sent, whole_rest, _, whole_calls, _ = _streamed(calling, text, [], finish, constrained=True)
+    assert _gathered(deltas) == _names(calls) == _names(whole_calls) and sent + rest == whole_sent + whole_rest
+    if finish == "stop":
+        content, made = calling.parse(text)
+        assert _read(calls) == _read(made) and sent + rest == (content or "")
+    assert finish_out == ("tool_calls" if calls and finish == "stop" else finish)
+
+
+_ARGS = st.dictionaries(st.text(st.sampled_from('ab"\\é😀 '), max_size=4),
+                        st.one_of(st.integers(-10**6, 10**6), st.text(max_size=6), st.booleans(), st.none(),
+                                  st.lists(st.integers(), max_size=3), st.floats(allow_nan=False, allow_infinity=False)),
+                        max_size=3)
+
+
+@settings(max_examples=400, deadline=None)
+@given(args=st.lists(_ARGS, max_size=3), response=st.text(max_size=12), ascii_only=st.booleans(),
+       indent=st.sampled_from([None, 1, 2]), cut=st.integers(0, 300), cuts=st.lists(st.integers(0, 300), max_size=8))
+def test_generic_calls_streamed_as_written_add_up_to_the_answers_calls(args, response, ascii_only, indent, cut, cuts):
+    calling = ToolCalling(TOOLS, "auto", True, native=False)
+    whole = {"tool_calls": [{"name": "ping", "arguments": a} for a in args]} if args else {"response": response}
+    text = json.dumps(whole, ensure_ascii=ascii_only, indent=indent)
+    text, finish = (text, "stop") if cut >= len(text) else (text[:cut], "length")
+    sent, rest, finish_out, calls, deltas = _streamed(calling, text, cuts, finish, constrained=True)
+    whole_sent, whole_rest, _, whole_calls, _ = _streamed(calling, text, [], finish, constrained=True)
+    assert _gathered(deltas) == _names(calls) == _names(whole_calls) and sent + rest == whole_sent + whole_rest
+    if finish == "stop":
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == args and sent + rest == ("" if args else response)
+    elif calls:  # cut: the last call's arguments as far as they were written
+        assert text.endswith(calls[-1]["function"]["arguments"]) or calls[-1]["function"]["arguments"] in text
+        assert sent + rest == ""
 
 
 @settings(max_examples=400, deadline=None)
@@ -196,7 +265,7 @@ def test_generic_response_streamed_adds_up_to_the_answers_content(response, asci
     whole = {"tool_calls": [{"name": "ping", "arguments": {}}]} if calls else {"response": response}
     text = json.dumps(whole, ensure_ascii=ascii_only)
     text, finish = (text, "stop") if cut >= len(text) else (text[:cut], "length")  # max_tokens cuts it
-    sent, rest, finish_out, got = _streamed(calling, text, cuts, finish)
+    sent, rest, finish_out, got, _ = _streamed(calling, text, cuts, finish)
     content, made = calling.parse(text)
     assert sent + rest == (content or "") and _names(got) == _names(made)
     if finish == "stop" and not calls:
@@ -206,13 +275,32 @@ def test_generic_response_streamed_adds_up_to_the_answers_content(response, asci
 
 def test_content_goes_out_before_the_answer_ends():
     native_ = AnswerStream(ToolCalling(TOOLS, "auto", True, native=True))
-    assert [native_.feed(p) for p in ["It", " is", " <tool", "_call>", "\n{"]] == ["It", " is", "", "", ""]
+    assert [native_.feed(p)[0] for p in ["It", " is", " <tool", "_call>", "\n{"]] == ["It", " is", "", "", ""]
     generic = AnswerStream(ToolCalling(TOOLS, "auto", True, native=False))
-    assert [generic.feed(p) for p in ['{"resp', 'onse": "Su', "n\\u00", "e9", '."}']] == ["", "Su", "n", "é", "."]
+    assert [generic.feed(p)[0] for p in ['{"resp', 'onse": "Su', "n\\u00", "e9", '."}']] == ["", "Su", "n", "é", "."]
     pair = AnswerStream(ToolCalling(TOOLS, "auto", True, native=False))  # a surrogate pair's halves wait for each other
-    assert [pair.feed(p) for p in ['{"response": "\\ud83d', "\\ude00", '"}']] == ["", "😀", ""]
-    held = AnswerStream(ToolCalling(TOOLS, "required", True, native=False))  # calls only: nothing streams
-    assert held.feed('{"response": "x') == ""
+    assert [pair.feed(p)[0] for p in ['{"response": "\\ud83d', "\\ude00", '"}']] == ["", "😀", ""]
+    held = AnswerStream(ToolCalling(TOOLS, "required", True, native=False))  # calls only: no content streams
+    assert held.feed('{"response": "x') == ("", [])
+
+
+@pytest.mark.parametrize("is_native", [False, True])
+def test_calls_go_out_as_they_are_written(is_native):
+    reader = AnswerStream(ToolCalling(TOOLS, "auto", True, native=is_native), constrained=True)
+    head = ["Let me check.", "<tool_call>", "\n"] if is_native else ['{"tool_calls": [']
+    out = [reader.feed(p) for p in head + ['{"name": "get_', 'time", "argu', 'ments": {"tz', '": "UTC"}}']]
+    content = "".join(c for c, _ in out)
+    assert content == ("Let me check." if is_native else "")
+    deltas = [d for _, ds in out[len(head):] for d in ds]
+    assert out[len(head)][1] == [] and [len(ds) for _, ds in out[len(head) + 1:]] == [1, 1, 1]
+    call_id = deltas[0]["id"]
+    assert deltas == [
+        {"index": 0, "id": call_id, "type": "function", "function": {"name": "get_time", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"tz'}},
+        {"index": 0, "function": {"arguments": '": "UTC"}'}}]
+    rest, finish, more, calls = reader.end("stop")
+    assert (rest, finish, more) == ("", "tool_calls", [])
+    assert calls == [{"id": call_id, "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]
 
 
 CALLED = [
@@ -268,12 +356,15 @@ def _with_template(cls, llm, template: str):
 # ------------------------------------------------------------------ the Python API: LLM.chat(tools=)
 
 def _joined(deltas) -> dict:
-    message = {"role": "assistant", "content": None}
+    """LLM.chat's streamed deltas gathered into its message, as OpenAI's clients gather them."""
+    message, calls = {"role": "assistant", "content": None}, []
     for d in deltas:
         if "content" in d:
             message["content"] = (message["content"] or "") + d["content"]
-        else:
-            message.update(d)
+        calls += d.get("tool_calls", [])
+    if calls:
+        message["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                                 for i, (n, a) in enumerate(_gathered(calls))]
     return message
 
 
@@ -297,7 +388,7 @@ def test_chat_with_tools_returns_a_message_with_its_calls(tiny_llm, choice):
                        native=False)
     sampling = dict(tiny_llm.generation_defaults, temperature=1.0, seed=3)
     content, calls = made.parse(answer(tiny_llm, made, ASK, max_tokens=200, **sampling)[0])
-    assert (content, [c["function"] for c in calls]) == (message["content"], _without_ids(message)["tool_calls"])
+    assert (content, _read(calls)) == (message["content"], _read(message.get("tool_calls") or []))
     if message.get("tool_calls"):  # the message goes back as it is, the results after it
         turn = [*ASK, message, *({"role": "tool", "tool_call_id": c["id"], "content": "Sunny."}
                                  for c in message["tool_calls"])]
@@ -352,19 +443,27 @@ def test_the_openai_client_reads_tool_calls_streamed_or_not(url):
     assert calls and all(follows(c) for c in calls)
     streamed = client.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
                                               parallel_tool_calls=False, temperature=0, max_tokens=200, stream=True)
-    got, finish = {}, None
+    got, finish, pieces = {}, None, 0
     for chunk in streamed:
         for d in chunk.choices:
-            for c in d.delta.tool_calls or []:
-                got[c.index] = (c.function.name, c.function.arguments)
+            pieces += len(d.delta.tool_calls or [])
+            _gather(got, d.delta.tool_calls)
             finish = d.finish_reason or finish
     assert finish == "tool_calls"
     assert [got[i] for i in sorted(got)] == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert pieces > 2 * len(calls)  # each call's arguments in several pieces, as they were written
     # the next turn carries the call and its result
     turn = [*ASK, choice.message.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": calls[0]["id"], "content": "Sunny."}]
     r = chat(url, messages=turn, tools=tools)
     assert r.status_code == 200, r.text
+
+
+def _gather(calls: dict, deltas) -> None:
+    """The openai client's tool call deltas into calls: {index: (name, arguments so far)}."""
+    for c in deltas or []:
+        name, args = calls.get(c.index, (c.function.name, ""))
+        calls[c.index] = (name, args + (c.function.arguments or ""))
 
 
 def _answers(url, seed, **body):
@@ -373,8 +472,8 @@ def _answers(url, seed, **body):
     from openai import OpenAI
 
     client = OpenAI(base_url=url + "/v1", api_key="x", timeout=TIMEOUT)
-    body = dict(model="x", messages=ASK, temperature=1.0, seed=seed, max_tokens=120,
-                tools=[{"type": "function", "function": t} for t in TOOLS], **body)
+    body = dict(dict(model="x", messages=ASK, temperature=1.0, seed=seed, max_tokens=120,
+                     tools=[{"type": "function", "function": t} for t in TOOLS]), **body)
     choice = client.chat.completions.create(**body).choices[0]
     whole = (choice.message.content or "", [(c.function.name, c.function.arguments)
                                             for c in choice.message.tool_calls or []], choice.finish_reason)
@@ -382,15 +481,15 @@ def _answers(url, seed, **body):
     for chunk in client.chat.completions.create(stream=True, **body):
         for d in chunk.choices:
             pieces += [d.delta.content] if d.delta.content else []
-            for c in d.delta.tool_calls or []:
-                calls[c.index] = (c.function.name, c.function.arguments)
+            _gather(calls, d.delta.tool_calls)
             finish = d.finish_reason or finish
     return whole, ("".join(pieces), [calls[i] for i in sorted(calls)], finish), pieces
 
 
 def test_tool_answers_stream_their_content_as_it_comes(url, tiny_llm):
-    """Under "auto" a streamed answer's content comes piece by piece, its calls at the end, and
-    both are the unstreamed answer's; generic format (the tiny model's template), then native."""
+    """Under "auto" a streamed answer's content comes piece by piece, its calls as they are
+    written, and both are the unstreamed answer's; generic format (the tiny model's template),
+    then native."""
     kinds = set()
     for seed in range(6):
         whole, streamed, pieces = _answers(url, seed)
@@ -418,6 +517,47 @@ def test_tool_choice_none_answers_in_text(url):
     plain = chat(url, max_tokens=8).json()["choices"][0]
     none = chat(url, tools=tools, tool_choice="none", max_tokens=8).json()["choices"][0]
     assert none == plain  # the tools are not shown: the same prompt, the same answer
+
+
+def test_a_block_grammar_keeps_each_block_its_trigger_opens_to_a_call(tiny_llm):
+    """Native, "auto": the answer is free, but each <tool_call> it writes opens a block kept to a
+    call of a given tool (a logit bias makes the random model write the marker); without
+    parallel calls the answer ends after the first."""
+    tok = tiny_llm.tokenizer
+    for parallel in (False, True):
+        calling = ToolCalling(TOOLS, "auto", parallel, native=True)
+        block = calling.block_grammar(tok)
+        assert block is not None and block.trigger == tok.encode("<tool_call>")[0] and block.once == (not parallel)
+        ids = tok.encode(tiny_llm.render_chat(calling.messages(ASK), tools=calling.template_tools()),
+                         add_special_tokens=False)
+        chunks = list(generate_step(tiny_llm.engine, tiny_llm.engine.new_state(), tok, ids, max_tokens=150,
+                                    temperature=1.0, seed=1, logit_bias={block.trigger: 100.0}, block_grammar=block))
+        text, finish = "".join(c.text for c in chunks), chunks[-1].finish_reason
+        content, calls = calling.parse(text)
+        assert calls and all(follows(c) for c in calls), text
+        if parallel:  # blocks, each a call, until max_tokens cuts one
+            assert finish == "length" and len(calls) >= 2 and text.count("<tool_call>") == len(calls) + 1
+        else:
+            assert finish == "stop" and len(calls) == 1 and content is None and text.endswith("</tool_call>")
+    # without the grammar the random model writes no call after its marker
+    chunks = list(generate_step(tiny_llm.engine, tiny_llm.engine.new_state(), tok, ids, max_tokens=40,
+                                temperature=1.0, seed=1, logit_bias={block.trigger: 100.0}))
+    assert calling.parse("".join(c.text for c in chunks))[1] == []
+
+
+def test_native_calls_under_auto_stream_as_they_are_written(tiny_llm):
+    llm = _with_template(tiny_llm.__class__, tiny_llm, HERMES)
+    bias = {str(tiny_llm.tokenizer.encode("<tool_call>")[0]): 100}
+    with serving(llm) as u:
+        whole, streamed, _ = _answers(u, 2, logit_bias=bias, parallel_tool_calls=False, max_tokens=150)
+        r = httpx.post(u + "/v1/chat/completions", timeout=TIMEOUT, json=dict(
+            messages=ASK, tools=[{"type": "function", "function": t} for t in TOOLS], logit_bias=bias,
+            parallel_tool_calls=False, max_tokens=150, temperature=1.0, seed=2, stream=True))
+    assert streamed == whole and whole[0] == "" and whole[2] == "tool_calls" and len(whole[1]) == 1
+    assert follows({"function": {"name": whole[1][0][0], "arguments": whole[1][0][1]}})
+    deltas = [d for line in r.text.splitlines() if line.startswith("data: {")
+              for c in json.loads(line[6:])["choices"] for d in c["delta"].get("tool_calls") or []]
+    assert len(deltas) > 2 and deltas[0]["function"]["arguments"] == ""  # the head, then the arguments in pieces
 
 
 def test_a_native_template_gets_the_tools_and_its_calls_are_read(tiny_llm):

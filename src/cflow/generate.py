@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from cflow.errors import CflowError
-from cflow.structured import Constraint
+from cflow.structured import BlockGrammar, Constraint
 from cflow.sampling import TokenLogprob, check_logprobs, make_sampler, token_logprob
 from cflow.tokenizer import StreamDecoder, Tokenizer
 
@@ -108,14 +108,20 @@ class Decoder:
     grammar: None, or a structured output's grammar (cflow.structured.grammar: one JSON object, or
     a JSON schema's): each draw is among the tokens it allows next, and the generation ends when
     nothing but the end may follow.
+    block_grammar: None, or a cflow.structured.BlockGrammar: the text is free but for the blocks
+    its trigger token opens, each kept to its grammar (tool calls under "auto"); its matcher is
+    built here, so that a block's start costs the step nothing.
     """
 
     def __init__(self, tok: Tokenizer, prompt_ids: list[int], *, max_tokens: int = 256,
                  stop: list[str] | None = None, ignore_eos: bool = False, recompute: int = 2,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 logit_bias: dict[int, float] | None = None, grammar: str | None = None, **sampling):
+                 logit_bias: dict[int, float] | None = None, grammar: str | None = None,
+                 block_grammar: BlockGrammar | None = None, **sampling):
         self.sample = make_sampler(**sampling)  # bad settings fail here, before any step
         self.constraint = None if grammar is None else Constraint(tok, grammar)
+        self.block = block_grammar
+        self._block = None if block_grammar is None else Constraint(tok, block_grammar.grammar)
         self.bias = bias_arrays(logit_bias)
         for n in (logprobs, prompt_logprobs):
             if n is not None:
@@ -202,7 +208,12 @@ class Decoder:
             self.held = self.held[:hit]
             return self._end("stop", flush=False)
         if self.constraint is not None and self.constraint.complete:
-            return self._end("stop")
+            if self.constraint is not self._block or self.block.once:
+                return self._end("stop")
+            self.constraint = None  # the block ended: free text again
+        elif self._block is not None and self.constraint is None and t == self.block.trigger:
+            self._block.reset()
+            self.constraint = self._block
         if len(self.out_ids) == self.max_tokens:
             return self._end("length")
         keep = _held_back(self.held, self.stops)

@@ -220,7 +220,7 @@ class LLM:
                  presence_penalty: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None, json_object: bool = False, json_schema=None,
-                 grammar: str | None = None, state=None) -> Iterator[Chunk]:
+                 grammar: str | None = None, block_grammar=None, state=None) -> Iterator[Chunk]:
         """Generate from a prompt (text or token ids): one Chunk per token, the last with
         finish_reason, usage and timings. Raises CflowError now (before any chunk) when the prompt
         plus max_tokens does not fit the context. Close the generator to cancel.
@@ -246,6 +246,8 @@ class LLM:
         CflowError now for one that cannot be followed.
         grammar: a grammar of cflow.structured (`grammar()`, `lark_grammar()`) the answer follows,
         instead of json_object / json_schema.
+        block_grammar: a cflow.structured.BlockGrammar: the answer is free but for the blocks its
+        trigger token opens, each kept to its grammar (tool calls under "auto").
         """
         ids = self.encode_prompt(prompt)
         check_budget(len(ids), max_tokens, self.n_ctx, scoring=prompt_logprobs is not None)
@@ -264,6 +266,8 @@ class LLM:
         g = grammar if grammar is not None else json_grammar(json_object, json_schema)
         if g is not None:
             sampling["grammar"] = g
+        if block_grammar is not None:
+            sampling["block_grammar"] = block_grammar
         for key, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if n is not None:
                 check_logprobs(n)  # as must a bad n
@@ -300,7 +304,8 @@ class LLM:
         str | None} with "tool_calls" when it calls some ([{"id", "type": "function", "function":
         {"name", "arguments": JSON text}}]), to append to `messages` as it is, each call's result
         after it as {"role": "tool", "tool_call_id": id, "content": ...}; streamed, an iterator of
-        deltas: {"content": piece} as the content comes, then {"tool_calls": [...]} at the end."""
+        deltas as the server's: {"content": piece}, {"tool_calls": [...]} (a call's index, id,
+        type and name, then pieces of its arguments; cflow.tools.AnswerStream)."""
         calling = calling_for(tools, tool_choice, parallel_tool_calls, self.chat_template)
         if calling is None:
             ids = self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
@@ -310,15 +315,16 @@ class LLM:
             return ({"content": p} for p in pieces) if stream else {"role": "assistant", "content": "".join(pieces)}
         text = self.render_chat(calling.messages(messages), tools=calling.template_tools())
         chunks = self.complete(self.tokenizer.encode(text, add_special_tokens=False),
-                               grammar=calling.grammar(self.tokenizer), **sampling)
-        deltas = _tool_deltas(calling, chunks)
+                               grammar=calling.grammar(self.tokenizer),
+                               block_grammar=calling.block_grammar(self.tokenizer), **sampling)
+        reader = AnswerStream(calling, calling.calls_constrained(self.tokenizer))
+        deltas = _tool_deltas(reader, chunks)
         if stream:
             return deltas
-        message = {"role": "assistant", "content": None}
-        for d in deltas:
-            if "content" in d:
-                message["content"] = (message["content"] or "") + d["content"]
-            message.update({k: v for k, v in d.items() if k != "content"})
+        content = "".join(d.get("content", "") for d in deltas)
+        message = {"role": "assistant", "content": content or None}
+        if reader.calls:
+            message["tool_calls"] = reader.calls
         return message
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
@@ -328,20 +334,18 @@ class LLM:
         return self.engine.forward(self.engine.new_state(), ids, all_logits=True)
 
 
-def _tool_deltas(calling, chunks: Iterator[Chunk]) -> Iterator[dict]:
-    """The deltas of an answer under tools (LLM.chat): its content as cflow.tools.AnswerStream
-    lets it go, its calls at the end."""
-    reader = AnswerStream(calling)
+def _tool_deltas(reader: AnswerStream, chunks: Iterator[Chunk]) -> Iterator[dict]:
+    """The deltas of an answer under tools (LLM.chat): its content and calls as
+    cflow.tools.AnswerStream lets them go."""
     try:
         for c in chunks:
-            piece = reader.feed(c.text)
+            piece, calls = reader.feed(c.text)
+            if c.finish_reason is not None:
+                rest, _, more, _ = reader.end(c.finish_reason)
+                piece, calls = piece + rest, calls + more
             if piece:
                 yield {"content": piece}
-            if c.finish_reason is not None:
-                rest, _, calls = reader.end(c.finish_reason)
-                if rest:
-                    yield {"content": rest}
-                if calls:
-                    yield {"tool_calls": calls}
+            if calls:
+                yield {"tool_calls": calls}
     finally:
         chunks.close()  # a reader that stops early cancels the generation

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -141,6 +142,10 @@ class Constraint:
     def complete(self) -> bool:
         return self.matcher.is_stopped()
 
+    def reset(self) -> None:
+        """Back to the grammar's start."""
+        self.matcher.reset()
+
     def allows(self, t: int) -> bool:
         return 0 <= t < self._lt.vocab_size and self.matcher.validate_tokens([t]) == 1
 
@@ -173,6 +178,18 @@ class Constraint:
             t = int(np.argmax(y))  # a filter left only masked tokens: the most likely allowed
         self.advance(t)
         return t
+
+
+@dataclass(frozen=True)
+class BlockGrammar:
+    """A grammar that constrains parts of an otherwise free answer (llama.cpp's lazy grammars): each
+    time the answer's token is `trigger`, what follows keeps to `grammar` until the grammar ends;
+    then the text is free again, or (once) the answer ends. A native tool call's block: after the
+    <tool_call> token, a call of a given tool and </tool_call> (cflow.tools)."""
+
+    trigger: int
+    grammar: str
+    once: bool = False
 
 
 def follow(tok, grammar: str, text: str) -> Constraint | None:

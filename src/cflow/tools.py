@@ -15,15 +15,19 @@ default with tools), "required" (at least one call) or `{"type": "function", "fu
 {"name": n}}` (a call of n). Where the answer must be calls, or in the generic format, a grammar
 constrains it: each call's name is one of the tools' (that one, when named) and its arguments
 follow that tool's `parameters` schema; `parallel_tool_calls` false allows one call. In the
-native format under "auto" the answer is free, and a block whose JSON does not parse, or that
-names no given tool, stays in the text (as vLLM's hermes parser leaves it); an answer that is
-nothing but one call's JSON without the markers (small models write that) is that call.
+native format under "auto" the text is free; where `<tool_call>` is a token of its own, each
+block it opens is kept to a call by a grammar from the marker on (`block_grammar`), else a block
+whose JSON does not parse, or that names no given tool, stays in the text (as vLLM's hermes
+parser leaves it); an answer that is nothing but one call's JSON without the markers (small
+models write that) is that call.
 
-Streamed (`AnswerStream`), an answer under "auto" sends its content as it comes and its calls at
-its end: native, the text up to the first `<tool_call>` (a marker's first characters held back
-until they are seen not to be one, an answer that starts with `{` held whole: it may be a call
-without markers); generic, the `response` string decoded as it grows. What is sent adds up to
-the unstreamed answer's content. Answers that must be calls come whole at their end.
+Read as it comes (`AnswerStream`), an answer sends its content as it is written (native, the
+text up to the first `<tool_call>`, a marker's first characters held back until they are seen
+not to be one, an answer that starts with `{` held whole: it may be a call without markers;
+generic, the `response` string decoded as it grows) and, where a grammar keeps every call a call
+(`calls_constrained`), each call as it is written: its head once its name is whole, then its
+arguments' JSON text in pieces, as OpenAI streams them; elsewhere calls go out at the end. An
+unstreamed answer is read the same way in one piece, so a stream adds up to it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 
 from cflow.errors import CflowError
 from cflow.structured import grammar as json_grammar
-from cflow.structured import lark_grammar, lark_json, matcher_tokenizer
+from cflow.structured import BlockGrammar, lark_grammar, lark_json, matcher_tokenizer
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _RESPONSE = re.compile(r'\s*\{\s*"response"\s*:\s*"')  # the generic format's answer in text, up to its string
@@ -157,6 +161,22 @@ class ToolCalling:
                      "additionalProperties": False}
         return json_grammar(json_schema={"anyOf": [calling, answering]})
 
+    def block_grammar(self, tok) -> BlockGrammar | None:
+        """Native, "auto": the grammar of each <tool_call> block the answer opens (a call of a given
+        tool, then </tool_call>; one block without parallel calls), where the marker is a token of
+        its own, as Qwen's is; None elsewhere (the answer is free, its blocks read as they come)."""
+        if not self.native or self.must_call or _token_or_text(tok, OPEN) != OPEN:
+            return None
+        return BlockGrammar(tok.encode(OPEN)[0],
+                            lark_grammar(f'start: "\\n" body "\\n" {_token_or_text(tok, CLOSE)}\n'
+                                         f"body: {lark_json(self.call_schema())}\n"), once=not self.parallel)
+
+    def calls_constrained(self, tok) -> bool:
+        """Whether a grammar keeps every call the answer makes a call of a given tool (the generic
+        format, calls that must be made, native blocks under block_grammar): its calls can then
+        go out as they are written (AnswerStream)."""
+        return not self.native or self.must_call or _token_or_text(tok, OPEN) == OPEN
+
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, calls) of an answer: the text left (None when nothing is) and the calls, each
         {"id", "type": "function", "function": {"name", "arguments": JSON text}} as OpenAI's."""
@@ -228,11 +248,24 @@ def calling_for(tools: list[dict] | None, tool_choice=None, parallel_tool_calls:
 
 class AnswerStream:
     """An answer under tools read as its text comes: feed(piece) gives the content that is sure
-    to be content, end(finish_reason) the rest of it, the finish reason and the calls (parse)."""
+    to be content and the calls' deltas, end(finish_reason) the rest of both, the finish reason
+    and the whole calls. An unstreamed answer is read by one feed and end, so it says what a
+    streamed one adds up to.
 
-    def __init__(self, calling: ToolCalling):
-        self.calling, self.text, self.sent = calling, "", ""
+    constrained (ToolCalling.calls_constrained): a grammar keeps every call a call of a given
+    tool, so each call goes out as it is written, as OpenAI's do: its id, type and name once the
+    name is whole, then its arguments' JSON text in pieces, as the model writes it (the grammar
+    keeps it valid; an answer cut by max_tokens ends with the part written). Otherwise (native
+    blocks in free text, which may not parse or may name no tool) the calls are read from the
+    whole answer at its end (ToolCalling.parse) and go out then."""
+
+    def __init__(self, calling: ToolCalling, constrained: bool = False):
+        self.calling, self.constrained, self.text, self.sent = calling, constrained, "", ""
         self._at = None  # generic: where the response string's undecoded part starts (once it has begun)
+        self.calls: list[dict] = []  # the calls that went out, OpenAI's shape, their arguments so far
+        self._json = _Json() if constrained and not calling.native else None  # generic: the answer's JSON
+        self._blocks: list[_Block] = []  # native, constrained: the <tool_call> blocks, in order
+        self._sought = 0  # native, constrained: where the next block's marker may start
 
     def _sure(self) -> str:
         """The content so far that no later text can make part of a call."""
@@ -258,20 +291,88 @@ class AnswerStream:
         text = text.strip()  # parse strips the content: whitespace waits for what follows it
         return "" if text.startswith("{") else text
 
-    def feed(self, piece: str) -> str:
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        """(content, call deltas) that piece of the answer lets go: deltas as OpenAI's stream has
+        them, {"index", "id", "type", "function": {"name", "arguments": ""}} when a call starts,
+        {"index", "function": {"arguments": piece}} as its arguments come."""
         self.text += piece
         sure = self._sure()
-        if len(sure) <= len(self.sent) or not sure.startswith(self.sent):
-            return ""
-        new, self.sent = sure[len(self.sent):], sure
-        return new
+        new = ""
+        if len(sure) > len(self.sent) and sure.startswith(self.sent):
+            new, self.sent = sure[len(self.sent):], sure
+        return new, self._call_deltas() if self.constrained else []
 
-    def end(self, finish: str | None) -> tuple[str, str | None, list[dict]]:
-        """(the content not sent yet, the finish reason, the calls) of the whole answer."""
-        content, calls = self.calling.parse(self.text)
+    def end(self, finish: str | None) -> tuple[str, str | None, list[dict], list[dict]]:
+        """(the content not sent yet, the finish reason, the call deltas not sent yet, the whole
+        calls) of the whole answer."""
+        deltas = self._call_deltas() if self.constrained else []
+        if self.calls:
+            content = self._content_besides_calls()
+        else:  # no call went out: the answer read whole (a native call without markers among them)
+            content, calls = self.calling.parse(self.text)
+            for c in calls:
+                deltas.append(dict(c, index=len(self.calls)))
+                self.calls.append(c)
         content = content or ""
         rest = content[len(self.sent):] if content.startswith(self.sent) else ""
-        return rest, ("tool_calls" if calls and finish == "stop" else finish), calls
+        return rest, ("tool_calls" if self.calls and finish == "stop" else finish), deltas, self.calls
+
+    # ---- calls as they are written (constrained)
+    def _call_deltas(self) -> list[dict]:
+        """The deltas of the calls' text since the last: a call's head once its name is whole (a
+        later call's waits for it), then its arguments' new characters."""
+        out = []
+        for g, (name, args) in enumerate(self._written()):
+            if name is None:
+                break
+            if g == len(self.calls):
+                self.calls.append(_call(name, ""))
+                out.append({"index": g, "id": self.calls[g]["id"], "type": "function",
+                            "function": {"name": name, "arguments": ""}})
+            sent = self.calls[g]["function"]["arguments"]
+            if args is not None and len(args) > len(sent):
+                out.append({"index": g, "function": {"arguments": args[len(sent):]}})
+                self.calls[g]["function"]["arguments"] = args
+        return out
+
+    def _written(self):
+        """(name when whole, arguments' text so far) of each call the answer has begun, in order."""
+        if self._json is not None:
+            self._json.feed(self.text)
+            i = 0
+            while ("tool_calls", i) in self._json.starts:
+                yield self._json.string(self.text, ("tool_calls", i, "name")), \
+                    self._json.raw(self.text, ("tool_calls", i, "arguments"))
+                i += 1
+            return
+        self._read_blocks()
+        for b in self._blocks:
+            yield b.json.string(self.text, ("name",)), b.json.raw(self.text, ("arguments",))
+
+    def _read_blocks(self) -> None:
+        """Native: the blocks read as far as the text goes, a new one at each marker after them."""
+        while True:
+            if self._blocks and self._blocks[-1].end is None:
+                self._blocks[-1].read(self.text)
+                if self._blocks[-1].end is None:
+                    return
+                self._sought = self._blocks[-1].end
+            at = self.text.find(OPEN, self._sought)
+            if at < 0:
+                self._sought = max(self._sought, len(self.text) - len(OPEN) + 1)
+                return
+            self._blocks.append(_Block(at, _Json(at + len(OPEN))))
+
+    def _content_besides_calls(self) -> str:
+        """The answer's text but its calls', stripped (as parse reads it)."""
+        if self._json is not None:
+            return ""
+        kept, at = [], 0
+        for b in self._blocks:
+            kept.append(self.text[at:b.start])
+            at = len(self.text) if b.end is None else b.end  # an unclosed block: cut by max_tokens
+        kept.append(self.text[at:])
+        return "".join(kept).strip()
 
 
 def _string_piece(body: str, i: int) -> tuple[str, int]:
@@ -302,6 +403,127 @@ def _string_piece(body: str, i: int) -> tuple[str, int]:
         return json.loads('"' + body[start:i] + '"'), i
     except ValueError:
         return "", start
+
+
+class _Json:
+    """One JSON value's structure read as its text comes (the answer's grammar keeps it valid):
+    where the values down to DEPTH keys or indices deep start and end in the text, by path (a
+    tuple of keys and indices; () the value itself, which starts at or after `start`)."""
+
+    DEPTH = 3
+
+    def __init__(self, start: int = 0):
+        self.pos = start  # the next character to read
+        self.starts: dict[tuple, int] = {}
+        self.ends: dict[tuple, int] = {}
+        self.done = False  # the value has ended
+        self._stack: list[list] = []  # per open object or array: [its path, "{" or "[", expected, key or index]
+        self._string: tuple | None = None  # in a string: (its start, whether a key, its path)
+        self._escape = False
+        self._scalar: tuple | None = None  # in a number or literal: its path
+
+    def feed(self, text: str) -> None:
+        """Read text (the whole text so far) from where the last call stopped."""
+        for i in range(self.pos, len(text)):
+            if not self.done:
+                self._char(text, i, text[i])
+        self.pos = max(self.pos, len(text))
+
+    def string(self, text: str, path: tuple) -> str | None:
+        """The string at path, decoded, once it has ended."""
+        end = self.ends.get(path)
+        if end is None or text[self.starts[path]] != '"':
+            return None
+        return json.loads(text[self.starts[path]:end])
+
+    def raw(self, text: str, path: tuple) -> str | None:
+        """The text of the value at path as far as it is written; None before it starts."""
+        start = self.starts.get(path)
+        return None if start is None else text[start:self.ends.get(path, len(text))]
+
+    def _ended(self, path: tuple, end: int) -> None:
+        if len(path) <= self.DEPTH:
+            self.ends[path] = end
+        if not path:
+            self.done = True
+
+    def _char(self, text: str, i: int, c: str) -> None:
+        if self._string is not None:
+            if self._escape:
+                self._escape = False
+            elif c == "\\":
+                self._escape = True
+            elif c == '"':
+                start, key, path = self._string
+                self._string = None
+                if key:
+                    self._stack[-1][2], self._stack[-1][3] = ":", json.loads(text[start:i + 1])
+                else:
+                    self._ended(path, i + 1)
+            return
+        if self._scalar is not None:
+            if c not in " \t\n\r,]}":
+                return
+            self._ended(self._scalar, i)
+            self._scalar = None
+            if self.done:
+                return
+        if c in " \t\n\r":
+            return
+        top = self._stack[-1] if self._stack else None
+        expected = top[2] if top else "value"
+        if expected == "key":  # an object's key, or its end
+            if c == '"':
+                self._string = (i, True, None)
+            elif c == "}":
+                self._close(i)
+            return
+        if expected == ":":
+            top[2] = "value"
+            return
+        if expected == ",":  # the next member, or the end
+            if c == ",":
+                top[2] = "key" if top[1] == "{" else "value"
+                if top[1] == "[":
+                    top[3] += 1
+            else:
+                self._close(i)
+            return
+        if top and top[1] == "[" and c == "]":  # an empty array
+            self._close(i)
+            return
+        path = top[0] + (top[3],) if top else ()
+        if len(path) <= self.DEPTH:
+            self.starts[path] = i
+        if top:
+            top[2] = ","
+        if c in "{[":
+            self._stack.append([path, c, "key" if c == "{" else "value", 0])
+        elif c == '"':
+            self._string = (i, False, path)
+        else:
+            self._scalar = path
+
+    def _close(self, i: int) -> None:
+        path = self._stack.pop()[0]
+        self._ended(path, i + 1)
+
+
+@dataclass
+class _Block:
+    """A native <tool_call> block: where its marker starts, its JSON, where it ends after its
+    </tool_call> (None while open)."""
+
+    start: int
+    json: _Json
+    end: int | None = None
+
+    def read(self, text: str) -> None:
+        self.json.feed(text)
+        if self.json.done:
+            close = text.find(CLOSE, self.json.ends[()])
+            if close >= 0:
+                self.end = close + len(CLOSE)
 
 
 def _arguments(call: dict):

@@ -182,7 +182,7 @@ async def _stream(conn, body, headers, res: Result, cut: int | None, t0: float) 
                 choice = event["choices"][0]
                 if choice.get("index", 0) == 0:  # the conversation goes on with the first choice
                     res.text += choice.get("delta", {}).get("content") or ""
-                    res.calls += choice.get("delta", {}).get("tool_calls") or []
+                    _gather_calls(res.calls, choice.get("delta", {}).get("tool_calls"))
                     res.finish = choice.get("finish_reason") or res.finish
                 now = time.perf_counter()
                 if last is None:
@@ -445,6 +445,18 @@ def read_prompts(path: str) -> list:
     if not out:
         raise CflowError(f"--prompts {path}: no prompts in it")
     return out
+
+
+def _gather_calls(calls: list[dict], deltas: list[dict] | None) -> None:
+    """A stream's tool call deltas into calls, as OpenAI's clients join them: by index, a call's
+    first entry its id and name, the arguments' pieces in order."""
+    for d in deltas or []:
+        i = d.get("index", len(calls))
+        while len(calls) <= i:
+            calls.append({"function": {"name": None, "arguments": ""}})
+        f = calls[i]["function"]
+        f["name"] = f["name"] or d.get("function", {}).get("name")
+        f["arguments"] += d.get("function", {}).get("arguments") or ""
 
 
 def _calls_parse(calls: list[dict]) -> bool:

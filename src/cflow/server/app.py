@@ -206,8 +206,8 @@ class _Chat:
     @staticmethod
     def delta(text, finish, first=False, logprobs=None, index=0, calls=None):
         d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        if calls:  # streamed whole, each call one entry (OpenAI's clients gather them by index)
-            d["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
+        if calls:  # the calls' deltas (cflow.tools.AnswerStream; OpenAI's clients gather them by index)
+            d["tool_calls"] = calls
         return {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
@@ -260,12 +260,15 @@ class _Text:
 class _Choice:
     """One choice of an answer as its chunks come: its text, its logprobs (those of tokens whose
     text is still held back carried to the next piece), an echoed prompt before its first text
-    (echo_logprobs: its entries from the first chunk's prompt_logprobs). With tools, streamed:
-    its content as cflow.tools.AnswerStream lets it go, its calls at the end."""
+    (echo_logprobs: its entries from the first chunk's prompt_logprobs). With tools, its content
+    and calls as cflow.tools.AnswerStream lets them go (constrained: whether a grammar keeps
+    every call one of a given tool, so that calls stream as they are written)."""
 
-    def __init__(self, index: int, gen: Job, echo: str, echo_logprobs, calling: ToolCalling | None = None):
+    def __init__(self, index: int, gen: Job, echo: str, echo_logprobs, calling: ToolCalling | None = None,
+                 constrained: bool = False):
         self.index, self.gen, self.echo, self.echo_logprobs, self.calling = index, gen, echo, echo_logprobs, calling
-        self.reader = AnswerStream(calling) if calling is not None and gen.stream else None
+        self.constrained = constrained
+        self.reader = AnswerStream(calling, constrained) if calling is not None and gen.stream else None
         self.text: list[str] = []
         self.carry: list = []
         self.offset, self.first, self.ended = 0, True, False
@@ -285,11 +288,13 @@ class _Choice:
 
     def answer(self, text: str, finish: str | None) -> tuple[str | None, str | None, list | None]:
         """(content, finish_reason, tool calls): with tools, the calls read from the answer
-        (cflow.tools), and finish_reason "tool_calls" when it made some."""
+        (cflow.tools: what its stream adds up to), and finish_reason "tool_calls" when it made some."""
         if self.calling is None or finish is None:
             return text, finish, None
-        content, calls = self.calling.parse(text)
-        return content, ("tool_calls" if calls and finish == "stop" else finish), calls
+        reader = AnswerStream(self.calling, self.constrained)
+        content = reader.feed(text)[0]
+        rest, finish, _, calls = reader.end(finish)
+        return (content + rest) or None, finish, calls
 
     def whole(self, fmt, tok, want_logprobs: bool) -> dict:
         logprobs = fmt.logprobs(tok, self.carry, 0)[0] if want_logprobs else None
@@ -298,15 +303,13 @@ class _Choice:
 
     def piece(self, item, fmt, tok, want_logprobs: bool) -> dict | None:
         """A streamed chunk's choice for item, or None when it has nothing to send yet."""
-        text = self._take(item)
-        if self.reader is None:
-            text, finish, calls = self.answer(text, item.finish_reason)  # with tools: the whole answer, once
-        else:
-            text, finish, calls = self.reader.feed(text), item.finish_reason, None
+        text, finish, calls = self._take(item), item.finish_reason, None
+        if self.reader is not None:
+            text, calls = self.reader.feed(text)
             if finish is not None:
-                rest, finish, calls = self.reader.end(finish)
-                text += rest
-        if not (text or finish or self.first):
+                rest, finish, more, _ = self.reader.end(finish)
+                text, calls = text + rest, calls + more
+        if not (text or finish or self.first or calls):
             return None
         logprobs = None
         if want_logprobs:
@@ -388,14 +391,16 @@ class Server:
         """Generate the request's n choices: n jobs, which the batcher decodes side by side (the
         later ones copy the prompt's KV from the first while it runs); choice i draws with seed
         + i when a seed is given. A client that leaves cancels them all. calling: the chat's
-        tools (cflow.tools): their grammar constrains the answer; streamed, its content comes as
-        it is written and its calls at its end (an answer that must be calls comes whole)."""
+        tools (cflow.tools): their grammar constrains the answer; streamed, its content and calls
+        come as they are written (cflow.tools.AnswerStream)."""
         sampling = self.sampling(req, prompt)
         t0 = time.perf_counter()
 
         def decoders() -> list[Decoder]:
-            grammar = sampling["grammar"] if calling is None else calling.grammar(self.llm.tokenizer)
-            return [Decoder(self.llm.tokenizer, prompt, recompute=recompute_for(self.llm.engine),
+            tok = self.llm.tokenizer
+            grammar = sampling["grammar"] if calling is None else calling.grammar(tok)
+            block = None if calling is None else calling.block_grammar(tok)
+            return [Decoder(tok, prompt, recompute=recompute_for(self.llm.engine), block_grammar=block,
                             **dict(sampling, grammar=grammar,
                                    seed=None if sampling["seed"] is None else (sampling["seed"] + i) % 2**64))
                     for i in range(req.n)]
@@ -407,8 +412,8 @@ class Server:
             made = await asyncio.get_running_loop().run_in_executor(self.grammars, decoders) if slow else decoders()
         except CflowError as e:
             raise _model_error(e) from None
-        streamed = bool(req.stream) and (calling is None or not calling.must_call)
-        gens = [Job(self.batcher, decoder, stream=streamed) for decoder in made]
+        gens = [Job(self.batcher, decoder, stream=bool(req.stream)) for decoder in made]
+        constrained = calling is not None and calling.calls_constrained(self.llm.tokenizer)
         submitted = 0
         watch = None
         handed_off = False
@@ -424,8 +429,8 @@ class Server:
                 firsts.append(await _next(gen, watch))
                 if isinstance(firsts[-1], Exception):
                     raise _model_error(firsts[-1])
-            choices = [_Choice(i, g, self.echoed(req), partial(self.echoed_logprobs, req, prompt), calling)
-                       for i, g in enumerate(gens)]
+            choices = [_Choice(i, g, self.echoed(req), partial(self.echoed_logprobs, req, prompt), calling,
+                               constrained) for i, g in enumerate(gens)]
             if req.stream:
                 handed_off = True
                 return EventStream(self.events(choices, firsts[0], fmt, req, t0),
