@@ -262,44 +262,47 @@ class AnswerStream:
     def __init__(self, calling: ToolCalling, constrained: bool = False):
         self.calling, self.constrained, self.text, self.sent = calling, constrained, "", ""
         self._at = None  # generic: where the response string's undecoded part starts (once it has begun)
+        self._lead = 0  # native: where the content starts (its leading whitespace skipped)
+        self._open, self._sought_open = -1, 0  # native: the first marker, where to look for it next
         self.calls: list[dict] = []  # the calls that went out, OpenAI's shape, their arguments so far
         self._json = _Json() if constrained and not calling.native else None  # generic: the answer's JSON
         self._blocks: list[_Block] = []  # native, constrained: the <tool_call> blocks, in order
         self._sought = 0  # native, constrained: where the next block's marker may start
 
-    def _sure(self) -> str:
-        """The content so far that no later text can make part of a call."""
+    def _new_content(self) -> str:
+        """The content written since the last call that no later text can make part of a call
+        (each call reads only what came since, but for trailing whitespace)."""
         if self.calling.must_call:
             return ""
+        text = self.text
         if not self.calling.native:  # the response string, decoded as far as its escapes are whole
             if self._at is None:
-                m = _RESPONSE.match(self.text)
+                m = _RESPONSE.match(text)
                 if m is None:
                     return ""
                 self._at = m.end()
-            piece, self._at = _string_piece(self.text, self._at)  # from where the last call stopped
-            return self.sent + piece
-        text = self.text
-        at = text.find(OPEN)
-        if at >= 0:
-            text = text[:at]
-        else:  # hold back an end that may begin a marker
-            for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-                if text.endswith(OPEN[:k]):
-                    text = text[:-k]
-                    break
-        text = text.strip()  # parse strips the content: whitespace waits for what follows it
-        return "" if text.startswith("{") else text
+            piece, self._at = _string_piece(text, self._at)  # from where the last call stopped
+            return piece
+        while self._lead < len(text) and text[self._lead].isspace():  # parse strips the content
+            self._lead += 1
+        if self._lead == len(text) or text[self._lead] == "{":
+            return ""  # nothing yet, or an answer that may be a call without markers: held whole
+        if self._open < 0:  # the text up to the first marker
+            self._open = text.find(OPEN, self._sought_open)
+            self._sought_open = max(self._sought_open, len(text) - len(OPEN) + 1)
+        end = self._open if self._open >= 0 else len(text) - _marker_begun(text)
+        while end > self._lead and text[end - 1].isspace():  # whitespace waits for what follows it
+            end -= 1
+        start = self._lead + len(self.sent)
+        return text[start:end] if end > start else ""
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         """(content, call deltas) that piece of the answer lets go: deltas as OpenAI's stream has
         them, {"index", "id", "type", "function": {"name", "arguments": ""}} when a call starts,
         {"index", "function": {"arguments": piece}} as its arguments come."""
         self.text += piece
-        sure = self._sure()
-        new = ""
-        if len(sure) > len(self.sent) and sure.startswith(self.sent):
-            new, self.sent = sure[len(self.sent):], sure
+        new = self._new_content()
+        self.sent += new
         return new, self._call_deltas() if self.constrained else []
 
     def end(self, finish: str | None) -> tuple[str, str | None, list[dict], list[dict]]:
@@ -373,6 +376,15 @@ class AnswerStream:
             at = len(self.text) if b.end is None else b.end  # an unclosed block: cut by max_tokens
         kept.append(self.text[at:])
         return "".join(kept).strip()
+
+
+def _marker_begun(text: str) -> int:
+    """How many characters at text's end are the start of a marker (held back until the next
+    ones show whether they are one)."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:k]):
+            return k
+    return 0
 
 
 def _string_piece(body: str, i: int) -> tuple[str, int]:
