@@ -511,5 +511,5 @@ def test_bench_load_reports_a_clean_run(url, capsys):
                "--tools", "1", "--stream"])
     out = capsys.readouterr().out
     assert rc == 0 and "tools 1 of them" in out and "tools       4 answers" in out, out
-    assert ", 0 not)" in out and "errors      0 server (5xx or dropped, or calls that do not), 0 other" in out
+    assert ", 0 not;" in out and "errors      0 server (5xx or dropped, or calls that do not), 0 other" in out
     assert main(["bench", "load", "--url", url, "--json", "0.5", "--tools", "0.6"]) == 2  # more than all

@@ -358,7 +358,9 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     server_err += unparsed  # a closed answer that is not JSON (not one object in JSON mode): the server broke its word
     offered = [r for r in results if r.tools and r.status == 200 and not r.abandoned and not r.stream_error]
     called = [r for r in offered if r.calls]
-    bad_calls = sum(1 for r in called if not _calls_parse(r.calls) or r.finish != "tool_calls")
+    cut_calls = [r for r in called if r.finish == "length"]  # the last call's arguments as far as they came
+    bad_calls = sum(1 for r in called if r.finish != "length" and (not _calls_parse(r.calls) or r.finish != "tool_calls"))
+    bad_calls += sum(1 for r in cut_calls if not (_calls_parse(r.calls[:-1]) and _calls_parse(r.calls[-1:], named_only=True)))
     server_err += bad_calls  # a call of no offered tool, or arguments that are not a JSON object
     runs = f"for {args.duration:.0f} s" if args.duration else f"x {args.requests} requests"
     fmt = args.response_format["type"]
@@ -381,7 +383,8 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
               f"{what[2]}, {unparsed} do not), {len(asked) - len(closed)} cut by max_tokens or a stop string")
     if args.tools:
         print(f"  tools       {len(offered)} answers: {len(called)} called tools ({len(called) - bad_calls} "
-              f"with calls that parse, {bad_calls} not), {len(offered) - len(called)} answered in text")
+              f"with calls that parse, {bad_calls} not; {len(cut_calls)} of them cut by max_tokens, their last "
+              f"call's arguments as far as they came), {len(offered) - len(called)} answered in text")
     print(f"  latency     p50 {_pct(lat, 0.50):.3f} s   p95 {_pct(lat, 0.95):.3f} s   max {lat[-1]:.3f} s")
     if ttft:
         print(f"  first token p50 {_pct(ttft, 0.50):.3f} s   p95 {_pct(ttft, 0.95):.3f} s")
@@ -459,14 +462,15 @@ def _gather_calls(calls: list[dict], deltas: list[dict] | None) -> None:
         f["arguments"] += d.get("function", {}).get("arguments") or ""
 
 
-def _calls_parse(calls: list[dict]) -> bool:
-    """Whether every tool call names a bench tool and its arguments are a JSON object."""
+def _calls_parse(calls: list[dict], named_only: bool = False) -> bool:
+    """Whether every tool call names a bench tool and its arguments are a JSON object (named_only:
+    the name alone, for a call cut by max_tokens)."""
     import json
 
     names = {t["function"]["name"] for t in BENCH_TOOLS}
     for c in calls:
         try:
-            ok = c["function"]["name"] in names and isinstance(json.loads(c["function"]["arguments"]), dict)
+            ok = c["function"]["name"] in names and (named_only or isinstance(json.loads(c["function"]["arguments"]), dict))
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
