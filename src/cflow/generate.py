@@ -121,7 +121,7 @@ class Decoder:
         self.sample = make_sampler(**sampling)  # bad settings fail here, before any step
         self.constraint = None if grammar is None else Constraint(tok, grammar)
         self.block = block_grammar
-        self._block = None if block_grammar is None else Constraint(tok, block_grammar.grammar)
+        self._block_constraint = None if block_grammar is None else Constraint(tok, block_grammar.grammar)
         self.bias = bias_arrays(logit_bias)
         for n in (logprobs, prompt_logprobs):
             if n is not None:
@@ -208,12 +208,12 @@ class Decoder:
             self.held = self.held[:hit]
             return self._end("stop", flush=False)
         if self.constraint is not None and self.constraint.complete:
-            if self.constraint is not self._block or self.block.once:
+            if self.constraint is not self._block_constraint or self.block.once:
                 return self._end("stop")
             self.constraint = None  # the block ended: free text again
-        elif self._block is not None and self.constraint is None and t == self.block.trigger:
-            self._block.reset()
-            self.constraint = self._block
+        elif self._block_constraint is not None and self.constraint is None and t == self.block.trigger:
+            self._block_constraint.reset()
+            self.constraint = self._block_constraint
         if len(self.out_ids) == self.max_tokens:
             return self._end("length")
         keep = _held_back(self.held, self.stops)

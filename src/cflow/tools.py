@@ -165,7 +165,7 @@ class ToolCalling:
         """Native, "auto": the grammar of each <tool_call> block the answer opens (a call of a given
         tool, then </tool_call>; one block without parallel calls), where the marker is a token of
         its own, as Qwen's is; None elsewhere (the answer is free, its blocks read as they come)."""
-        if not self.native or self.must_call or _token_or_text(tok, OPEN) != OPEN:
+        if not self._lazy_blocks(tok):
             return None
         return BlockGrammar(tok.encode(OPEN)[0],
                             lark_grammar(f'start: "\\n" body "\\n" {_token_or_text(tok, CLOSE)}\n'
@@ -175,7 +175,11 @@ class ToolCalling:
         """Whether a grammar keeps every call the answer makes a call of a given tool (the generic
         format, calls that must be made, native blocks under block_grammar): its calls can then
         go out as they are written (AnswerStream)."""
-        return not self.native or self.must_call or _token_or_text(tok, OPEN) == OPEN
+        return not self.native or self.must_call or self._lazy_blocks(tok)
+
+    def _lazy_blocks(self, tok) -> bool:
+        """Native, "auto", and <tool_call> a token of its own: each block gets block_grammar."""
+        return self.native and not self.must_call and _token_or_text(tok, OPEN) == OPEN
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, calls) of an answer: the text left (None when nothing is) and the calls, each
@@ -325,32 +329,35 @@ class AnswerStream:
         """The deltas of the calls' text since the last: a call's head once its name is whole (a
         later call's waits for it), then its arguments' new characters."""
         out = []
-        for g, (name, args) in enumerate(self._written()):
-            if name is None:
-                break
-            if g == len(self.calls):
+        for g, (j, name_at, args_at) in enumerate(self._places()):
+            if g == len(self.calls):  # its name is read once, when it is whole
+                name = j.string(self.text, name_at)
+                if name is None:
+                    break
                 self.calls.append(_call(name, ""))
                 out.append({"index": g, "id": self.calls[g]["id"], "type": "function",
                             "function": {"name": name, "arguments": ""}})
-            sent = self.calls[g]["function"]["arguments"]
-            if args is not None and len(args) > len(sent):
-                out.append({"index": g, "function": {"arguments": args[len(sent):]}})
-                self.calls[g]["function"]["arguments"] = args
+            f = self.calls[g]["function"]
+            if args_at in j.ends and len(f["arguments"]) == j.ends[args_at] - j.starts[args_at]:
+                continue  # all sent
+            args = j.raw(self.text, args_at)
+            if args is not None and len(args) > len(f["arguments"]):
+                out.append({"index": g, "function": {"arguments": args[len(f["arguments"]):]}})
+                f["arguments"] = args
         return out
 
-    def _written(self):
-        """(name when whole, arguments' text so far) of each call the answer has begun, in order."""
+    def _places(self):
+        """(its _Json, its name's path, its arguments' path) of each call the answer has begun."""
         if self._json is not None:
             self._json.feed(self.text)
             i = 0
             while ("tool_calls", i) in self._json.starts:
-                yield self._json.string(self.text, ("tool_calls", i, "name")), \
-                    self._json.raw(self.text, ("tool_calls", i, "arguments"))
+                yield self._json, ("tool_calls", i, "name"), ("tool_calls", i, "arguments")
                 i += 1
             return
         self._read_blocks()
         for b in self._blocks:
-            yield b.json.string(self.text, ("name",)), b.json.raw(self.text, ("arguments",))
+            yield b.json, ("name",), ("arguments",)
 
     def _read_blocks(self) -> None:
         """Native: the blocks read as far as the text goes, a new one at each marker after them."""

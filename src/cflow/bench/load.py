@@ -359,8 +359,8 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     offered = [r for r in results if r.tools and r.status == 200 and not r.abandoned and not r.stream_error]
     called = [r for r in offered if r.calls]
     cut_calls = [r for r in called if r.finish == "length"]  # the last call's arguments as far as they came
-    bad_calls = sum(1 for r in called if r.finish != "length" and (not _calls_parse(r.calls) or r.finish != "tool_calls"))
-    bad_calls += sum(1 for r in cut_calls if not (_calls_parse(r.calls[:-1]) and _calls_parse(r.calls[-1:], named_only=True)))
+    bad_calls = sum(1 for r in called if not _calls_parse(r.calls, cut=r.finish == "length")
+                    or r.finish not in ("tool_calls", "length"))
     server_err += bad_calls  # a call of no offered tool, or arguments that are not a JSON object
     runs = f"for {args.duration:.0f} s" if args.duration else f"x {args.requests} requests"
     fmt = args.response_format["type"]
@@ -462,15 +462,16 @@ def _gather_calls(calls: list[dict], deltas: list[dict] | None) -> None:
         f["arguments"] += d.get("function", {}).get("arguments") or ""
 
 
-def _calls_parse(calls: list[dict], named_only: bool = False) -> bool:
-    """Whether every tool call names a bench tool and its arguments are a JSON object (named_only:
-    the name alone, for a call cut by max_tokens)."""
+def _calls_parse(calls: list[dict], cut: bool = False) -> bool:
+    """Whether every tool call names a bench tool and its arguments are a JSON object (cut: the
+    answer was cut by max_tokens, so the last call's arguments are as far as they came)."""
     import json
 
     names = {t["function"]["name"] for t in BENCH_TOOLS}
-    for c in calls:
+    for i, c in enumerate(calls):
+        whole = not (cut and i == len(calls) - 1)
         try:
-            ok = c["function"]["name"] in names and (named_only or isinstance(json.loads(c["function"]["arguments"]), dict))
+            ok = c["function"]["name"] in names and (not whole or isinstance(json.loads(c["function"]["arguments"]), dict))
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
