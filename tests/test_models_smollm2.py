@@ -193,7 +193,8 @@ def test_bench_decode_vs_llama_cpp(gguf_path):
 
 def test_llama_cpp_runs_sequences_side_by_side(gguf_path):
     """`bench decode --batch N --vs llama.cpp` times llama.cpp's own steps of N sequences: each
-    sequence of a batch gets the logits it gets alone, so the step is N real sequences."""
+    sequence of a batch gets its own logits (those it gets alone, up to llama.cpp's rounding), so
+    the step is N real sequences."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from cflow.bench.decode import LlamaCppRunner
     from cflow.errors import CflowError
@@ -202,10 +203,15 @@ def test_llama_cpp_runs_sequences_side_by_side(gguf_path):
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(100, 5000, 3 + 4 * i)] for i in range(4)]
     together = runner.batched_logits(prompts)
-    for p, got in zip(prompts, together):
-        alone = runner.batched_logits([p])[0]
-        assert got.argmax() == alone.argmax()
-        np.testing.assert_allclose(got, alone, rtol=1e-3, atol=1e-3 * np.abs(alone).max())
+    alone = [runner.batched_logits([p])[0] for p in prompts]
+    for i, got in enumerate(together):
+        # Its own sequence's logits, not another's. llama.cpp's kernels may round a batch's rows
+        # differently from one sequence's (an AVX2 host, llama-cpp-python 0.3.36: one of the four
+        # off by 1.3% of the largest logit, the others exact), while another sequence's logits
+        # are 40-90% away.
+        off = [float(np.abs(got - a).max() / np.abs(a).max()) for a in alone]
+        assert int(np.argmin(off)) == i and off[i] < 0.05, off
+        assert got.argmax() == alone[i].argmax()
     assert len({int(x.argmax()) for x in together}) > 1  # four different sequences, not one four times
     steps = runner.batched_steps(prompts[-1], 4, 3)
     assert len(steps) == 3 and min(steps) > 0
