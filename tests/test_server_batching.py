@@ -7,6 +7,7 @@ long-context model (server_util): they end only when the test closes them."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
@@ -328,6 +329,26 @@ def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_pat
     assert png.stat().st_size > 0
 
 
+def test_bench_load_reads_memory_during_a_soak(tiny_cflow, capsys):
+    """--rss-every: the server's resident memory read during the run, its growth from the first
+    reading under load to the end reported beside the before / after figure."""
+    from cflow.cli import main
+
+    rc = main(["bench", "load", "-m", str(tiny_cflow), "--clients", "2", "--duration", "2", "--rss-every", "0.2",
+               "--max-tokens", "8", "--stream", "--disconnect", "0.5"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("  under load  "))
+    first, end = (float(x) for x in re.findall(r"([0-9.]+) (?:MiB )?at the (?:first reading|end)", line))
+    growth = float(re.search(r"\(([-+][0-9.]+)%;", line).group(1))
+    assert first > 0 and end > 0 and growth == pytest.approx(100 * (end - first) / first, abs=0.1)
+    assert int(re.search(r"; (\d+) readings every 0.2 s", line).group(1)) >= 1
+    rc = main(["bench", "load", "-m", str(tiny_cflow), "--clients", "2", "--requests", "2", "--max-tokens", "4",
+               "--rss-every", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "  server RSS  before " in out and "under load" not in out
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_bench_load_conversations_carry_their_earlier_turns(tiny_cflow, stream, capsys):
     # --turns 3: a client's second and third requests carry the turns before them, questions and
@@ -566,6 +587,7 @@ def test_bench_load_rounds_need_two_values(tiny_cflow, capsys):
     (["--parallel", "0"], "must be >= 1"),
     (["--frequency-penalty", "2.5"], "--frequency-penalty must be in -2..2"),
     (["--turns", "0"], "--turns must be >= 1"),
+    (["--rss-every", "-1"], "--rss-every must be >= 0"),
     (["--n", "17"], "--n must be in 1..16"),
     (["--logprobs", "21"], "--logprobs must be in 0..20"),
     (["--json", "1.5"], "--json is a share of the requests"),

@@ -4,8 +4,10 @@ Starts a server (unless --url is given), warms it with one request per slot or c
 --clients concurrent clients that each send --requests chat completions one after another (or,
 with --duration, until that time is up). Reports server errors, p50/p95 latency, total
 completion tokens/s, time to first token and inter-token latency (streamed requests), and the
-server's resident memory before and after the run (growth should stay small: requests must not
-leak). --parallel 1,2,4,8 runs one phase per value, a server each, and plots throughput and
+server's resident memory before and after the run, and every --rss-every seconds during it: its
+growth from the first reading under load to the end is a soak's figure (requests must not leak;
+the reading before the run precedes what the first requests build and keep, such as the
+grammars' thread and the prompt cache's histories). --parallel 1,2,4,8 runs one phase per value, a server each, and plots throughput and
 latency against parallelism; --rounds R runs that list R times, alternating its order (1,8 then
 8,1 ...), and reports each value's ratio to the first round by round, with the median and range
 (the host's drift over minutes is as large as many changes: a ratio of phases run side by side,
@@ -96,6 +98,10 @@ def add_arguments(p):
                    help="MiB of prompt cache of the started server (default: its own; 0: none)")
     p.add_argument("--api-key", default=None, help="API key to send (and to start the server with)")
     p.add_argument("--seed", type=int, default=0, help="seed of the clients' choices (disconnects)")
+    p.add_argument("--rss-every", type=float, default=30.0, metavar="SECONDS",
+                   help="read the server's resident memory this often during the run, and report its growth "
+                        "from the first reading under load to the end (default %(default)s; 0: only before and "
+                        "after)")
 
 
 def _free_port() -> int:
@@ -255,16 +261,33 @@ async def _client(url, headers, args, k, results, bar, deadline):
         await conn.close()
 
 
-async def _load(url, args) -> tuple[list[Result], float]:
+async def _load(url, args, pid: int | None = None, readings: list | None = None) -> tuple[list[Result], float]:
+    """The clients' run: its results and wall time. With a pid, the server's resident memory every
+    --rss-every seconds into `readings`, as (seconds into the run, bytes)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     results: list[Result] = []
     from tqdm import tqdm
+
+    async def watch(t0: float) -> None:
+        import psutil
+
+        while True:
+            await asyncio.sleep(args.rss_every)
+            try:
+                readings.append((time.perf_counter() - t0, _rss(pid)))
+            except psutil.Error:  # the server is gone: the clients' errors say so
+                return
 
     total = None if args.duration else args.clients * args.requests
     with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, mininterval=1.0) as bar:
         t0 = time.perf_counter()
         deadline = t0 + args.duration if args.duration else None
-        await asyncio.gather(*(_client(url, headers, args, k, results, bar, deadline) for k in range(args.clients)))
+        watcher = asyncio.create_task(watch(t0)) if pid is not None and args.rss_every > 0 and readings is not None else None
+        try:
+            await asyncio.gather(*(_client(url, headers, args, k, results, bar, deadline) for k in range(args.clients)))
+        finally:
+            if watcher is not None:
+                watcher.cancel()
         return results, time.perf_counter() - t0
 
 
@@ -333,7 +356,8 @@ def _phase(args, parallel: int | None) -> dict:
         asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens,
                           args.response_format if args.json > 0 else None, args.tools > 0))
         rss0, b0 = _rss(pid), _batcher(url, headers)
-        results, wall = asyncio.run(_load(url, args))
+        readings = []
+        results, wall = asyncio.run(_load(url, args, pid, readings))
         rss1, b1 = _rss(pid), _batcher(url, headers)
     finally:
         if proc is not None:
@@ -341,10 +365,10 @@ def _phase(args, parallel: int | None) -> dict:
             proc.wait(30)
     steps = {k: b1[k] - b0[k] for k in BATCHER_GAUGES} if b0 and b1 else None
     cache = (b0, b1) if b0 and b1 and all(k in b0 and k in b1 for k in CACHE_GAUGES) else None
-    return _report(args, model, url, slots, results, wall, rss0, rss1, steps, cache)
+    return _report(args, model, url, slots, results, wall, rss0, rss1, steps, cache, readings)
 
 
-def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cache=None) -> dict:
+def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cache=None, readings=()) -> dict:
     lat = sorted(r.latency for r in results)
     ttft = sorted(r.ttft for r in results if r.ttft is not None)
     gaps = sorted(g for r in results for g in r.gaps)
@@ -413,11 +437,18 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     if rss0 is not None and rss1 is not None:
         growth = 100 * (rss1 - rss0) / rss0
         print(f"  server RSS  before {rss0 / 2**20:.1f} MiB, after {rss1 / 2**20:.1f} MiB ({growth:+.2f}%)")
+    under_load = None
+    if readings and rss1 is not None:  # from the first reading under load to the end: a soak's figure
+        (t1, first), top = readings[0], max(v for _, v in readings)
+        under_load = 100 * (rss1 - first) / first
+        print(f"  under load  {first / 2**20:.1f} MiB at the first reading ({t1:.1f} s in), {rss1 / 2**20:.1f} at "
+              f"the end ({under_load:+.2f}%; {len(readings)} readings every {args.rss_every:g} s, the largest "
+              f"{top / 2**20:.1f})")
     sys.stdout.flush()
     return dict(parallel=slots, tok_s=tokens / wall, server_errors=server_err, other_errors=other_err,
                 lat50=_pct(lat, 0.50), lat95=_pct(lat, 0.95), ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95),
                 itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
-                rss_growth=growth)
+                rss_growth=growth, rss_growth_under_load=under_load)
 
 
 def read_prompts(path: str) -> list:
@@ -564,6 +595,8 @@ def main(args) -> int:
         raise CflowError("--disconnect abandons streams: add --stream")
     if args.turns < 1:
         raise CflowError("--turns must be >= 1")
+    if not args.rss_every >= 0:
+        raise CflowError(f"--rss-every must be >= 0 seconds, got {args.rss_every:g}")
     if not 1 <= args.n <= 16:
         raise CflowError(f"--n must be in 1..16 (the server's range), got {args.n}")
     if args.logprobs is not None and not 0 <= args.logprobs <= 20:
