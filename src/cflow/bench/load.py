@@ -7,11 +7,12 @@ completion tokens/s, time to first token and inter-token latency (streamed reque
 server's resident memory before and after the run, and every --rss-every seconds during it: its
 growth from the first reading under load to the end is a soak's figure (requests must not leak;
 the reading before the run precedes what the first requests build and keep, such as the
-grammars' thread and the prompt cache's histories). --parallel 1,2,4,8 runs one phase per value, a server each, and plots throughput and
-latency against parallelism; --rounds R runs that list R times, alternating its order (1,8 then
-8,1 ...), and reports each value's ratio to the first round by round, with the median and range
-(the host's drift over minutes is as large as many changes: a ratio of phases run side by side,
-repeated, is the figure to read). --disconnect makes clients abandon streams mid-way (a soak)."""
+grammars' thread and the prompt cache's histories). --parallel 1,2,4,8 runs one phase per value,
+a server each, and plots throughput and latency against parallelism; --rounds R runs that list R
+times, alternating its order (1,8 then 8,1 ...), and reports each value's ratio to the first
+round by round, with the median and range (the host's drift over minutes is as large as many
+changes: a ratio of phases run side by side, repeated, is the figure to read). --disconnect makes
+clients abandon streams mid-way (a soak)."""
 
 from __future__ import annotations
 
@@ -282,7 +283,8 @@ async def _load(url, args, pid: int | None = None, readings: list | None = None)
     with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, mininterval=1.0) as bar:
         t0 = time.perf_counter()
         deadline = t0 + args.duration if args.duration else None
-        watcher = asyncio.create_task(watch(t0)) if pid is not None and args.rss_every > 0 and readings is not None else None
+        watching = pid is not None and args.rss_every > 0 and readings is not None
+        watcher = asyncio.create_task(watch(t0)) if watching else None
         try:
             await asyncio.gather(*(_client(url, headers, args, k, results, bar, deadline) for k in range(args.clients)))
         finally:
@@ -439,11 +441,11 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
         print(f"  server RSS  before {rss0 / 2**20:.1f} MiB, after {rss1 / 2**20:.1f} MiB ({growth:+.2f}%)")
     under_load = None
     if readings and rss1 is not None:  # from the first reading under load to the end: a soak's figure
-        (t1, first), top = readings[0], max(v for _, v in readings)
+        (t1, first), (tm, mid) = readings[0], readings[len(readings) // 2]  # mid: a leak grows on, warm-up stops
         under_load = 100 * (rss1 - first) / first
-        print(f"  under load  {first / 2**20:.1f} MiB at the first reading ({t1:.1f} s in), {rss1 / 2**20:.1f} at "
-              f"the end ({under_load:+.2f}%; {len(readings)} readings every {args.rss_every:g} s, the largest "
-              f"{top / 2**20:.1f})")
+        print(f"  under load  {first / 2**20:.1f} MiB at the first reading ({t1:.1f} s in), {mid / 2**20:.1f} at "
+              f"{tm:.1f} s, {rss1 / 2**20:.1f} at the end ({under_load:+.2f}%; {len(readings)} readings every "
+              f"{args.rss_every:g} s, the largest {max(v for _, v in readings) / 2**20:.1f})")
     sys.stdout.flush()
     return dict(parallel=slots, tok_s=tokens / wall, server_errors=server_err, other_errors=other_err,
                 lat50=_pct(lat, 0.50), lat95=_pct(lat, 0.95), ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95),
