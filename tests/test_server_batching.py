@@ -331,7 +331,9 @@ def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_pat
 
 def test_bench_load_reads_memory_during_a_soak(tiny_cflow, capsys):
     """--rss-every: the server's resident memory read during the run, its growth from the first
-    reading under load to the end reported beside the before / after figure."""
+    reading under load to the end reported beside the before / after figure. A reading is sure:
+    the clients of a --duration run go on until its end, and the event loop wakes the reader
+    (due at 0.2 s) on its way there, however slow the host."""
     from cflow.cli import main
 
     rc = main(["bench", "load", "-m", str(tiny_cflow), "--clients", "2", "--duration", "2", "--rss-every", "0.2",

@@ -444,8 +444,9 @@ class _Json:
     def feed(self, text: str) -> None:
         """Read text (the whole text so far) from where the last call stopped."""
         for i in range(self.pos, len(text)):
-            if not self.done:
-                self._char(text, i, text[i])
+            if self.done:
+                break
+            self._char(text, i, text[i])
         self.pos = max(self.pos, len(text))
 
     def string(self, text: str, path: tuple) -> str | None:

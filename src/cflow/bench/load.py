@@ -262,11 +262,12 @@ async def _client(url, headers, args, k, results, bar, deadline):
         await conn.close()
 
 
-async def _load(url, args, pid: int | None = None, readings: list | None = None) -> tuple[list[Result], float]:
-    """The clients' run: its results and wall time. With a pid, the server's resident memory every
-    --rss-every seconds into `readings`, as (seconds into the run, bytes)."""
+async def _load(url, args, pid: int | None = None) -> tuple[list[Result], float, list[tuple[float, int]]]:
+    """The clients' run: its results, its wall time and, with the server's pid, its resident
+    memory every --rss-every seconds (seconds into the run, bytes)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     results: list[Result] = []
+    readings: list[tuple[float, int]] = []
     from tqdm import tqdm
 
     async def watch(t0: float) -> None:
@@ -283,14 +284,13 @@ async def _load(url, args, pid: int | None = None, readings: list | None = None)
     with tqdm(total=total, desc="requests", unit="req", file=sys.stderr, mininterval=1.0) as bar:
         t0 = time.perf_counter()
         deadline = t0 + args.duration if args.duration else None
-        watching = pid is not None and args.rss_every > 0 and readings is not None
-        watcher = asyncio.create_task(watch(t0)) if watching else None
+        watcher = asyncio.create_task(watch(t0)) if pid is not None and args.rss_every > 0 else None
         try:
             await asyncio.gather(*(_client(url, headers, args, k, results, bar, deadline) for k in range(args.clients)))
         finally:
             if watcher is not None:
                 watcher.cancel()
-        return results, time.perf_counter() - t0
+        return results, time.perf_counter() - t0, readings
 
 
 async def _warm(url, headers, n: int, max_tokens: int, fmt: dict | None = None, tools: bool = False) -> None:
@@ -358,8 +358,7 @@ def _phase(args, parallel: int | None) -> dict:
         asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens,
                           args.response_format if args.json > 0 else None, args.tools > 0))
         rss0, b0 = _rss(pid), _batcher(url, headers)
-        readings = []
-        results, wall = asyncio.run(_load(url, args, pid, readings))
+        results, wall, readings = asyncio.run(_load(url, args, pid))
         rss1, b1 = _rss(pid), _batcher(url, headers)
     finally:
         if proc is not None:
