@@ -166,7 +166,6 @@ def to_cflow(model, *, wtype="f32", embtype=None, tile=(128, 256), interleave=1,
     )
     B = Builder(tile, interleave, pack)
     S = stripe_rows or tile[0] // 2
-    m = model.model
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     new = {}
 
@@ -232,69 +231,3 @@ def hf_logits(model, ids) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.tensor([list(ids)])).logits[0].float().numpy()
-
-
-def gguf_llama(path: str, *, tile=(128, 256), interleave=4, stripe_rows=64, max_seq_len=2048):
-    """A llama-arch GGUF (e.g. SmolLM2-135M Q4_1) laid out for the engine without re-encoding:
-    Q/K keep GGUF's permuted rows, so rope is 'interleaved' (as llama.cpp runs it)."""
-    from gguf import GGUFReader
-
-    r = GGUFReader(path)
-    kv = {f.name: f for f in r.fields.values()}
-
-    def val(key):
-        f = kv[key]
-        v = f.parts[f.data[0]]
-        return v.tolist()[0] if len(v) == 1 else v.tolist()
-
-    T = {t.name: t for t in r.tensors}
-    emb = T["token_embd.weight"]
-    cfg = ModelConfig(
-        arch="llama", vocab_size=int(emb.shape[1]), d_model=int(val("llama.embedding_length")),
-        n_layer=int(val("llama.block_count")), n_head=int(val("llama.attention.head_count")),
-        n_kv_head=int(val("llama.attention.head_count_kv")), d_ff=int(val("llama.feed_forward_length")),
-        max_seq_len=max_seq_len, norm_eps=float(val("llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(val("llama.rope.freq_base")), rope_style="interleaved",
-        tie_embeddings="output.weight" not in T)
-    B = Builder(tile, interleave, pack)
-
-    def raw(t):
-        bt = block_type(t.tensor_type.name.lower())
-        cols = int(t.shape[0])
-        data = np.asarray(t.data)
-        rows = data.reshape(-1, cols // bt.block_elems * bt.block_bytes) if bt.name != "f32" else \
-            data.astype(np.float32).reshape(-1, cols).view(np.uint8)
-        return bt, cols, np.ascontiguousarray(rows.view(np.uint8))
-
-    def add(name, rows_u8, bt, cols, stripe=0):
-        payload = pack_tiles(rows_u8, bt, cols, tile, interleave)
-        pad = -B.pos % ALIGN
-        B.chunks.append(np.zeros(pad, np.uint8))
-        B.pos += pad
-        vector = name.endswith("norm")  # a llama GGUF's only 1-D tensors are its norms
-        B.tensors[name] = Entry(bt, rows_u8.shape[0], cols, tile, interleave, B.pos, payload.size,
-                                "stripe" if stripe else None, stripe, shape=(cols,) if vector else ())
-        B.chunks.append(payload)
-        B.pos += payload.size
-
-    bt, cols, rows = raw(emb)
-    add("tok_embd", rows, bt, cols)
-    bt, cols, rows = raw(T["output_norm.weight"])
-    add("output_norm", rows, bt, cols)
-    if "output.weight" in T:
-        bt, cols, rows = raw(T["output.weight"])
-        add("output", rows, bt, cols)
-    for l in range(cfg.n_layer):
-        p = f"blk.{l}."
-        for src, dst in (("attn_norm", "attn_norm"), ("ffn_norm", "ffn_norm"), ("attn_output", "attn_output"),
-                         ("ffn_down", "ffn_down")):
-            bt, cols, rows = raw(T[p + src + ".weight"])
-            add(p + dst, rows, bt, cols)
-        parts = [raw(T[p + f"attn_{x}.weight"]) for x in "qkv"]
-        add(p + "attn_qkv", np.concatenate([x[2] for x in parts]), parts[0][0], parts[0][1])
-        (bt, cols, g), (_, _, u) = raw(T[p + "ffn_gate.weight"]), raw(T[p + "ffn_up.weight"])
-        F = g.shape[0]
-        order = np.concatenate([off + np.arange(j, min(F, j + stripe_rows))
-                                for j in range(0, F, stripe_rows) for off in (0, F)])
-        add(p + "ffn_gate_up", np.concatenate([g, u])[order], bt, cols, stripe_rows)
-    return B.finish(cfg)

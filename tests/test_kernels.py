@@ -54,7 +54,6 @@ def dequant(name, rm, rows, cols):
 
 def int8_bound(W, x):
     """Per-row bound on |W x - W xq| for x quantized in blocks of 32 (d = max|x_b| / 127)."""
-    cols = x.size
     d = np.abs(x.reshape(-1, 32)).max(axis=1) / 127.0  # (cols/32,)
     return (np.abs(W).reshape(W.shape[0], -1, 32).sum(axis=2) * (d / 2)).sum(axis=1)
 
@@ -182,7 +181,6 @@ PLANES = sorted(PLANES_HEADER)  # the types with a planes pack
 def test_two_level_activations(name):
     """q8x2: every ISA matches the scalar definition (two one-level passes), and
     the error against fp32 activations falls far below the one-level bound."""
-    rng = np.random.default_rng(11)
     k = block_type(name).block_elems == 256  # the K-quants: columns in super-blocks of 256
     small = 256 if k else 96
     for g, rows, cols in ((16, 301, 768 if k else 608), (8, 133, small)):

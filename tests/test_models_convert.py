@@ -48,7 +48,6 @@ def test_keep_is_bit_identical_to_gguf(smol, smol_cflow):
 
 def test_requantize_to_q8_0(tmp_path, smol_cflow):
     from cflow.convert import requantize
-    from cflow.convert.write import write_cflow
     from cflow.format import CflowFile
 
     with CflowFile(smol_cflow) as f:

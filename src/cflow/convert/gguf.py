@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 from cflow import models
 from cflow.config import is_int
@@ -25,6 +26,9 @@ from cflow.convert.sentencepiece import CONTROL, USER_DEFINED, sentencepiece_tok
 from cflow.errors import CflowFormatError, UnsupportedError, library_failure
 from cflow.format.tiles import BLOCK_TYPES, BLOCK_TYPES_BY_CODE
 from cflow.models.base import unpermute_rope_rows as _unpermute  # noqa: F401 - the name tests use
+
+if TYPE_CHECKING:
+    import tokenizers
 
 TOKENS, SCORES, TOKEN_TYPES, MERGES = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                                        "tokenizer.ggml.merges")
@@ -70,7 +74,7 @@ def _vocabulary(path, m: dict) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def _byte_level_bpe(path, m: dict) -> "tokenizers.Tokenizer":
+def _byte_level_bpe(path, m: dict) -> tokenizers.Tokenizer:
     """Byte-level BPE (tokenizer.ggml.model == "gpt2") straight from the GGUF's tokens and merges."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -102,7 +106,7 @@ def _byte_level_bpe(path, m: dict) -> "tokenizers.Tokenizer":
     return tk
 
 
-def _sentencepiece(path, m: dict) -> "tokenizers.Tokenizer":
+def _sentencepiece(path, m: dict) -> tokenizers.Tokenizer:
     """SentencePiece vocabularies (tokenizer.ggml.model == "llama": gemma, llama 2, phi-3)."""
     tokens, types = _vocabulary(path, m)
     scores = m.get(SCORES)

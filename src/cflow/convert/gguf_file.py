@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 from dataclasses import dataclass
 from typing import Any
 

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, is_dataclass, replace
+from dataclasses import asdict, is_dataclass
 from functools import partial
 from pathlib import Path
 
