@@ -4,8 +4,10 @@ only clock is TIMEOUT, a bound on a hang."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import threading
 
 import httpx
@@ -469,6 +471,40 @@ def test_queue_limit_gives_503(long):
         c.close()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+def test_engine_threads_carry_their_names(url, tiny_cflow):
+    """The OS names of the threads that run the model (top -H, perf, and bench load's CPU split
+    read them): the batcher thread of a running server, the pool's workers, and any thread that
+    names itself (cut at 15 characters as Linux keeps them)."""
+    from cflow._native import core
+
+    def names():
+        out = set()
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                out.add(open(f"/proc/self/task/{tid}/comm").read().strip())
+        return out
+
+    assert http().post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert "cflow-batcher" in names()
+    got = {}
+
+    def named():
+        core.set_thread_name("cflow-a-name-longer-than-15")
+        got["comm"] = open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
+
+    t = threading.Thread(target=named)
+    t.start()
+    t.join()
+    assert got["comm"] == "cflow-a-name-lo"
+    from cflow.llm import LLM
+
+    two = LLM(str(tiny_cflow), threads=2, quiet=True)  # a pool of two: one worker, alive while it is
+    two.generate("x", max_tokens=1)
+    assert "cflow-pool" in names()
+    del two
+
+
 def test_bench_load_reports_a_clean_run(url, capsys):
     import os
 
@@ -482,6 +518,7 @@ def test_bench_load_reports_a_clean_run(url, capsys):
     assert "3 clients x 2 requests = 6" in out
     assert "errors      0 server (5xx or dropped), 0 other" in out
     assert "latency     p50" in out and "server RSS  before" in out
+    assert "  cpu         server and load clients (one process) " in out
     tokens = int(out.split("throughput  ")[1].split()[0])
     assert 6 <= tokens <= 24  # 1..4 completion tokens per request, summed from the streamed usage
     # choices and logprobs, streamed and not: every choice's tokens are counted

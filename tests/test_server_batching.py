@@ -7,6 +7,7 @@ long-context model (server_util): they end only when the test closes them."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 
@@ -312,6 +313,17 @@ def test_a_negative_prompt_cache_is_refused_at_start(tiny_cflow, capsys):
     assert "--cache-ram must be >= 0" in capsys.readouterr().err
 
 
+def _cpu_lines(out: str, phases: int) -> list[tuple[float, ...]]:
+    """bench load's cpu lines: (server, engine, event loop, other, load clients, wall seconds) each,
+    the host's cores checked."""
+    walls = [float(w) for w in re.findall(r"completion tokens in ([0-9.]+) s", out)]
+    lines = re.findall(r"  cpu         server ([0-9.]+) cores \(engine ([0-9.]+), event loop ([0-9.]+), other "
+                       r"([0-9.]+)\), load clients ([0-9.]+) \(of (\d+):", out)
+    assert len(lines) == phases == len(walls), out
+    assert all(int(x[5]) == len(os.sched_getaffinity(0)) for x in lines)
+    return [(*map(float, x[:5]), w) for x, w in zip(lines, walls)]
+
+
 def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_path, capsys):
     from cflow.cli import main
 
@@ -324,6 +336,14 @@ def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_pat
     assert "abandoned mid-stream by their client" in out and "first token p50" in out and "inter-token p50" in out
     assert out.count(" decode + ") == 2 and "ms forward + " in out and "engine busy " in out
     assert out.count("  prompt cache ") == 2 and " hits; " in out
+    # the CPU of the server (a process of its own) and of the clients (this one) over each run:
+    # together no more than the host's cores, the server's threads by name adding up to its total,
+    # within what the kernel's 10 ms ticks (three readings a figure) and two decimals allow over
+    # runs this short (the soak test below reads a longer run's parts)
+    for server, engine, loop, other, clients, wall in _cpu_lines(out, phases=2):
+        ticks = 0.03 / max(wall, 0.001) + 0.02
+        assert server + clients <= len(os.sched_getaffinity(0)) + ticks
+        assert abs(engine + loop + other - server) <= ticks
     table = out.split("parallel   tok/s")[1].splitlines()[1:3]
     assert [row.split()[0] for row in table] == ["1", "2"]
     assert png.stat().st_size > 0
@@ -348,6 +368,10 @@ def test_bench_load_reads_memory_during_a_soak(tiny_cflow, capsys):
     allowed = 100 * 0.05 * (1 / first + (end + 0.05) / (first - 0.05) ** 2) + 0.005
     assert first > 0 and end > 0 and abs(growth - 100 * (end - first) / first) <= allowed
     assert int(re.search(r"; (\d+) readings every 0.2 s", line).group(1)) >= 1
+    # two seconds of load: the engine's threads (batcher and pool, by their names) and the event
+    # loop each took CPU, the clients too
+    [(server, engine, loop, other, clients, wall)] = _cpu_lines(out, phases=1)
+    assert engine > 0 and loop > 0 and clients > 0 and abs(engine + loop + other - server) <= 0.03 / wall + 0.02
     rc = main(["bench", "load", "-m", str(tiny_cflow), "--clients", "2", "--requests", "2", "--max-tokens", "4",
                "--rss-every", "0"])
     out = capsys.readouterr().out

@@ -8,6 +8,7 @@
 #include "cflow/cpu.h"
 #include "cflow/crc32c.h"
 #include "cflow/planes.h"
+#include "cflow/threadpool.h"
 
 namespace nb = nanobind;
 
@@ -36,6 +37,9 @@ NB_MODULE(_core, m) {
   m.def("set_prefetch", &cflow::set_prefetch, nb::arg("on"),
         "Turn the kernels' software prefetches on or off (CFLOW_PREFETCH=0 starts with them off).");
   m.def("prefetch", &cflow::prefetch_on, "Whether the kernels issue their software prefetches.");
+  m.def("set_thread_name", [](const std::string& name) { cflow::set_thread_name(name.c_str()); }, nb::arg("name"),
+        "Name the calling thread as the OS shows it (top -H, /proc/<pid>/task/<tid>/comm; Linux cuts it "
+        "at 15 characters).");
   bind_kernels(m);
   bind_ops(m);
   bind_plan(m);

@@ -21,6 +21,7 @@
 #include <stdexcept>
 
 #include "cflow/crc32c.h"
+#include "cflow/threadpool.h"
 
 namespace cflow {
 
@@ -366,6 +367,7 @@ void ExpertTier::finish_read(int slot, size_t got, double secs, std::string err)
 }
 
 void ExpertTier::io_loop() {
+  set_thread_name("cflow-io");
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     changed_.wait(lk, [&] { return stop_ || !queue_.empty(); });
@@ -383,6 +385,7 @@ void ExpertTier::io_loop() {
 // reads complete; a short read finishes with pread on this thread (O_DIRECT reads of aligned
 // whole experts are not expected to come back short).
 void ExpertTier::uring_loop() {
+  set_thread_name("cflow-io");
 #ifdef CFLOW_URING
   Uring& u = *uring_;
   struct Flight {

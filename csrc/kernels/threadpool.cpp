@@ -10,6 +10,7 @@
 #if defined(__linux__)
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -173,7 +174,18 @@ void ThreadPool::notify(std::atomic<uint32_t>& w) {
   if (sleepers_.load() > 0) wake_all(w);
 }
 
+void set_thread_name(const char* name) {
+#if defined(__linux__)
+  char cut[16];
+  std::snprintf(cut, sizeof cut, "%s", name);
+  pthread_setname_np(pthread_self(), cut);
+#else
+  (void)name;
+#endif
+}
+
 void ThreadPool::worker(int tid) {
+  set_thread_name("cflow-pool");
   uint32_t seen = 0;
   for (;;) {
     wait_change(gen_, seen, kSpinIdleUs);

@@ -15,6 +15,12 @@
 
 namespace cflow {
 
+// Names the calling thread (at most 15 characters on Linux; longer names are cut) for top -H, ps,
+// perf and /proc/<pid>/task/<tid>/comm, where `cflow bench load` reads which thread took the
+// server's CPU: the pool's workers are "cflow-pool", the expert tier's readers "cflow-io". A no-op
+// where the platform has no such call.
+void set_thread_name(const char* name);
+
 class ThreadPool {
  public:
   // n_threads >= 1 threads in all (the caller counts as thread 0).

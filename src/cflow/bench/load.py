@@ -3,7 +3,8 @@
 Starts a server (unless --url is given), warms it with one request per slot or client, then runs
 --clients concurrent clients that each send --requests chat completions one after another (or,
 with --duration, until that time is up). Reports server errors, p50/p95 latency, total
-completion tokens/s, time to first token and inter-token latency (streamed requests), and the
+completion tokens/s, time to first token and inter-token latency (streamed requests), the CPU the
+server and the load clients took (in cores: on a small host they share them), and the
 server's resident memory before and after the run, and every --rss-every seconds during it: its
 growth from the first reading under load to the end is a soak's figure (requests must not leak;
 the reading before the run precedes what the first requests build and keep, such as the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import socket
 import statistics
@@ -50,7 +52,7 @@ def add_arguments(p):
     p.add_argument("-m", "--model", default=None, help="model to serve (default: the built-in default model)")
     p.add_argument("--url", default=None,
                    help="load an already running server (http://HOST:PORT, as `cflow serve` speaks) instead of starting one")
-    p.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for its memory")
+    p.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for its memory and CPU")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients (default %(default)s)")
     p.add_argument("--requests", type=int, default=50, help="requests per client (default %(default)s)")
     p.add_argument("--duration", type=float, default=None,
@@ -117,6 +119,46 @@ def _rss(pid: int | None) -> int | None:
     import psutil
 
     return psutil.Process(pid).memory_info().rss
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system, every thread) of a process so far."""
+    if pid is None:
+        return None
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+# The server's threads by what they do, from their OS names (core.set_thread_name): the engine
+# (the batcher thread that runs each step and the pool's workers) and the event loop (the main
+# thread: HTTP, JSON, the hand-out to clients); the rest (the grammar thread, libuv's workers, any
+# thread that ended) is the total's remainder.
+ENGINE_THREADS = ("cflow-batcher", "cflow-pool", "cflow-io")
+
+
+def _cpu_split(pid: int | None) -> dict | None:
+    """CPU seconds so far of the server's engine threads and of its main thread (Linux)."""
+    if pid is None or not os.path.isdir(f"/proc/{pid}/task"):
+        return None
+    import psutil
+
+    out = {"engine": 0.0, "event loop": 0.0}
+    for t in psutil.Process(pid).threads():
+        try:
+            with open(f"/proc/{pid}/task/{t.id}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile: its time stays in the total
+            continue
+        group = "event loop" if t.id == pid else "engine" if name in ENGINE_THREADS else None
+        if group:
+            out[group] += t.user_time + t.system_time
+    return out
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _start_server(args, parallel: int):
@@ -358,7 +400,16 @@ def _phase(args, parallel: int | None) -> dict:
         asyncio.run(_warm(url, headers, max(slots, args.clients), args.max_tokens,
                           args.response_format if args.json > 0 else None, args.tools > 0))
         rss0, b0 = _rss(pid), _batcher(url, headers)
+        # the CPU the server and this process's clients took, over the same span: on a small host
+        # the load clients share the cores with the server, and a ratio of phases reads with it
+        me = os.getpid()
+        split0 = _cpu_split(pid) if pid != me else None
+        s0, m0, t0 = _cpu_seconds(pid), _cpu_seconds(me), time.perf_counter()
         results, wall, readings = asyncio.run(_load(url, args, pid))
+        s1, m1, span = _cpu_seconds(pid), _cpu_seconds(me), time.perf_counter() - t0
+        split1 = _cpu_split(pid) if split0 is not None else None
+        split = {k: (split1[k] - split0[k]) / span for k in split0} if split0 and split1 else None
+        cpu = (None if s0 is None or pid == me else (s1 - s0) / span, (m1 - m0) / span, split)
         rss1, b1 = _rss(pid), _batcher(url, headers)
     finally:
         if proc is not None:
@@ -366,10 +417,11 @@ def _phase(args, parallel: int | None) -> dict:
             proc.wait(30)
     steps = {k: b1[k] - b0[k] for k in BATCHER_GAUGES} if b0 and b1 else None
     cache = (b0, b1) if b0 and b1 and all(k in b0 and k in b1 for k in CACHE_GAUGES) else None
-    return _report(args, model, url, slots, results, wall, rss0, rss1, steps, cache, readings)
+    return _report(args, model, url, slots, results, wall, rss0, rss1, steps, cache, readings, cpu)
 
 
-def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cache=None, readings=()) -> dict:
+def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cache=None, readings=(),
+            cpu=(None, None, None)) -> dict:
     lat = sorted(r.latency for r in results)
     ttft = sorted(r.ttft for r in results if r.ttft is not None)
     gaps = sorted(g for r in results for g in r.gaps)
@@ -429,6 +481,18 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
               f"{steps['cflow_batcher_prompt_rows'] / n:.2f} prompt rows a step; {1e3 * fwd / n:.2f} ms forward + "
               f"{1e3 * (whole - fwd) / n:.2f} ms sampling and hand-out a step; engine busy {100 * fwd / wall:.0f}% "
               f"of the wall time, batcher {100 * whole / wall:.0f}%")
+    server_cpu, clients_cpu, split = cpu
+    if clients_cpu is not None:  # in cores: CPU seconds over the run's wall time
+        n = _cores()
+        if args.pid == os.getpid():
+            print(f"  cpu         server and load clients (one process) {clients_cpu:.2f} cores (of {n})")
+        elif server_cpu is None:
+            print(f"  cpu         load clients {clients_cpu:.2f} cores (of {n}; the server's unknown without --pid)")
+        else:
+            parts = "" if not split else (f" (engine {split['engine']:.2f}, event loop {split['event loop']:.2f}, "
+                                          f"other {max(0.0, server_cpu - sum(split.values())):.2f})")
+            print(f"  cpu         server {server_cpu:.2f} cores{parts}, load clients {clients_cpu:.2f} (of {n}: "
+                  f"{100 * (server_cpu + clients_cpu) / n:.0f}% of the host's cores)")
     if cache:
         c0, c1 = cache
         print(f"  prompt cache {c1['cflow_prompt_cache_hits'] - c0['cflow_prompt_cache_hits']:.0f} hits; "
@@ -449,7 +513,8 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
     return dict(parallel=slots, tok_s=tokens / wall, server_errors=server_err, other_errors=other_err,
                 lat50=_pct(lat, 0.50), lat95=_pct(lat, 0.95), ttft50=_pct(ttft, 0.50), ttft95=_pct(ttft, 0.95),
                 itl50=_pct(gaps, 0.50), itl95=_pct(gaps, 0.95),
-                rss_growth=growth, rss_growth_under_load=under_load)
+                rss_growth=growth, rss_growth_under_load=under_load, cpu_server=server_cpu, cpu_clients=clients_cpu,
+                cpu_server_threads=split)
 
 
 def read_prompts(path: str) -> list:

@@ -29,6 +29,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from cflow._native import core
 from cflow.errors import CflowError, ModelFileChanged
 from cflow.generate import Decoder, recompute_for
 from cflow.llm import CHATML_TEMPLATE
@@ -342,7 +343,8 @@ class Server:
         self.metrics = Metrics(self.batcher)
         # one thread builds the grammars and matchers of structured outputs and tools, off the event
         # loop (the default executor ran up to six, each with a malloc arena of its own)
-        self.grammars = ThreadPoolExecutor(1, thread_name_prefix="cflow-grammar")
+        self.grammars = ThreadPoolExecutor(1, thread_name_prefix="cflow-grammar",
+                                           initializer=partial(core.set_thread_name, "cflow-grammar"))
         self.created = int(time.time())
 
     # ---- request checks

@@ -42,6 +42,7 @@ from collections import deque
 
 import numpy as np
 
+from cflow._native import core
 from cflow.engine import CACHE_RAM_MIB, check_kv_memory, kv_bytes_held
 from cflow.errors import CflowError
 from cflow.generate import PREFILL_CHUNK, Chunk, Decoder
@@ -351,6 +352,7 @@ class Batcher:
 
     # ---- the batcher thread
     def _run(self) -> None:
+        core.set_thread_name("cflow-batcher")  # as the OS shows it (Python 3.11 names only its own record)
         while True:
             with self._cv:
                 while True:
