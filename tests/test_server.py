@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import threading
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -482,7 +483,7 @@ def test_engine_threads_carry_their_names(url, tiny_cflow):
         out = set()
         for tid in os.listdir("/proc/self/task"):
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                out.add(open(f"/proc/self/task/{tid}/comm").read().strip())
+                out.add(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
         return out
 
     assert http().post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
@@ -491,7 +492,7 @@ def test_engine_threads_carry_their_names(url, tiny_cflow):
 
     def named():
         core.set_thread_name("cflow-a-name-longer-than-15")
-        got["comm"] = open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
+        got["comm"] = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
 
     t = threading.Thread(target=named)
     t.start()
