@@ -121,16 +121,6 @@ def _rss(pid: int | None) -> int | None:
     return psutil.Process(pid).memory_info().rss
 
 
-def _cpu_seconds(pid: int | None) -> float | None:
-    """CPU time (user + system, every thread) of a process so far."""
-    if pid is None:
-        return None
-    import psutil
-
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
-
-
 # The server's threads by what they do, from their OS names (core.set_thread_name): the engine
 # (the batcher thread that runs each step and the pool's workers) and the event loop (the main
 # thread: HTTP, JSON, the hand-out to clients); the rest (the grammar thread, libuv's workers, any
@@ -138,22 +128,27 @@ def _cpu_seconds(pid: int | None) -> float | None:
 ENGINE_THREADS = ("cflow-batcher", "cflow-pool", "cflow-io")
 
 
-def _cpu_split(pid: int | None) -> dict | None:
-    """CPU seconds so far of the server's engine threads and of its main thread (Linux)."""
-    if pid is None or not os.path.isdir(f"/proc/{pid}/task"):
+def _cpu(pid: int | None, by_thread: bool = False) -> dict | None:
+    """CPU seconds of a process so far: "total" (user + system, every thread, ended ones too) and,
+    by_thread where Linux shows the threads' names, "engine" and "event loop" (ENGINE_THREADS)."""
+    if pid is None:
         return None
     import psutil
 
-    out = {"engine": 0.0, "event loop": 0.0}
-    for t in psutil.Process(pid).threads():
-        try:
-            with open(f"/proc/{pid}/task/{t.id}/comm") as f:
-                name = f.read().strip()
-        except OSError:  # the thread ended meanwhile: its time stays in the total
-            continue
-        group = "event loop" if t.id == pid else "engine" if name in ENGINE_THREADS else None
-        if group:
-            out[group] += t.user_time + t.system_time
+    proc = psutil.Process(pid)
+    t = proc.cpu_times()
+    out = {"total": t.user + t.system}
+    if by_thread and os.path.isdir(f"/proc/{pid}/task"):
+        out.update({"engine": 0.0, "event loop": 0.0})
+        for th in proc.threads():
+            try:
+                with open(f"/proc/{pid}/task/{th.id}/comm") as f:
+                    name = f.read().strip()
+            except OSError:  # the thread ended meanwhile: its time stays in the total
+                continue
+            group = "event loop" if th.id == pid else "engine" if name in ENGINE_THREADS else None
+            if group:
+                out[group] += th.user_time + th.system_time
     return out
 
 
@@ -403,13 +398,11 @@ def _phase(args, parallel: int | None) -> dict:
         # the CPU the server and this process's clients took, over the same span: on a small host
         # the load clients share the cores with the server, and a ratio of phases reads with it
         me = os.getpid()
-        split0 = _cpu_split(pid) if pid != me else None
-        s0, m0, t0 = _cpu_seconds(pid), _cpu_seconds(me), time.perf_counter()
+        server = pid if pid != me else None  # a server in this process is counted with the clients
+        c0, m0, t0 = _cpu(server, by_thread=True), _cpu(me), time.perf_counter()
         results, wall, readings = asyncio.run(_load(url, args, pid))
-        s1, m1, span = _cpu_seconds(pid), _cpu_seconds(me), time.perf_counter() - t0
-        split1 = _cpu_split(pid) if split0 is not None else None
-        split = {k: (split1[k] - split0[k]) / span for k in split0} if split0 and split1 else None
-        cpu = (None if s0 is None or pid == me else (s1 - s0) / span, (m1 - m0) / span, split)
+        c1, m1, span = _cpu(server, by_thread=True), _cpu(me), time.perf_counter() - t0
+        cpu = ({k: (c1[k] - c0[k]) / span for k in c0} if c0 else None, (m1["total"] - m0["total"]) / span)
         rss1, b1 = _rss(pid), _batcher(url, headers)
     finally:
         if proc is not None:
@@ -421,7 +414,7 @@ def _phase(args, parallel: int | None) -> dict:
 
 
 def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cache=None, readings=(),
-            cpu=(None, None, None)) -> dict:
+            cpu=(None, None)) -> dict:
     lat = sorted(r.latency for r in results)
     ttft = sorted(r.ttft for r in results if r.ttft is not None)
     gaps = sorted(g for r in results for g in r.gaps)
@@ -481,8 +474,10 @@ def _report(args, model, url, slots, results, wall, rss0, rss1, steps=None, cach
               f"{steps['cflow_batcher_prompt_rows'] / n:.2f} prompt rows a step; {1e3 * fwd / n:.2f} ms forward + "
               f"{1e3 * (whole - fwd) / n:.2f} ms sampling and hand-out a step; engine busy {100 * fwd / wall:.0f}% "
               f"of the wall time, batcher {100 * whole / wall:.0f}%")
-    server_cpu, clients_cpu, split = cpu
-    if clients_cpu is not None:  # in cores: CPU seconds over the run's wall time
+    server, clients_cpu = cpu  # in cores: CPU seconds over the run's wall time
+    server_cpu = server["total"] if server else None
+    split = {k: server[k] for k in ("engine", "event loop")} if server and "engine" in server else None
+    if clients_cpu is not None:
         n = _cores()
         if args.pid == os.getpid():
             print(f"  cpu         server and load clients (one process) {clients_cpu:.2f} cores (of {n})")
