@@ -211,6 +211,31 @@ def test_rows_handed_out_while_decoding_are_thread_count_free():
         assert np.array_equal(runs[threads][1], runs[1][1]), threads
 
 
+def test_attention_handed_out_is_thread_count_free():
+    # From 256 KB of keys and values an attention op hands its spans (one or two sequences) or
+    # its (row, KV head) pairs (decode steps of more) out in runs, to whichever thread is free
+    # first (the executor's UnitShare); prompts deal pairs round the threads. Here one row reads
+    # 2 KV heads x ~700 positions x 64 x 2 halves x 2 bytes, about 360 KB. Spans and pairs are
+    # merged in a fixed order, so the logits are bit-identical to one thread's, alone and batched,
+    # however the work falls.
+    model = tiny_hf("llama", d=128, n_head=4, n_kv=2, hd=64, ffn=128)
+    f = to_cflow(model, wtype="q8_0", embtype="q8_0")
+    rng = np.random.default_rng(3)
+    prompts = [[int(i) for i in rng.integers(0, 256, size=690 + 7 * k)] for k in range(8)]
+    runs = {}
+    for threads in (1, 2, 3):
+        eng = Engine(f, threads=threads, n_ctx=1024)
+        states = [eng.new_state() for _ in prompts]
+        eng.forward(states, prompts)
+        one = np.stack([eng.forward(states[0], [t]) for t in IDS[:3]])  # the spans of one sequence
+        two = np.stack(eng.forward(states[:2], [[IDS[3]], [IDS[4]]]))  # ... of two
+        eight = np.stack(eng.forward(states, [[t] for t in IDS[5:13]]))  # pairs of a decode step
+        runs[threads] = (one, two, eight)
+    for threads in (2, 3):
+        for got, want in zip(runs[threads], runs[1]):
+            assert np.array_equal(got, want), threads
+
+
 def test_a_long_prompt_does_not_size_scratch_by_the_vocabulary():
     # A prompt's rows need their inputs normalised and quantized, and only the last row's logits
     # (unless all are asked for): the scratch of a 512-token step is sized by the widest input,
