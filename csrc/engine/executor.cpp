@@ -75,9 +75,10 @@ class SpinBarrier {
 };
 
 // Work handed out while a team runs an op: the units (row groups, stripes, GLU pieces) of a
-// decode GEMV of 2 MB or more. Each thread first claims its fixed share less an eighth (7/8 of
-// U / nth, in thread order as claimed), then the last eighth goes in guided pieces (1/(2 nth)
-// of what is left, at least kShareMinBytes of weights). A thread that the host slows (another
+// decode GEMV of 2 MB or more, and attention's spans or decode pairs from kAttnShareBytes of
+// keys and values (run_op(Attention)). Each thread first claims its fixed share less an eighth
+// (7/8 of U / nth, in thread order as claimed), then the last eighth goes in guided pieces
+// (1/(2 nth) of what is left, at least kShareMinBytes of weights). A thread that the host slows (another
 // tenant, an interrupt) then takes fewer of the last rows instead of holding the others at the
 // next barrier. Measured on a shared 2-vCPU VM, decode steps alternating with the fixed split
 // in one process: qwen2.5-coder-0.5b 5% faster in the median step, gemma3-270m 1-2%, SmolLM2
@@ -88,7 +89,7 @@ class SpinBarrier {
 // that the first claim of a forward restarts it; a team of one thread, a matrix under 2 MB or a
 // call past kSharesPerOp takes the thread's fixed share once.
 constexpr int kSharesPerOp = 4;
-constexpr size_t kShareMinBytes = 64 << 10;     // the smallest piece, in bytes of weights
+constexpr size_t kShareMinBytes = 64 << 10;     // the smallest piece, in bytes of weights (of keys and values)
 constexpr size_t kShareDynamicBytes = 2 << 20;  // smaller matrices keep the fixed split
 constexpr size_t kAttnShareBytes = 256 << 10;    // attention: keys and values read by the op
 struct OpShares {
