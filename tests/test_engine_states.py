@@ -251,6 +251,19 @@ def test_the_int8_paths_keep_keys_and_values_as_halves(qwen3_q4):
     assert a.tokens == IDS[:40] and b.tokens == IDS[:40]
 
 
+def test_keys_and_values_a_step_reads_follow_the_windows():
+    # `bench decode` reports the keys and values a decode step reads at its depth beside the
+    # weights: the whole context for global attention, at most the window for sliding layers
+    # (this Gemma 3 alternates windows of 8 positions with global layers).
+    from cflow.engine import kv_bytes_per_token, kv_bytes_read
+
+    for arch, windowed in (("llama", False), ("gemma3", True)):
+        eng = Engine(to_cflow(tiny_hf(arch, n_layer=2), wtype="q8_0"), threads=1, n_ctx=64)
+        per = kv_bytes_per_token(eng)
+        assert kv_bytes_read(eng, 5) == 5 * per  # every window holds 5 positions
+        assert kv_bytes_read(eng, 40) == (24 * per if windowed else 40 * per)  # (8 + 40) / 2 a layer
+
+
 def test_the_plan_is_typed_and_checked(qwen3_q4):
     eng = Engine(qwen3_q4, threads=1)
     kinds = {type(op).__name__ for op in eng.plan.ops}

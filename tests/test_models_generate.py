@@ -471,15 +471,18 @@ def test_bench_decode_json(tiny_dir, cli_cache):
     import json
 
     p = _cli("bench", "decode", "-m", str(tiny_dir), "--json", "--runs", "2", "--tokens", "4", "--prompt", "16",
-             "--threads", "1", "--activations", "int8", "--batch", "3", cache=cli_cache)
+             "--threads", "1", "--activations", "int8", "--batch", "3", "--depth", "1100", cache=cli_cache)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     rec = json.loads(out.strip().splitlines()[-1])
-    assert rec["threads"] == 1 and rec["activations"] == "int8" and rec["vs"] == {}
+    assert rec["threads"] == 1 and rec["activations"] == "int8" and rec["vs"] == {} and rec["depth"] == 1100
     assert len(rec["decode_runs"]) == len(rec["prefill_runs"]) == 2
     assert min(rec["decode_runs"]) <= rec["decode_tok_s"] <= max(rec["decode_runs"])
     assert rec["bytes_per_token"] > 0 and rec["probe_gbps"] > 0 and rec["probe_model_gbps"] > 0
     assert rec["gbps"] == pytest.approx(rec["bytes_per_token"] * rec["decode_tok_s"] / 1e9, rel=0.01)
+    kv = rec["kv_bytes_per_token"]  # the keys and values at the runs' mean context, 1100 + 4 / 2
+    assert kv > 0 and kv % 1102 == 0
+    assert rec["gbps_with_kv"] == pytest.approx((rec["bytes_per_token"] + kv) * rec["decode_tok_s"] / 1e9, rel=0.01)
     assert rec["isa"] in ("scalar", "avx2", "avx512") and rec["decode_step_ms_median"] > 0
     b = rec["batch"]  # steps of 3 sequences together, against one
     assert b["sequences"] == 3 and b["step_ms_median"] > 0 and b["one_step_ms_median"] > 0
@@ -488,6 +491,9 @@ def test_bench_decode_json(tiny_dir, cli_cache):
     p = _cli("bench", "decode", "-m", str(tiny_dir), "--vs", "llama.cpp", cache=cli_cache)
     out, err = p.communicate(timeout=600)
     assert p.returncode != 0 and "needs the model's GGUF" in err
+    p = _cli("bench", "decode", "-m", str(tiny_dir), "--depth", "0", cache=cli_cache)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode != 0 and "--depth" in err
 
 
 def test_cli_bad_model_is_exit_2(tmp_path):

@@ -62,6 +62,14 @@ def kv_bytes_per_token(engine) -> int:
     return sum(2 * h * b for h, b in _kv_heads(engine))
 
 
+def kv_bytes_read(engine, context: int) -> int:
+    """Bytes of keys and values a decode step at `context` positions reads: every attention op's K
+    and V over its window (the whole context where it has none)."""
+    size = 2 if engine.kv_dtype == "f16" else 4
+    return sum(2 * op.n_kv_head * op.head_dim * size * (min(context, op.window) if op.window > 0 else context)
+               for op in engine.plan.ops if isinstance(op, _plan().Attention))
+
+
 PAGE = 4096  # the pages a state's KV cache is committed in
 
 

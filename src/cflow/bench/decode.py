@@ -5,7 +5,9 @@ cflow is timed the way a user sees it (wall clock around Engine.forward plus the
 Python); llama.cpp's figures come from its own perf counters (llama_perf_context: prompt and
 eval times), so none of the Python binding's overhead is charged to it. Runs alternate between
 the two so that the machine's load affects both alike. Decode: median of --runs runs of
---tokens greedy tokens after a warm-up; prefill: median over the runs of a --prompt-token prompt.
+--tokens greedy tokens after a warm-up, each run from a --depth-token prompt (16 by default; the
+context its attention reads, as llama-bench's --n-depth); prefill: median over the runs of a
+--prompt-token prompt.
 
 Two probes: the standard one (PROBE_MIB, beyond what this machine's cache holds: memory
 bandwidth) and one over the model's own bytes per token, which says what the memory system
@@ -43,6 +45,9 @@ def add_arguments(p):
     p.add_argument("--runs", type=int, default=5, help="timed runs per engine (default 5)")
     p.add_argument("--tokens", type=int, default=128, help="decoded tokens per run (default 128)")
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt length (default 512)")
+    p.add_argument("--depth", type=int, default=16, metavar="N",
+                   help="decode (and --batch) steps start after an N-token prompt: the context their attention "
+                        "reads, as llama-bench's --n-depth (default 16)")
     add_activation_arguments(p)
     p.add_argument("--batch", type=int, default=1, metavar="N",
                    help="also time decode steps of N sequences together (the server's --parallel N), "
@@ -296,21 +301,23 @@ def _resolve(model: str, gguf: str | None, quiet: bool):
 
 
 def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int = 5, tokens: int = 128,
-        prompt_len: int = 512, batch: int = 1, agreement: int = 0, exact=None, log=print) -> dict:
+        prompt_len: int = 512, batch: int = 1, agreement: int = 0, exact=None, log=print, depth: int = 16) -> dict:
     """Measure `engine` (and llama.cpp on `gguf` when given); returns the --json record.
     exact: with agreement, a callable that opens the same model on cflow's fp32 path, the
     reference both engines' greedy picks are also compared with (which of them flips the ties)."""
     from cflow.kernels import probe_read
 
-    if engine.n_ctx < prompt_len + 1 or engine.n_ctx < 16 + tokens:
-        raise CflowError(f"n_ctx={engine.n_ctx} is too small for a {prompt_len}-token prompt")
+    if engine.n_ctx < prompt_len + 1 or engine.n_ctx < max(16, depth) + tokens:
+        raise CflowError(f"n_ctx={engine.n_ctx} is too small for a {prompt_len}-token prompt and "
+                         f"{tokens} tokens after {depth}")
     vocab = engine.config.vocab_size
     short, long_ = _prompt(vocab, 16, 1), _prompt(vocab, prompt_len, 2)
+    deep = short if depth == 16 else _prompt(vocab, depth, 1)  # what decode runs start from
     ours = CflowRunner(engine)
-    theirs = LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32)) if gguf else None
+    theirs = LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32, depth + tokens + 32)) if gguf else None
     # llama.cpp's steps of `batch` sequences run in a context of its own, opened for them (the one
     # above keeps llama.cpp's single-sequence setup)
-    theirs_b = (LlamaCppRunner(gguf, threads, max(1024, batch * (16 + tokens + 8)), n_seq=batch)
+    theirs_b = (LlamaCppRunner(gguf, threads, max(1024, batch * (max(16, depth) + tokens + 8)), n_seq=batch)
                 if gguf and batch > 1 else None)
     # warm-up (page in the weights, spin up the threads)
     ours.decode(short, 8)
@@ -323,9 +330,9 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
     if theirs:
         theirs.steps.clear()
     for r in range(runs):
-        dec.append(ours.decode(short, tokens))
+        dec.append(ours.decode(deep, tokens))
         if theirs:
-            ldec.append(theirs.decode(short, tokens))
+            ldec.append(theirs.decode(deep, tokens))
         pre.append(ours.prefill(long_))
         if theirs:
             lpre.append(theirs.prefill(long_))
@@ -341,7 +348,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
     d, p = statistics.median(dec), statistics.median(pre)
     gbps = per_token * d / 1e9
     rnd = lambda xs: [round(x, 2) for x in xs]
-    rec = {"model": name, "threads": threads, "decode_tok_s": round(d, 2), "prefill_tok_s": round(p, 2),
+    rec = {"model": name, "threads": threads, "depth": depth, "decode_tok_s": round(d, 2), "prefill_tok_s": round(p, 2),
            "bytes_per_token": int(per_token), "gbps": round(gbps, 2), "probe_gbps": round(probe, 2),
            "pct_of_probe": round(100 * gbps / probe, 1), "probe_model_gbps": round(probe_model, 2),
            "pct_of_probe_model": round(100 * gbps / probe_model, 1), "isa": best_isa(),
@@ -351,6 +358,14 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
            "decode_step_ms_median": round(1e3 * statistics.median(ours.steps), 3),
            "schedule": getattr(engine, "schedule", "sequential"), "all_experts": getattr(engine, "all_experts", False),
            "vs": {}}
+    # the keys and values a decode step reads at the runs' mean context (the figures above count
+    # weights only): at a depth of thousands they rival the weights
+    from cflow.engine import kv_bytes_read
+
+    kv = kv_bytes_read(engine, len(deep) + tokens // 2)
+    rec["kv_bytes_per_token"] = kv
+    rec["gbps_with_kv"] = round((per_token + kv) * d / 1e9, 2)
+    rec["pct_of_probe_with_kv"] = round(100 * rec["gbps_with_kv"] / probe, 1)
     if read:
         rec["bytes_per_token_by_stream"] = {k: round(v) for k, v in read.items()}
         rec["critical_path_bytes"] = int(engine.critical_path_bytes)
@@ -359,11 +374,11 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
         # counters charge a step of several tokens as prompt
         steps = {"one": [], "many": [], "lc_one": [], "lc_many": []}
         for _ in range(runs):
-            steps["one"] += ours.batched_steps(short, 1, tokens)
-            steps["many"] += ours.batched_steps(short, batch, tokens)
+            steps["one"] += ours.batched_steps(deep, 1, tokens)
+            steps["many"] += ours.batched_steps(deep, batch, tokens)
             if theirs_b:
-                steps["lc_one"] += theirs_b.batched_steps(short, 1, tokens)
-                steps["lc_many"] += theirs_b.batched_steps(short, batch, tokens)
+                steps["lc_one"] += theirs_b.batched_steps(deep, 1, tokens)
+                steps["lc_many"] += theirs_b.batched_steps(deep, batch, tokens)
 
         def batched(one, many):
             m1, mb = round(1e3 * statistics.median(one), 4), round(1e3 * statistics.median(many), 4)  # ms
@@ -402,7 +417,8 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
 
 def report(rec: dict) -> str:
     span = lambda xs: f"{min(xs):.1f}..{max(xs):.1f}"
-    lines = [f"model {rec['model']}, {rec['threads']} threads, {rec['isa']} kernels, {rec['activations']} activations",
+    lines = [f"model {rec['model']}, {rec['threads']} threads, {rec['isa']} kernels, {rec['activations']} activations, "
+             f"decode after a {rec['depth']}-token prompt",
              f"  decode   {rec['decode_tok_s']:8.1f} tok/s  ({span(rec['decode_runs'])})  "
              f"{rec['bytes_per_token'] / 1e6:.1f} MB/token, {rec['gbps']:.1f} GB/s = {rec['pct_of_probe']:.0f}% of "
              f"the probe's {rec['probe_gbps']:.1f} GB/s ({PROBE_MIB} MiB), {rec['pct_of_probe_model']:.0f}% of "
@@ -413,6 +429,8 @@ def report(rec: dict) -> str:
         bs = rec["bytes_per_token_by_stream"]
         lines.append("           read per token: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in bs.items() if v)
                      + f"; critical path {rec['critical_path_bytes'] / 1e6:.2f} MB")
+    lines.append(f"           keys and values: {rec['kv_bytes_per_token'] / 1e6:.2f} MB a token at this depth, with the "
+                 f"weights {rec['gbps_with_kv']:.1f} GB/s = {rec['pct_of_probe_with_kv']:.0f}% of the probe")
     lines.append(f"  prefill  {rec['prefill_tok_s']:8.1f} tok/s  ({span(rec['prefill_runs'])})")
     if "batch" in rec:
         b = rec["batch"]
@@ -444,14 +462,14 @@ def main(args) -> int:
     from cflow.commands.generate import activation_kwargs
     from cflow.engine import Engine
 
-    if args.threads < 1 or args.runs < 1 or args.tokens < 1 or args.prompt < 1 or args.batch < 1:
-        raise CflowError("--threads, --runs, --tokens, --prompt and --batch must be positive")
+    if min(args.threads, args.runs, args.tokens, args.prompt, args.batch, args.depth) < 1:
+        raise CflowError("--threads, --runs, --tokens, --prompt, --depth and --batch must be positive")
     src, gguf = _resolve(args.model, args.gguf, args.json)
     if not 0 <= args.agreement <= args.prompt:
         raise CflowError("--agreement must be between 0 and --prompt")
     if args.vs and not gguf:
         raise CflowError("--vs llama.cpp needs the model's GGUF: pass --gguf PATH")
-    n_ctx = max(args.prompt + 1, 16 + args.tokens + 8, 1024)
+    n_ctx = max(args.prompt + 1, max(16, args.depth) + args.tokens + 8, 1024)
     kw = activation_kwargs(args)
     eng = Engine(src, threads=args.threads, n_ctx=n_ctx, **kw)
     exact = None
@@ -459,6 +477,6 @@ def main(args) -> int:
         exact = lambda: Engine(src, threads=args.threads, n_ctx=n_ctx, fast=False)  # noqa: E731
     rec = run(eng, name=args.model, threads=args.threads, gguf=gguf if args.vs else None, runs=args.runs,
               tokens=args.tokens, prompt_len=args.prompt, batch=args.batch, agreement=args.agreement,
-              exact=exact, log=(lambda *a: None) if args.json else print)
+              exact=exact, log=(lambda *a: None) if args.json else print, depth=args.depth)
     print(json.dumps(rec) if args.json else report(rec))
     return 0
