@@ -215,6 +215,15 @@ def test_llama_cpp_runs_sequences_side_by_side(gguf_path):
     assert len({int(x.argmax()) for x in together}) > 1  # four different sequences, not one four times
     steps = runner.batched_steps(prompts[-1], 4, 3)
     assert len(steps) == 3 and min(steps) > 0
+    # Four prompts of 200 tokens (`--depth 200 --batch 4`) exceed the tokens one llama_decode takes
+    # (llama.cpp aborts the process there): they go in pieces, the last tokens together, and each
+    # sequence's logits are again its own.
+    long_ = [[int(t) for t in rng.integers(100, 5000, 200)] for _ in range(4)]
+    together, alone = runner.batched_logits(long_), [runner.batched_logits([p])[0] for p in long_]
+    for i, got in enumerate(together):
+        off = [float(np.abs(got - a).max() / np.abs(a).max()) for a in alone]
+        assert int(np.argmin(off)) == i and off[i] < 0.05, off
+    assert len(runner.batched_steps(long_[0], 4, 2)) == 2
     with pytest.raises(CflowError, match="opened for 4"):
         runner.batched_steps(prompts[-1], 5, 1)
     most = llama_cpp.llama_max_parallel_sequences()

@@ -155,6 +155,8 @@ def _default_params(which: str, **fields):
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python's low-level API, timed by its perf counters."""
 
+    N_BATCH = 512  # tokens a llama_decode takes at most (llama.cpp aborts the process beyond)
+
     def __init__(self, gguf: str, threads: int, n_ctx: int, extra_bufts: bool | None = None,
                  logits_all: bool = False, n_seq: int = 1):
         try:
@@ -176,8 +178,9 @@ class LlamaCppRunner:
         # one buffer of n_ctx (kv_unified; a buffer per sequence stepped as fast)
         with (_default_params("model", use_extra_bufts=self.extra_bufts),
               _default_params("context", n_seq_max=n_seq, kv_unified=True) if n_seq > 1 else contextlib.nullcontext()):
-            self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                                       n_threads_batch=threads, logits_all=logits_all, verbose=False)
+            self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=self.N_BATCH, n_ubatch=self.N_BATCH,
+                                       n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
+                                       verbose=False)
         self.ctx = self.llm._ctx.ctx
         self.n_seq = n_seq
         self.steps: list[float] = []  # seconds of every decode step timed so far
@@ -257,7 +260,16 @@ class LlamaCppRunner:
         if not 0 < len(prompts) <= self.n_seq:
             raise CflowError(f"llama.cpp: {len(prompts)} sequences in a context opened for {self.n_seq}")
         self._clear()
-        self._decode_batch([(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)])
+        items = [(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+        if len(items) <= self.N_BATCH:
+            self._decode_batch(items)
+            return
+        # more than one llama_decode takes: every prompt's tokens but its last in batches of
+        # N_BATCH, then the last tokens together, the batch whose logits the caller reads
+        head = [it for it in items if not it[3]]
+        for a in range(0, len(head), self.N_BATCH):
+            self._decode_batch(head[a:a + self.N_BATCH])
+        self._decode_batch([it for it in items if it[3]])
 
     def batched_logits(self, prompts: list[list[int]]) -> list[np.ndarray]:
         """Each prompt as its own sequence, all in one batch: each one's last-token logits."""
