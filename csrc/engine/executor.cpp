@@ -1165,16 +1165,16 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   const float scale = op.scale > 0 ? op.scale : 1.f / std::sqrt((float)hd);
   const int group = nh / nkv, part = group * (hd + 2);  // a span's partials: per head m, l, o
   constexpr int kHeadsAtOnce = 8, kSpan = 128;
-  auto spans_of = [&](int k) {
-    const int p = ws.row_pos[k], lo = op.window > 0 ? std::max(0, p - op.window + 1) : 0;
-    return (p - lo + kSpan) / kSpan;
-  };
+  // row k's first key (its window's) and its keys, first .. its position
+  auto first_key = [&](int k) { return op.window > 0 ? std::max(0, ws.row_pos[k] - op.window + 1) : 0; };
+  auto keys_of = [&](int k) { return ws.row_pos[k] + 1 - first_key(k); };
+  auto spans_of = [&](int k) { return (keys_of(k) + kSpan - 1) / kSpan; };
   Scratch& s = *t.priv;
   grow(s.scores, (size_t)kHeadsAtOnce * kSpan);
   float* out = ws.bufs[op.dst].data();
   // span c of row k's KV head j -> P (part floats)
   auto span = [&](int k, int j, int c, float* P) {
-    const int p = ws.row_pos[k], i0 = (op.window > 0 ? std::max(0, p - op.window + 1) : 0) + c * kSpan;
+    const int p = ws.row_pos[k], i0 = first_key(k) + c * kSpan;
     const int len = std::min(kSpan, p + 1 - i0);
     const State& st = *ws.states[ws.row_seq[k]];
     const size_t at = ((size_t)j * st.n_ctx_ + i0) * hd;  // head-major (State)
@@ -1219,10 +1219,11 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
     for (int i = 0; i < hd; ++i) o[i] *= inv;
   };
   // the keys and values the op reads: from kAttnShareBytes on, its work is handed out (UnitShare)
-  size_t kv_bytes = 0;
-  for (int k = 0; k < n; ++k)
-    kv_bytes += (size_t)nkv * std::min(ws.row_pos[k] + 1, op.window > 0 ? op.window : INT32_MAX) * hd * 2 *
-                (ws.states[ws.row_seq[k]]->kv_half_ ? 2 : 4);
+  auto kv_bytes = [&] {
+    size_t b = 0;
+    for (int k = 0; k < n; ++k) b += (size_t)nkv * keys_of(k) * hd * 2 * (ws.states[ws.row_seq[k]]->kv_half_ ? 2 : 4);
+    return b;
+  };
   if (n * nkv >= 4 * nth) {  // whole (row, KV head) pairs
     t.barrier();
     auto pair = [&](int u) {
@@ -1235,7 +1236,7 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
       for (int u = tid; u < n * nkv; u += nth) pair(u);
       return;
     }
-    UnitShare share = t.share(n * nkv, kv_bytes, kAttnShareBytes);
+    UnitShare share = t.share(n * nkv, kv_bytes(), kAttnShareBytes);
     for (int u0, u1; share.next(&u0, &u1);)
       for (int u = u0; u < u1; ++u) pair(u);
     return;
@@ -1248,7 +1249,7 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   if (t.lead()) grow(t.shared->attn_part, (size_t)first[n] * part);
   t.barrier();
   float* P = t.shared->attn_part.data();
-  UnitShare share = t.share(first[n], kv_bytes, kAttnShareBytes);
+  UnitShare share = t.share(first[n], kv_bytes(), kAttnShareBytes);
   for (int u0, u1; share.next(&u0, &u1);)
     for (int it = u0, k = 0; it < u1; ++it) {
       while (it >= first[k + 1]) ++k;

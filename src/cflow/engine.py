@@ -50,11 +50,14 @@ ACTIVATIONS = {"int8x2": dict(fast=True, precise=True), "int8": dict(fast=True, 
 int8, fp32."""
 
 
+def _kv_value_bytes(engine) -> int:
+    """Bytes of one cached key or value element, as engine.kv_dtype stores them (f16: 2, f32: 4)."""
+    return 2 if engine.kv_dtype == "f16" else 4
+
+
 def _kv_heads(engine) -> list[tuple[int, int]]:
-    """Per KV slot: (n_kv_head, bytes of one token in one head), as engine.kv_dtype stores them
-    (f16: 2 bytes a value, f32: 4)."""
-    size = 2 if engine.kv_dtype == "f16" else 4
-    return [(h, d * size) for h, d in _plan().kv_slots(engine.plan)]
+    """Per KV slot: (n_kv_head, bytes of one token in one head)."""
+    return [(h, d * _kv_value_bytes(engine)) for h, d in _plan().kv_slots(engine.plan)]
 
 
 def kv_bytes_per_token(engine) -> int:
@@ -65,7 +68,7 @@ def kv_bytes_per_token(engine) -> int:
 def kv_bytes_read(engine, context: int) -> int:
     """Bytes of keys and values a decode step at `context` positions reads: every attention op's K
     and V over its window (the whole context where it has none)."""
-    size = 2 if engine.kv_dtype == "f16" else 4
+    size = _kv_value_bytes(engine)
     return sum(2 * op.n_kv_head * op.head_dim * size * (min(context, op.window) if op.window > 0 else context)
                for op in engine.plan.ops if isinstance(op, _plan().Attention))
 

@@ -324,7 +324,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
                          f"{tokens} tokens after {depth}")
     vocab = engine.config.vocab_size
     short, long_ = _prompt(vocab, 16, 1), _prompt(vocab, prompt_len, 2)
-    deep = short if depth == 16 else _prompt(vocab, depth, 1)  # what decode runs start from
+    deep = _prompt(vocab, depth, 1)  # what decode runs start from (`short` itself at depth 16)
     ours = CflowRunner(engine)
     theirs = LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32, depth + tokens + 32)) if gguf else None
     # llama.cpp's steps of `batch` sequences run in a context of its own, opened for them (the one
