@@ -360,9 +360,12 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
     d, p = statistics.median(dec), statistics.median(pre)
     gbps = per_token * d / 1e9
     rnd = lambda xs: [round(x, 2) for x in xs]
+    # GB/s to 4 significant digits: a tiny model on a slow host reads a few tenths of a GB/s,
+    # where two decimals would lose percents
+    sig = lambda x: float(f"{x:.4g}")
     rec = {"model": name, "threads": threads, "depth": depth, "decode_tok_s": round(d, 2), "prefill_tok_s": round(p, 2),
-           "bytes_per_token": int(per_token), "gbps": round(gbps, 2), "probe_gbps": round(probe, 2),
-           "pct_of_probe": round(100 * gbps / probe, 1), "probe_model_gbps": round(probe_model, 2),
+           "bytes_per_token": int(per_token), "gbps": sig(gbps), "probe_gbps": sig(probe),
+           "pct_of_probe": round(100 * gbps / probe, 1), "probe_model_gbps": sig(probe_model),
            "pct_of_probe_model": round(100 * gbps / probe_model, 1), "isa": best_isa(),
            "activations": getattr(engine, "activations", "fp32"), "decode_runs": rnd(dec), "prefill_runs": rnd(pre),
            # a host that stalls the VM for a second now and then drags a whole run's average;
@@ -376,8 +379,9 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
 
     kv = kv_bytes_read(engine, len(deep) + tokens // 2)
     rec["kv_bytes_per_token"] = kv
-    rec["gbps_with_kv"] = round((per_token + kv) * d / 1e9, 2)
-    rec["pct_of_probe_with_kv"] = round(100 * rec["gbps_with_kv"] / probe, 1)
+    gbps_kv = (per_token + kv) * d / 1e9
+    rec["gbps_with_kv"] = sig(gbps_kv)
+    rec["pct_of_probe_with_kv"] = round(100 * gbps_kv / probe, 1)
     if read:
         rec["bytes_per_token_by_stream"] = {k: round(v) for k, v in read.items()}
         rec["critical_path_bytes"] = int(engine.critical_path_bytes)
