@@ -200,6 +200,9 @@ def test_llama_cpp_runs_sequences_side_by_side(gguf_path):
     from cflow.errors import CflowError
 
     runner = LlamaCppRunner(str(gguf_path), 1, 1024, n_seq=4)
+    # each sequence its own KV cells, a quarter of the context (as llama-server's slots): in one
+    # unified buffer each sequence's attention would span all four sequences' cells
+    assert llama_cpp.llama_n_ctx_seq(runner.ctx) == 256 and llama_cpp.llama_n_ctx(runner.ctx) == 1024
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(100, 5000, 3 + 4 * i)] for i in range(4)]
     together = runner.batched_logits(prompts)
