@@ -1181,7 +1181,7 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
     const uint8_t *K = st.k_[op.kv].get(), *V = st.v_[op.kv].get();
     float* sc = s.scores.data();
     {  // the span's first rows of keys and values on their way; the kernels prefetch ahead from there
-      const size_t eb = st.kv_half_ ? 2 : 4, bytes = eb * hd * (size_t)std::min(len, kAttnPrefetchRows);
+      const size_t eb = st.kv_elem(), bytes = eb * hd * (size_t)std::min(len, kAttnPrefetchRows);
       for (size_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(K + eb * at + b);
         __builtin_prefetch(V + eb * at + b);
@@ -1221,7 +1221,7 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   // the keys and values the op reads: from kAttnShareBytes on, its work is handed out (UnitShare)
   auto kv_bytes = [&] {
     size_t b = 0;
-    for (int k = 0; k < n; ++k) b += (size_t)nkv * keys_of(k) * hd * 2 * (ws.states[ws.row_seq[k]]->kv_half_ ? 2 : 4);
+    for (int k = 0; k < n; ++k) b += (size_t)nkv * keys_of(k) * hd * 2 * ws.states[ws.row_seq[k]]->kv_elem();
     return b;
   };
   if (n * nkv >= 4 * nth) {  // whole (row, KV head) pairs

@@ -318,6 +318,11 @@ def _resolve(model: str, gguf: str | None, quiet: bool):
     return load_model(model, quiet=quiet), gguf
 
 
+def _decode_positions(depth: int, tokens: int) -> int:
+    """Positions a decode run reaches: its prompt (the 16-token warm-up's, or the depth's) and tokens."""
+    return max(16, depth) + tokens
+
+
 def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int = 5, tokens: int = 128,
         prompt_len: int = 512, batch: int = 1, agreement: int = 0, exact=None, log=print, depth: int = 16) -> dict:
     """Measure `engine` (and llama.cpp on `gguf` when given); returns the --json record.
@@ -325,7 +330,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
     reference both engines' greedy picks are also compared with (which of them flips the ties)."""
     from cflow.kernels import probe_read
 
-    if engine.n_ctx < prompt_len + 1 or engine.n_ctx < max(16, depth) + tokens:
+    if engine.n_ctx < prompt_len + 1 or engine.n_ctx < _decode_positions(depth, tokens):
         raise CflowError(f"n_ctx={engine.n_ctx} is too small for a {prompt_len}-token prompt and "
                          f"{tokens} tokens after {depth}")
     vocab = engine.config.vocab_size
@@ -335,7 +340,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
     theirs = LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32, depth + tokens + 32)) if gguf else None
     # llama.cpp's steps of `batch` sequences run in a context of its own, opened for them (the one
     # above keeps llama.cpp's single-sequence setup)
-    theirs_b = (LlamaCppRunner(gguf, threads, max(1024, batch * (max(16, depth) + tokens + 8)), n_seq=batch)
+    theirs_b = (LlamaCppRunner(gguf, threads, max(1024, batch * (_decode_positions(depth, tokens) + 8)), n_seq=batch)
                 if gguf and batch > 1 else None)
     # warm-up (page in the weights, spin up the threads)
     ours.decode(short, 8)
@@ -491,7 +496,7 @@ def main(args) -> int:
         raise CflowError("--agreement must be between 0 and --prompt")
     if args.vs and not gguf:
         raise CflowError("--vs llama.cpp needs the model's GGUF: pass --gguf PATH")
-    n_ctx = max(args.prompt + 1, max(16, args.depth) + args.tokens + 8, 1024)
+    n_ctx = max(args.prompt + 1, _decode_positions(args.depth, args.tokens) + 8, 1024)
     kw = activation_kwargs(args)
     eng = Engine(src, threads=args.threads, n_ctx=n_ctx, **kw)
     exact = None
