@@ -120,6 +120,35 @@ def test_long_contexts_give_each_row_its_own_numbers_in_any_step(acts):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-5 if acts == "fp32" else 2e-2)
 
 
+@pytest.mark.parametrize("acts", ["int8x2", "fp32"])
+def test_prompt_rows_meet_shared_keys_in_blocks_with_their_own_numbers(acts):
+    # a step with prompt rows runs attention in blocks of rows, span by span, and consecutive rows
+    # of one sequence that read the same keys meet them together (a step of a few rows: a row a
+    # block). However a prompt's rows fall into blocks (pieces of other sizes), and whatever rows
+    # of another sequence at other
+    # positions share a block with them (two prompts of 101 rows in one step after 200 tokens
+    # each: their full spans have the same keys' positions but not the same keys), every row gets
+    # the numbers it gets in one whole prompt, bit for bit, and those are the reference's.
+    f = to_cflow(tiny_hf("qwen3"), wtype="q4_1", embtype="q8_0", tile=(32, 64), interleave=16, stripe_rows=16,
+                 pack="planes")
+    eng = Engine(f, threads=2, n_ctx=512, **ACTIVATIONS[acts])
+    rng = np.random.default_rng(9)
+    ids, other = ([int(i) for i in rng.integers(0, 256, size=301)] for _ in range(2))
+    whole = [eng.forward(eng.new_state(), x, all_logits=True) for x in (ids, other)]
+    pieces = eng.new_state()
+    cuts = [0, 5, 155, 159, 169, 301]  # blocks fall elsewhere in each piece; the 4 rows from 155 go alone
+    got = np.concatenate([eng.forward(pieces, ids[a:b], all_logits=True) for a, b in zip(cuts, cuts[1:])])
+    assert np.array_equal(got, whole[0])
+    two = [eng.new_state(), eng.new_state()]
+    eng.forward(two, [ids[:200], other[:200]])
+    got = eng.forward(two, [ids[200:], other[200:]], all_logits=True)
+    for g, w in zip(got, whole):
+        assert np.array_equal(g, w[200:])
+    ref_eng = RefEngine(f, n_ctx=512)
+    ref = ref_eng.forward(ref_eng.new_state(), ids, all_logits=True)
+    assert np.linalg.norm(whole[0] - ref) / np.linalg.norm(ref) < (1e-5 if acts == "fp32" else 2e-2)
+
+
 def alone_after(eng, prompt, token):
     st = eng.new_state()
     eng.forward(st, prompt)
