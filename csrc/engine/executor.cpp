@@ -1166,6 +1166,7 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   const float scale = op.scale > 0 ? op.scale : 1.f / std::sqrt((float)hd);
   const int group = nh / nkv, part = group * (hd + 2);  // a span's partials: per head m, l, o
   constexpr int kHeadsAtOnce = 8, kSpan = 128, kPromptRows = 8;
+  constexpr size_t kPromptPartBytes = 2 << 20;
   // row k's first key (its window's) and its keys, first .. its position
   auto first_key = [&](int k) { return op.window > 0 ? std::max(0, ws.row_pos[k] - op.window + 1) : 0; };
   auto keys_of = [&](int k) { return ws.row_pos[k] + 1 - first_key(k); };
@@ -1290,8 +1291,13 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
       for (int m = 0; m < group; ++m) merge(k, j * group + m, s.attn_part.data(), ns);
     };
     if (ws.n_pre > 0) {  // a prompt's rows grow in length: round the threads, so each gets long and short
-      // blocks of up to kPromptRows rows, while that leaves 4 (block, KV head) units a thread
-      const int rows = std::clamp(n * nkv / (4 * nth), 1, kPromptRows), blocks = (n + rows - 1) / rows;
+      // blocks of up to kPromptRows rows, while that leaves 4 (block, KV head) units a thread and
+      // a block's partials take at most kPromptPartBytes (long contexts: fewer rows a block)
+      int spans = 1;
+      for (int k = 0; k < n; ++k) spans = std::max(spans, spans_of(k));
+      const int by_bytes = (int)(kPromptPartBytes / (sizeof(float) * spans * part));
+      const int rows = std::clamp(std::min(n * nkv / (4 * nth), by_bytes), 1, kPromptRows);
+      const int blocks = (n + rows - 1) / rows;
       for (int u = tid; u < blocks * nkv; u += nth) prompt_block(u / nkv * rows, rows, u % nkv);
       return;
     }
