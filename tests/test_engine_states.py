@@ -125,10 +125,10 @@ def test_prompt_rows_meet_shared_keys_in_blocks_with_their_own_numbers(acts):
     # a step with prompt rows runs attention in blocks of rows, span by span, and consecutive rows
     # of one sequence that read the same keys meet them together (a step of a few rows: a row a
     # block). However a prompt's rows fall into blocks (pieces of other sizes), and whatever rows
-    # of another sequence at other
-    # positions share a block with them (two prompts of 101 rows in one step after 200 tokens
-    # each: their full spans have the same keys' positions but not the same keys), every row gets
-    # the numbers it gets in one whole prompt, bit for bit, and those are the reference's.
+    # of another sequence at other positions share a block with them (two prompts of 101 rows in
+    # one step after 200 tokens each: their full spans have the same keys' positions but not the
+    # same keys), every row gets the numbers it gets in one whole prompt, bit for bit, and those
+    # are the reference's.
     f = to_cflow(tiny_hf("qwen3"), wtype="q4_1", embtype="q8_0", tile=(32, 64), interleave=16, stripe_rows=16,
                  pack="planes")
     eng = Engine(f, threads=2, n_ctx=512, **ACTIVATIONS[acts])
