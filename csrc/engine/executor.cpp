@@ -1174,6 +1174,13 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   Scratch& s = *t.priv;
   grow(s.scores, (size_t)kHeadsAtOnce * kSpan);
   float* out = ws.bufs[op.dst].data();
+  // one query head's span: its scores sr (len) scaled and exponentiated, m and l into pr, the
+  // head's o (pr + 2, hd floats) zeroed for the mix to add into
+  auto open_partial = [&](float* sr, int len, float* pr) {
+    for (int i = 0; i < len; ++i) sr[i] *= scale;
+    pr[1] = exp_max(sr, len, &pr[0]);
+    std::memset(pr + 2, 0, sizeof(float) * hd);
+  };
   // span c of row k's KV head j -> P (part floats)
   auto span = [&](int k, int j, int c, float* P) {
     const int p = ws.row_pos[k], i0 = first_key(k) + c * kSpan;
@@ -1195,12 +1202,7 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
       if (st.kv_half_) dot_rows_n_h(q, hd, nq, (const uint16_t*)K + at, hd, len, hd, sc, kSpan);
       else dot_rows_n(q, hd, nq, (const float*)K + at, hd, len, hd, sc, kSpan);
       float* Pm = P + (size_t)m0 * (hd + 2);
-      for (int m = 0; m < nq; ++m) {
-        float *sm = sc + (size_t)m * kSpan, *pm = Pm + (size_t)m * (hd + 2);
-        for (int i = 0; i < len; ++i) sm[i] *= scale;
-        pm[1] = exp_max(sm, len, &pm[0]);
-        std::memset(pm + 2, 0, sizeof(float) * hd);
-      }
+      for (int m = 0; m < nq; ++m) open_partial(sc + (size_t)m * kSpan, len, Pm + (size_t)m * (hd + 2));
       if (st.kv_half_) mix_rows_n_h(sc, kSpan, nq, (const uint16_t*)V + at, hd, len, hd, Pm + 2, hd + 2);
       else mix_rows_n(sc, kSpan, nq, (const float*)V + at, hd, len, hd, Pm + 2, hd + 2);
     }
@@ -1268,15 +1270,10 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
           float* sm = sc + (size_t)m * nr * kSpan;                                 // their scores, a row each
           if (st.kv_half_) dot_rows_n_h(q, ld, nr, (const uint16_t*)K + at, hd, len, hd, sm, kSpan);
           else dot_rows_n(q, ld, nr, (const float*)K + at, hd, len, hd, sm, kSpan);
-          for (int r = 0; r < nr; ++r) {  // span()'s steps, in its order
-            float *sr = sm + (size_t)r * kSpan, *pr = Pa + (size_t)r * row_part + (size_t)m * (hd + 2);
-            for (int i = 0; i < len; ++i) sr[i] *= scale;
-            pr[1] = exp_max(sr, len, &pr[0]);
-            std::memset(pr + 2, 0, sizeof(float) * hd);
-          }
-          float* o = Pa + (size_t)m * (hd + 2) + 2;
-          if (st.kv_half_) mix_rows_n_h(sm, kSpan, nr, (const uint16_t*)V + at, hd, len, hd, o, row_part);
-          else mix_rows_n(sm, kSpan, nr, (const float*)V + at, hd, len, hd, o, row_part);
+          float* pm = Pa + (size_t)m * (hd + 2);  // head m's partials of row a; row a + r's at r * row_part
+          for (int r = 0; r < nr; ++r) open_partial(sm + (size_t)r * kSpan, len, pm + (size_t)r * row_part);
+          if (st.kv_half_) mix_rows_n_h(sm, kSpan, nr, (const uint16_t*)V + at, hd, len, hd, pm + 2, row_part);
+          else mix_rows_n(sm, kSpan, nr, (const float*)V + at, hd, len, hd, pm + 2, row_part);
         }
       }
     for (int k = k0; k < k1; ++k)
