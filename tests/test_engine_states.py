@@ -228,20 +228,30 @@ def test_state_history_truncate_and_misuse(qwen3_q4):
     assert st.tokens == IDS[:4]  # nothing lost by the refused calls
 
 
-def test_a_shorter_history_gives_the_longer_ones_pages_back(qwen3_q4):
+@pytest.fixture(scope="module")
+def qwen3_hd64():  # head dims of 64: two q8_0 blocks each, which hold the keys' rotary pairs
+    return to_cflow(tiny_hf("qwen3", hd=64), wtype="q4_1", embtype="q8_0", tile=(32, 64), interleave=16,
+                    stripe_rows=16, pack="planes")
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0", "q8_0/f16"])
+def test_a_shorter_history_gives_the_longer_ones_pages_back(qwen3_hd64, kv):
     # A state that held a long history and goes on with a short one (a slot, a prompt cache
     # entry reused) keeps the short one's pages only: whole pages of each KV head's positions
     # past it go back, counted by mincore. An answer's worth of positions is kept. What the state
-    # computes next is what a fresh state computes, bit for bit.
-    from cflow.engine import kv_bytes_per_token
+    # computes next is what a fresh state computes, bit for bit. What it commits is what the
+    # prompt cache's budget counts (kv_bytes_held), for each cache type.
+    from cflow.engine import kv_bytes_held, kv_bytes_per_token
 
-    eng = Engine(qwen3_q4, threads=2, n_ctx=4096)
+    k, v = (kv.split("/") * 2)[:2]
+    eng = Engine(qwen3_hd64, threads=2, n_ctx=4096, cache_type_k=k, cache_type_v=v)
+    assert eng.kv_dtype == kv
     long = [int(i) for i in np.random.default_rng(3).integers(0, 256, 1500)]
     st = eng.new_state()
     assert st.kv_resident_bytes == 0
     eng.forward(st, long)
     full = st.kv_resident_bytes
-    assert full >= 1500 * kv_bytes_per_token(eng)
+    assert full >= 1500 * kv_bytes_per_token(eng) and full == kv_bytes_held(eng, 1500)
     st.truncate(1480)
     assert st.kv_resident_bytes == full
     st.truncate(100)
@@ -278,6 +288,57 @@ def test_the_int8_paths_keep_keys_and_values_as_halves(qwen3_q4):
     with pytest.raises(CflowError, match="different models"):
         b.copy_prefix(a, 10)
     assert a.tokens == IDS[:40] and b.tokens == IDS[:40]
+
+
+def test_a_q8_0_cache_is_attention_over_its_rounded_keys_and_values(qwen3_hd64):
+    # cache_type_k / cache_type_v "q8_0": llama.cpp's blocks of 32 int8 and a half scale, 17/32
+    # of the halves' bytes. The fp32 path over such a cache computes what the numpy interpreter
+    # computes with its keys and values rounded by gguf's q8_0 quantizer (ggml's reference), the
+    # keys' blocks over their rotary pairs: the cache holds exactly those values and attention
+    # reads them as floats. Keys alone, values alone, both. The int8 path over it stays near its f16 cache's logits, and every row still
+    # gets its own numbers in any step (three spans of keys: blocks of prompt rows, spans spread
+    # over the threads, whole rows of a batch).
+    from cflow.engine import kv_bytes_per_token
+
+    ids = [int(i) for i in np.random.default_rng(6).integers(0, 256, size=301)]
+    for k, v in (("q8_0", "q8_0"), ("q8_0", None), (None, "q8_0")):
+        exact = Engine(qwen3_hd64, threads=2, n_ctx=512, fast=False, cache_type_k=k, cache_type_v=v)
+        ref_eng = RefEngine(qwen3_hd64, n_ctx=512, cache_type_k=k, cache_type_v=v)
+        assert exact.kv_types == ref_eng.kv_types == (k or "f32", v or "f32")
+        got = exact.forward(exact.new_state(), ids, all_logits=True)
+        want = ref_eng.forward(ref_eng.new_state(), ids, all_logits=True)
+        # (a key the two compute 1e-7 apart can round to neighbouring int8 steps: 3e-5 seen)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-4
+        plain = RefEngine(qwen3_hd64, n_ctx=512).forward(RefEngine(qwen3_hd64, n_ctx=512).new_state(), ids,
+                                                         all_logits=True)
+        assert np.linalg.norm(plain - want) / np.linalg.norm(want) > 1e-3  # the rounding is there to see
+    f16 = Engine(qwen3_hd64, threads=2, n_ctx=512)
+    q8 = Engine(qwen3_hd64, threads=2, n_ctx=512, cache_type_k="q8_0", cache_type_v="q8_0")
+    assert (f16.kv_dtype, q8.kv_dtype) == ("f16", "q8_0")
+    assert 32 * kv_bytes_per_token(q8) == 17 * kv_bytes_per_token(f16)
+    whole = q8.forward(q8.new_state(), ids, all_logits=True)
+    near = f16.forward(f16.new_state(), ids, all_logits=True)
+    assert np.linalg.norm(whole - near) / np.linalg.norm(near) < 2e-2
+    assert (whole.argmax(-1) == near.argmax(-1)).mean() >= 0.9
+    piece = q8.new_state()
+    q8.forward(piece, ids[:-2])
+    assert np.array_equal(q8.forward(piece, ids[-2:]), whole[-1])
+    one = q8.new_state()
+    q8.forward(one, ids[:-1])
+    alone = q8.forward(one, ids[-1:])
+    many = [q8.new_state() for _ in range(6)]
+    q8.forward(many, [ids[:-1]] + [ids[:40 + i] for i in range(5)])
+    assert np.array_equal(q8.forward(many, [ids[-1:]] + [[3]] * 5)[0], alone)
+    # a state keeps its engine's cache type: another's is refused, nothing lost
+    with pytest.raises(CflowError, match="another model or KV cache type"):
+        f16.forward(one, [1])
+    with pytest.raises(CflowError, match="different models or KV cache types"):
+        f16.new_state().copy_prefix(one, 10)
+    assert one.tokens == ids
+    with pytest.raises(CflowError, match="cache_type_k must be one of f16, q8_0, f32"):
+        Engine(qwen3_hd64, cache_type_k="q4_0")
+    with pytest.raises(CflowError, match="multiples of 32 .* are 16: use f16"):
+        Engine(to_cflow(tiny_hf("qwen3")), cache_type_v="q8_0")
 
 
 def test_keys_and_values_a_step_reads_follow_the_windows():

@@ -168,6 +168,44 @@ def test_top_k_ids_refuses_values_not_finite_and_bad_k(isa):
             core.ops.top_k_ids(x, k, isa)
 
 
+# ---- the KV cache's q8_0 blocks ---------------------------------------------------------------
+
+@pytest.mark.parametrize("isa", ISAS)
+@fast
+@given(blocks=st.integers(1, 12), seed=st.integers(0, 2**32 - 1), spread=st.sampled_from([1e-2, 1.0, 300.0]))
+def test_kv_q8_0_blocks_are_ggml_s(isa, blocks, seed, spread):
+    # the cache's q8_0 blocks are the bytes gguf's reference quantizer (ggml's bit for bit) writes,
+    # ties of half a step rounded away from zero as its roundf; a block of zeros has scale 0;
+    # every ISA widens them to the same floats, d * q exactly
+    from gguf import GGMLQuantizationType, quants
+
+    x = (rng(seed).standard_normal(32 * blocks) * spread).astype(np.float32)
+    x[:32] = np.array([127, 2.5, -2.5, 0.5, -0.5, 1.5, -1.5, 126.5] + [0] * 24, np.float32)  # scale 1: exact ties
+    if blocks > 1:
+        x[32:64] = 0
+    got = ops.quantize_q8_0(x)
+    want = quants.quantize(x.reshape(1, -1), GGMLQuantizationType.Q8_0).reshape(-1)
+    np.testing.assert_array_equal(got, want)
+    assert got[2:10].view(np.int8).tolist() == [127, 3, -3, 1, -1, 2, -2, 127]
+    back = ops.dequantize_q8_0(got, isa=isa)
+    np.testing.assert_array_equal(back, quants.dequantize(want, GGMLQuantizationType.Q8_0).reshape(-1))
+    # within half a step, plus what the half scale's rounding (2^-11 of it) moves 127 steps
+    d = np.abs(x.reshape(-1, 32)).max(1, keepdims=True) / 127
+    assert (np.abs(back.reshape(-1, 32) - x.reshape(-1, 32)) <= d * (0.5 + 127 * 2.0**-11) * (1 + 1e-6)).all()
+
+
+def test_kv_q8_0_block_with_a_value_not_finite_reads_as_nan():
+    # attention then carries the NaN to the logits, where the engine refuses them
+    x = np.ones(96, np.float32)
+    x[40] = np.inf
+    back = ops.dequantize_q8_0(ops.quantize_q8_0(x))
+    assert np.isnan(back[32:64]).all() and np.isfinite(back[:32]).all() and np.isfinite(back[64:]).all()
+    with pytest.raises(CflowError, match="multiple of 32"):
+        ops.quantize_q8_0(np.ones(40, np.float32))
+    with pytest.raises(CflowError, match="34 bytes each"):
+        ops.dequantize_q8_0(np.zeros(33, np.uint8))
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 def test_bad_input_raises_cflow_error():

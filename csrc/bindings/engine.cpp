@@ -31,7 +31,8 @@ void bind_engine(nb::module_& m) {
   nb::class_<State>(m, "EngineState", "One sequence: its tokens and KV cache")
       .def_prop_ro("pos", &State::pos, "tokens in the cache")
       .def_prop_ro("n_ctx", &State::n_ctx)
-      .def_prop_ro("kv_half", &State::kv_half, "keys and values stored as IEEE halves (else floats)")
+      .def_prop_ro("kv_types", [](const State& st) { return std::pair(kv_type_name(st.key_type()), kv_type_name(st.value_type())); },
+                   "how the KV cache stores keys and values: ('f16', 'f16'), 'f32' or 'q8_0' each")
       .def_prop_ro("tokens", &State::tokens, "the token history (a copy)")
       .def("truncate", &State::truncate, "n"_a, "keep the first n tokens")
       .def("copy_prefix", &State::copy_prefix, "src"_a, "n"_a, "become the first n tokens of src and their KV cache")
@@ -42,7 +43,7 @@ void bind_engine(nb::module_& m) {
           [](PyEngine* self, nb::object owner, Arr<const uint8_t> buf, const Plan& plan, int n_ctx, int threads,
              bool fast, const std::string& schedule, bool all_experts, const std::string& experts,
              const std::string& path, uint64_t cache_bytes, int io_threads, bool predict, bool direct,
-             const std::string& io) {
+             const std::string& io, const std::string& key_type, const std::string& value_type) {
             if (buf.ndim() != 1) throw nb::value_error("weights must be a 1-D uint8 buffer");
             EngineOptions opt;
             if (schedule == "pipeline") opt.schedule = Schedule::Pipeline;
@@ -59,16 +60,25 @@ void bind_engine(nb::module_& m) {
             if (io == "uring") opt.tier.backend = IoBackend::Uring;
             else if (io != "pread") throw nb::value_error("io must be 'pread' or 'uring'");
             opt.predict = predict;
+            auto kv_type = [](const std::string& name) -> std::optional<KvType> {
+              if (name.empty()) return std::nullopt;
+              for (KvType t : {KvType::F32, KvType::F16, KvType::Q8_0})
+                if (name == kv_type_name(t)) return t;
+              throw nb::value_error(("KV cache type must be 'f32', 'f16' or 'q8_0', got '" + name + "'").c_str());
+            };
+            opt.key_type = kv_type(key_type);
+            opt.value_type = kv_type(value_type);
             nb::gil_scoped_release nogil;  // the tier allocates its buffers
             new (self) PyEngine{owner, std::make_unique<Engine>(buf.data(), buf.size(), plan, n_ctx, threads, fast, opt)};
           },
           "owner"_a, "buf"_a, "plan"_a, "n_ctx"_a, "threads"_a, "fast"_a, "schedule"_a = "sequential",
           "all_experts"_a = false, "experts"_a = "mmap", "path"_a = "", "cache_bytes"_a = 0, "io_threads"_a = 4,
-          "predict"_a = true, "direct"_a = true, "io"_a = "pread")
+          "predict"_a = true, "direct"_a = true, "io"_a = "pread", "key_type"_a = "", "value_type"_a = "")
       .def("new_state", [](PyEngine& e) { return e.eng->new_state(); })
       .def_prop_ro("threads", [](PyEngine& e) { return e.eng->threads(); })
-      .def_prop_ro("kv_half", [](PyEngine& e) { return e.eng->kv_half(); },
-                   "the states' KV cache holds IEEE halves (the int8 paths) rather than floats (fp32)")
+      .def_prop_ro("kv_types",
+                   [](PyEngine& e) { return std::pair(kv_type_name(e.eng->key_type()), kv_type_name(e.eng->value_type())); },
+                   "how the states' KV cache stores keys and values (State)")
       .def_prop_ro("vocab", [](PyEngine& e) { return e.eng->vocab(); })
       .def_prop_ro("prompt_rows_as_decode", [](PyEngine& e) { return e.eng->prompt_rows_as_decode(); },
                    "a prompt row computes bit for bit what a decode row computes")

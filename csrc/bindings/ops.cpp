@@ -84,6 +84,30 @@ void bind_ops(nb::module_& root) {
         },
         "y"_a.noconvert(), "x"_a, "w"_a, "eps"_a, "w_offset"_a, "isa"_a = nb::none());
 
+  // The KV cache's q8_0 blocks (ops.h): x (n,) floats, n a multiple of 32 -> y (n / 32 * 34,) bytes.
+  m.def("to_q8_0",
+        [](Arr<uint8_t> y, CF32 x) {
+          require(x.ndim() == 1 && x.shape(0) % 32 == 0, "to_q8_0: x must be (n,) with n a multiple of 32");
+          require(y.ndim() == 1 && y.shape(0) == x.shape(0) / 32 * cflow::kQ8Block,
+                  "to_q8_0: y must be (" + std::to_string(x.shape(0) / 32 * cflow::kQ8Block) + ",)");
+          require(x.size() < (size_t(1) << 31), "to_q8_0: array too large");
+          nb::gil_scoped_release nogil;
+          cflow::to_q8_0(x.data(), y.data(), (int)x.shape(0));
+        },
+        "y"_a.noconvert(), "x"_a);
+  // y (n,) floats <- x (n / 32 * 34,) bytes of q8_0 blocks, as one row of n values.
+  m.def("from_q8",
+        [](F32 y, Arr<const uint8_t> x, const Isa& isa) {
+          require(y.ndim() == 1 && y.shape(0) % 32 == 0, "from_q8: y must be (n,) with n a multiple of 32");
+          require(x.ndim() == 1 && x.shape(0) == y.shape(0) / 32 * cflow::kQ8Block,
+                  "from_q8: x must be (" + std::to_string(y.shape(0) / 32 * cflow::kQ8Block) + ",)");
+          require(y.size() < (size_t(1) << 31), "from_q8: array too large");
+          const cflow::OpsTable& t = pick(isa);
+          nb::gil_scoped_release nogil;
+          t.from_q8(x.data(), 1, (int)y.shape(0), y.data());
+        },
+        "y"_a.noconvert(), "x"_a, "isa"_a = nb::none());
+
   // In place, row-wise: x (..., n).
   m.def("softmax",
         [](F32 x, const Isa& isa) {

@@ -98,6 +98,15 @@ void to_half(const float* x, uint16_t* y, int n) {
   for (int i = 0; i < n; ++i) y[i] = f32_to_fp16(x[i]);
 }
 
+void from_q8(const uint8_t* x, int rows, int hd, float* y) {
+  for (int b = 0; b < rows * (hd / 32); ++b, x += kQ8Block, y += 32) {
+    fp16_t h;
+    std::memcpy(&h, x, 2);
+    const float d = fp16_to_f32(h);
+    for (int i = 0; i < 32; ++i) y[i] = d * (float)(int8_t)x[2 + i];
+  }
+}
+
 float exp_max(float* x, int n, float* mx) {
   const float m = *mx = *std::max_element(x, x + n);
   double sum = 0;
@@ -120,6 +129,22 @@ int at_least(const float* x, int n, float bound, int32_t* ids) {
 }
 
 }  // namespace ref
+
+void to_q8_0(const float* x, uint8_t* y, int n) {
+  for (int b = 0; b < n / 32; ++b, x += 32, y += kQ8Block) {
+    float amax = 0.f;
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      amax = std::max(amax, std::fabs(x[i]));
+      finite = finite && std::isfinite(x[i]);
+    }
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    const fp16_t h = finite ? f32_to_fp16(d) : (fp16_t)0x7e00;  // a NaN scale: the block's values are NaN
+    std::memcpy(y, &h, 2);
+    for (int i = 0; i < 32; ++i)
+      y[2 + i] = (uint8_t)(int8_t)(finite ? std::clamp(std::round(x[i] * id), -127.f, 127.f) : 0.f);
+  }
+}
 
 constexpr int kTopKRun = 256;  // values per run of top_k_ids' bound
 

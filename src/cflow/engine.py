@@ -50,26 +50,50 @@ ACTIVATIONS = {"int8x2": dict(fast=True, precise=True), "int8": dict(fast=True, 
 int8, fp32."""
 
 
-def _kv_value_bytes(engine) -> int:
-    """Bytes of one cached key or value element, as engine.kv_dtype stores them (f16: 2, f32: 4)."""
-    return 2 if engine.kv_dtype == "f16" else 4
+KV_CACHE_TYPES = ("f16", "q8_0", "f32")
+"""How the KV cache may store keys and values (Engine cache_type_k / cache_type_v, CLI
+--cache-type-k / --cache-type-v, as llama.cpp names them): IEEE halves (the int8 paths' default),
+llama.cpp's q8_0 blocks (32 int8 and a half scale: 17/32 of the halves' memory and of the bytes
+attention reads), or floats (the fp32 path's default)."""
+
+
+def check_kv_types(cache_type_k: str | None, cache_type_v: str | None, plan=None) -> None:
+    """Raise CflowError for a KV cache type not in KV_CACHE_TYPES (None: the engine's default), or
+    for q8_0 where the plan's head dims are not multiples of its blocks of 32."""
+    for name, t in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
+        if t is not None and t not in KV_CACHE_TYPES:
+            raise CflowError(f"{name} must be one of {', '.join(KV_CACHE_TYPES)}, got {t!r}")
+    if plan is not None and "q8_0" in (cache_type_k, cache_type_v):
+        odd = sorted({d for _, d in _plan().kv_slots(plan) if d % 32})
+        if odd:
+            raise CflowError(f"a q8_0 KV cache takes head dims that are multiples of 32 (its blocks); this model's "
+                             f"are {', '.join(map(str, odd))}: use f16")
+
+
+def kv_row_bytes(dtype: str, head_dim: int) -> int:
+    """Bytes one position of one KV head takes in a cache of `dtype` (KV_CACHE_TYPES)."""
+    if dtype == "q8_0":
+        return head_dim // 32 * 34
+    return head_dim * (2 if dtype == "f16" else 4)
 
 
 def _kv_heads(engine) -> list[tuple[int, int]]:
-    """Per KV slot: (n_kv_head, bytes of one token in one head)."""
-    return [(h, d * _kv_value_bytes(engine)) for h, d in _plan().kv_slots(engine.plan)]
+    """Per KV slot: (n_kv_head, bytes of one token's key and value in one head)."""
+    k, v = engine.kv_types
+    return [(h, kv_row_bytes(k, d) + kv_row_bytes(v, d)) for h, d in _plan().kv_slots(engine.plan)]
 
 
 def kv_bytes_per_token(engine) -> int:
     """Bytes of KV cache one token takes in one state: K and V of every attention layer."""
-    return sum(2 * h * b for h, b in _kv_heads(engine))
+    return sum(h * b for h, b in _kv_heads(engine))
 
 
 def kv_bytes_read(engine, context: int) -> int:
     """Bytes of keys and values a decode step at `context` positions reads: every attention op's K
     and V over its window (the whole context where it has none)."""
-    size = _kv_value_bytes(engine)
-    return sum(2 * op.n_kv_head * op.head_dim * size * (min(context, op.window) if op.window > 0 else context)
+    k, v = engine.kv_types
+    return sum(op.n_kv_head * (kv_row_bytes(k, op.head_dim) + kv_row_bytes(v, op.head_dim))
+               * (min(context, op.window) if op.window > 0 else context)
                for op in engine.plan.ops if isinstance(op, _plan().Attention))
 
 
@@ -79,7 +103,9 @@ PAGE = 4096  # the pages a state's KV cache is committed in
 def kv_bytes_held(engine, n: int) -> int:
     """Bytes of memory a state holding n tokens has committed: each KV head's positions are one
     region of n_ctx (State's head-major layout), committed in whole pages as it fills."""
-    return sum(2 * h * -(-n * b // PAGE) * PAGE for h, b in _kv_heads(engine))
+    k, v = engine.kv_types
+    return sum(h * sum(-(-n * kv_row_bytes(t, d) // PAGE) * PAGE for t in (k, v))
+               for h, d in _plan().kv_slots(engine.plan))
 
 
 def available_memory() -> int | None:
@@ -183,7 +209,7 @@ def build_plan(weights, cfg: ModelConfig, precise=()):
 class EngineBase:
     """What both engines share: the plan, the context, argument checks, and forward over one or
     several states. Subclasses implement new_state() and _forward(states, ids, all_logits), and
-    say how their KV cache stores keys and values (kv_dtype, "f32" or "f16").
+    say how their KV cache stores keys and values (kv_types: "f32", "f16" or "q8_0" each; kv_dtype).
 
     fast=True: activations quantized to int8 per op (integer dot products); fast=False: fp32
     activations, the parity path. precise=True (with fast; the default): two-level int8 for
@@ -225,6 +251,12 @@ class EngineBase:
 
     def new_state(self):
         raise NotImplementedError
+
+    @property
+    def kv_dtype(self) -> str:
+        """kv_types in one word: "f16", "q8_0" or "f32", or "K/V" (such as "q8_0/f16") when they differ."""
+        k, v = self.kv_types
+        return k if k == v else f"{k}/{v}"
 
     @property
     def prompt_rows_as_decode(self) -> bool:
@@ -406,7 +438,7 @@ class Engine(EngineBase):
     def __init__(self, weights, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True,
                  precise: bool | Iterable[str] = True, schedule: str = "sequential", all_experts: bool = False,
                  ram_budget=None, expert_policy: str | None = None, io_threads: int = 4, predict: bool = True,
-                 io_backend: str = "pread"):
+                 io_backend: str = "pread", cache_type_k: str | None = None, cache_type_v: str | None = None):
         from cflow._native import core
 
         if schedule not in SCHEDULES:
@@ -417,7 +449,9 @@ class Engine(EngineBase):
             raise CflowError(f"io_threads must be in 1..256, got {io_threads!r}")
         if io_backend not in IO_BACKENDS:
             raise CflowError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
+        check_kv_types(cache_type_k, cache_type_v)
         super().__init__(weights, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise)
+        check_kv_types(cache_type_k, cache_type_v, self.plan)
         self.schedule, self.all_experts = schedule, bool(all_experts)
         buf = getattr(self.file, "buffer", None)
         if buf is None:
@@ -429,7 +463,7 @@ class Engine(EngineBase):
         try:
             self._core = core.EngineCore(buf, buf, self.plan, self.n_ctx, self.threads, self.fast, schedule,
                                          self.all_experts, self.expert_policy, path, cache, io_threads, bool(predict),
-                                         True, io_backend)
+                                         True, io_backend, cache_type_k or "", cache_type_v or "")
         except (RuntimeError, ValueError) as e:
             raise CflowFormatError(f"cannot run this model: {e}") from None
 
@@ -490,10 +524,10 @@ class Engine(EngineBase):
         return {"bytes": dict(zip(STREAMS, b)), "steps": steps, "rows": rows}
 
     @property
-    def kv_dtype(self) -> str:
-        """How the KV cache stores keys and values: "f16" on the int8 paths (half the memory and
-        the bytes attention reads, as llama.cpp's default cache), "f32" on the fp32 parity path."""
-        return "f16" if self._core.kv_half else "f32"
+    def kv_types(self) -> tuple[str, str]:
+        """How the KV cache stores keys and values (KV_CACHE_TYPES): ("f16", "f16") on the int8
+        paths unless cache_type_k / cache_type_v said otherwise, ("f32", "f32") on the fp32 path."""
+        return tuple(self._core.kv_types)
 
     @functools.cached_property
     def prompt_rows_as_decode(self) -> bool:

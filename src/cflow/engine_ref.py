@@ -77,14 +77,40 @@ def silu(x: np.ndarray) -> np.ndarray:
 ACT_FNS = {P.ACTS["silu"]: silu, P.ACTS["gelu_tanh"]: gelu_tanh, P.ACTS["relu2"]: lambda x: np.square(np.maximum(x, 0))}
 
 
-class RefEngine(EngineBase):
-    """The plan interpreter; `fast` and `precise` are accepted and ignored (always fp32)."""
+def kv_round(x: np.ndarray, dtype: str, keys: bool = False) -> np.ndarray:
+    """x (..., head_dim) as a KV cache of dtype holds it: itself (f32), rounded to halves (f16), or
+    quantized to q8_0 blocks of 32 along head_dim and back (gguf.quants, ggml's reference); keys
+    in rotary pairs (i, i + head_dim / 2) side by side, as the native cache stores them."""
+    if dtype == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "q8_0":
+        from gguf import GGMLQuantizationType, quants
 
-    kv_dtype = "f32"
+        shape, h = x.shape, x.shape[-1] // 2
+        if keys:  # (..., h, 2): pair i is (x[i], x[i + h])
+            x = np.stack([x[..., :h], x[..., h:]], -1)
+        flat = np.ascontiguousarray(x, np.float32).reshape(-1, 2 * h)
+        y = quants.dequantize(quants.quantize(flat, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        y = y.reshape(x.shape).astype(np.float32)
+        return np.concatenate([y[..., 0], y[..., 1]], -1) if keys else y.reshape(shape)
+    return x
+
+
+class RefEngine(EngineBase):
+    """The plan interpreter; `fast` and `precise` are accepted and ignored (always fp32). Its cache
+    holds floats; cache_type_k / cache_type_v round what it stores as the native cache of that
+    type would (kv_round)."""
 
     def __init__(self, weights, *, threads: int | None = None, n_ctx: int | None = None, fast: bool = True,
-                 precise=True):
+                 precise=True, cache_type_k: str | None = None, cache_type_v: str | None = None):
+        from cflow.engine import check_kv_types
+
+        check_kv_types(cache_type_k, cache_type_v)
+        # the cache holds floats, rounded as the native engine's cache of each type would hold them
+        # (halves; q8_0 blocks through gguf's reference quantizer, which is ggml's bit for bit)
+        self.kv_types = (cache_type_k or "f32", cache_type_v or "f32")
         super().__init__(weights, threads=threads, n_ctx=n_ctx, fast=False, precise=())
+        check_kv_types(cache_type_k, cache_type_v, self.plan)
         self.slots = P.kv_slots(self.plan)
         self.ops, self.tensors, self.buffers = self.plan.ops, self.plan.tensors, self.plan.buffers  # copies, once
         self._w: dict[int, np.ndarray] = {}
@@ -217,7 +243,7 @@ class RefEngine(EngineBase):
         q = self.norm(q, op.q_norm) if per_head(op.q_norm) else q
         k = self.norm(k, op.k_norm) if per_head(op.k_norm) else k
         q, k = rope(q, pos, op.rope_theta), rope(k, pos, op.rope_theta)
-        st.k[op.kv][p0:p0 + T], st.v[op.kv][p0:p0 + T] = k, v
+        st.k[op.kv][p0:p0 + T], st.v[op.kv][p0:p0 + T] = kv_round(k, self.kv_types[0], keys=True), kv_round(v, self.kv_types[1])
         K, V = st.k[op.kv][:p0 + T], st.v[op.kv][:p0 + T]  # (S, nkv, hd)
         qg = q.reshape(T, nkv, nh // nkv, hd)  # query heads grouped by their KV head
         s = np.einsum("tgqd,sgd->gqts", qg, K) * np.float32(op.scale or hd**-0.5)  # (nkv, group, T, S)

@@ -135,15 +135,17 @@ def make_engine(src, *, threads=None, n_ctx=None, fast=True, engine: str | None 
     """The engine for an opened model: "native" (the default; also CFLOW_ENGINE) or "ref", the numpy
     interpreter of the same plan. fast / precise: the native engine's activations
     (cflow.engine.ACTIVATIONS); the reference engine always runs fp32 activations. native: the
-    native engine's other options (schedule, all_experts, ram_budget, expert_policy, io_threads:
-    cflow.engine.Engine); the reference engine runs op by op from memory and takes none of them."""
+    native engine's other options (schedule, all_experts, ram_budget, expert_policy, io_threads,
+    cache_type_k, cache_type_v: cflow.engine.Engine); the reference engine runs op by op from
+    memory and takes only the cache types of them."""
     choice = engine or os.environ.get("CFLOW_ENGINE") or "native"
     if choice not in ENGINES:
         raise CflowError(f"engine must be one of {', '.join(ENGINES)}, got {choice!r}")
     if choice == "ref":
         from cflow.engine_ref import RefEngine
 
-        return RefEngine(src, threads=threads, n_ctx=n_ctx)
+        return RefEngine(src, threads=threads, n_ctx=n_ctx, cache_type_k=native.get("cache_type_k"),
+                         cache_type_v=native.get("cache_type_v"))
     from cflow.engine import Engine
 
     return Engine(src, threads=threads, n_ctx=n_ctx, fast=fast, precise=precise, **native)
@@ -154,8 +156,9 @@ class LLM:
 
     model: a name known to `cflow pull` (pulled on first use), a .cflow path, a .gguf path, an HF
     directory (converted into the cache on first use) or hf://owner/repo/file.
-    native: the native engine's options (cflow.engine.Engine): schedule, all_experts, and the expert
-    tier's ram_budget (bytes or "8G"), expert_policy ("mmap", "sync", "staged"), io_threads.
+    native: the native engine's options (cflow.engine.Engine): schedule, all_experts, the KV cache's
+    cache_type_k and cache_type_v ("f16", "q8_0", "f32"), and the expert tier's ram_budget (bytes or
+    "8G"), expert_policy ("mmap", "sync", "staged"), io_threads.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, threads=None, n_ctx=None, fast=True,

@@ -17,7 +17,7 @@ from cflow.errors import CflowError
 
 _ops = core.ops
 
-__all__ = ["rmsnorm", "softmax", "swiglu", "geglu"]
+__all__ = ["rmsnorm", "softmax", "swiglu", "geglu", "quantize_q8_0", "dequantize_q8_0"]
 
 
 def _call(fn, *args, **kw):
@@ -64,3 +64,22 @@ def swiglu(g, u, *, isa=None) -> np.ndarray:
 def geglu(g, u, *, isa=None) -> np.ndarray:
     """``gelu_tanh(g) * u``."""
     return _binary(_ops.geglu, g, u, isa)
+
+
+def quantize_q8_0(x) -> np.ndarray:
+    """x (n,), n a multiple of 32, as the KV cache's q8_0 blocks store it (llama.cpp's block_q8_0:
+    per 32 values a half scale d = max|x| / 127 and int8 round(x / d)): (n / 32 * 34,) uint8."""
+    x = _f32(x)
+    y = np.empty((x.size // 32 * 34 if x.ndim == 1 else 0,), np.uint8)
+    _call(_ops.to_q8_0, y, x)
+    return y
+
+
+def dequantize_q8_0(b, *, isa=None) -> np.ndarray:
+    """The floats q8_0 blocks (quantize_q8_0's bytes) hold: d * q, exact, as attention reads them."""
+    b = np.ascontiguousarray(b, dtype=np.uint8)
+    if b.ndim != 1 or b.size % 34:
+        raise CflowError(f"q8_0 blocks take 34 bytes each: got {b.shape}")
+    y = np.empty((b.size // 34 * 32,), np.float32)
+    _call(_ops.from_q8, y, b, isa=isa)
+    return y

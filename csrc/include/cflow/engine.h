@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,24 +40,36 @@
 
 namespace cflow {
 
-// One sequence: its tokens so far and, per KV slot of the plan, its keys and values
-// (n_ctx, n_kv_head * head_dim) fp32. The cache rows are left uninitialized: only positions
-// below pos() are read, and pages are committed as they fill (anonymous mappings, map_kv).
+// How a state's KV cache stores keys (values), per position and KV head: hd floats (the fp32
+// path: exact against PyTorch), hd IEEE halves (the int8 paths' default, as llama.cpp's f16
+// cache: half the memory and the bytes attention reads), or hd / 32 q8_0 blocks of an IEEE half
+// scale and 32 int8 (llama.cpp's `--cache-type-k q8_0`: 17/32 of the halves' bytes; keys with
+// each rotary pair side by side, run_op(Attention)), quantized as they are written (to_q8_0,
+// ops.h) and widened to floats a piece at a time as attention reads them (from_q8), so attention
+// over them is the float path's over those values.
+enum class KvType : int { F32 = 0, F16 = 1, Q8_0 = 2 };
+// Bytes of one position of one KV head (hd values); hd % 32 == 0 for Q8_0.
+size_t kv_row_bytes(KvType t, int hd);
+const char* kv_type_name(KvType t);
+
+// One sequence: its tokens so far and, per KV slot of the plan, its keys and values (KvType).
+// The cache rows are left uninitialized: only positions below pos() are read, and pages are
+// committed as they fill (anonymous mappings, map_kv).
 class State {
  public:
-  // kv_half: K and V stored as IEEE halves (the int8 paths' cache: half the memory and the
-  // bytes attention reads, as llama.cpp's default f16 cache), else as floats (the fp32 path,
-  // exact against PyTorch).
-  // Layout, per KV slot (attention layer): head-major, (n_kv_head, n_ctx, head_dim), so that the
-  // positions of one KV head, which one attention unit reads, are one contiguous stream.
-  // kv_widths[s] = n_kv_head * head_dim, kv_head_dims[s] = head_dim.
-  State(int n_ctx, const std::vector<int>& kv_widths, const std::vector<int>& kv_head_dims, bool kv_half);
+  // Layout, per KV slot (attention layer): head-major, (n_kv_head, n_ctx, row) with a row
+  // kv_row_bytes(type, head_dim), so that the positions of one KV head, which one attention unit
+  // reads, are one contiguous stream. kv_widths[s] = n_kv_head * head_dim, kv_head_dims[s] =
+  // head_dim; keys of key_type, values of value_type.
+  State(int n_ctx, const std::vector<int>& kv_widths, const std::vector<int>& kv_head_dims, KvType key_type,
+        KvType value_type);
   State(const State&) = delete;
   State& operator=(const State&) = delete;
 
   int pos() const { return (int)tokens_.size(); }
   int n_ctx() const { return n_ctx_; }
-  bool kv_half() const { return kv_half_; }
+  KvType key_type() const { return kt_; }
+  KvType value_type() const { return vt_; }
   const std::vector<int32_t>& tokens() const { return tokens_; }
   // Keeps the first n tokens (prompt reuse); 0 <= n <= pos().
   void truncate(int n);
@@ -72,7 +85,7 @@ class State {
   friend class Claim;
   int n_ctx_;
   std::vector<int> kv_width_, kv_hd_;
-  bool kv_half_;
+  KvType kt_, vt_;
   // An anonymous private mapping of n bytes: its pages are committed as they are first written
   // and go back to the system with the state, whatever the C library does with large blocks.
   struct Unmap {
@@ -81,9 +94,11 @@ class State {
   };
   using KvBuffer = std::unique_ptr<uint8_t, Unmap>;
   static KvBuffer map_kv(size_t n);
-  // per slot: (n_ctx, width) keys and values, floats or halves (kv_half_)
+  // per slot: (n_kv_head, n_ctx, row) keys and values
   std::vector<KvBuffer> k_, v_;
-  size_t kv_elem() const { return kv_half_ ? 2 : 4; }
+  // per slot: bytes of one position of one head, keys' and values'
+  size_t k_row(size_t slot) const { return kv_row_bytes(kt_, kv_hd_[slot]); }
+  size_t v_row(size_t slot) const { return kv_row_bytes(vt_, kv_hd_[slot]); }
   std::vector<int32_t> tokens_;
   std::atomic<bool> busy_{false};  // in a forward now
   // Positions whose KV pages may be committed: the most any history of this state has reached
@@ -116,6 +131,9 @@ enum class ExpertPolicy : int { Mmap = 0, Sync = 1, Staged = 2 };
 
 struct EngineOptions {
   Schedule schedule = Schedule::Sequential;
+  // The states' KV cache, keys and values: unless given, F16 on the int8 paths and F32 on the
+  // fp32 path (exact against PyTorch).
+  std::optional<KvType> key_type, value_type;
   bool all_experts = false;  // read (and multiply) every expert of an Experts op, keep the chosen
   ExpertPolicy experts = ExpertPolicy::Mmap;
   TierOptions tier;       // sync and staged: the file, the cache size, the I/O threads
@@ -150,7 +168,8 @@ class Engine {
   std::unique_ptr<State> new_state() const;
   int vocab() const { return vocab_; }
   int n_ctx() const { return n_ctx_; }
-  bool kv_half() const { return fast_; }  // the states' KV cache type (State)
+  KvType key_type() const { return kt_; }  // the states' KV cache (State)
+  KvType value_type() const { return vt_; }
   // Whether a prompt row computes bit for bit what a decode row computes: every matrix takes its
   // prompt rows through its batched decode kernel (AVX-512, fast paths, no experts). Then a
   // cached prefix may stop one token short of a prompt, where it otherwise stops two short so
@@ -262,6 +281,7 @@ class Engine {
   int n_ctx_, threads_, vocab_ = 0, max_width_ = 0;
   bool logits_by_seq_ = true;  // only last-token ops touch the logits buffer (plan_schedule)
   bool fast_;
+  KvType kt_, vt_;  // the states' keys and values (EngineOptions)
   bool any_precise_ = false;  // some op runs two-level activations
   Isa isa_;                   // kernel ISA, resolved once (CFLOW_ISA caps it)
   std::vector<Weight> W_;

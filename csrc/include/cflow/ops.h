@@ -23,6 +23,15 @@ namespace cflow {
 // to ramp up, and the caches of a step of 8 long sequences do not hold them (docs/KERNELS.md, "Ops").
 constexpr int kAttnPrefetchRows = 16;
 
+// A q8_0 block of the KV cache, as llama.cpp's block_q8_0: an IEEE half scale, then 32 int8.
+constexpr int kQ8Block = 34;
+// y (n / 32 blocks; n a multiple of 32) = x quantized per 32 values as llama.cpp quantizes its
+// q8_0 KV cache: d = max |x| / 127 (stored as a half), q = x * (1 / d) rounded half away from
+// zero, as its roundf. One scalar implementation for every ISA, so that a cache means the same
+// numbers on every path. A block holding a value that is not finite gets a NaN scale, which
+// attention carries to the logits.
+void to_q8_0(const float* x, uint8_t* y, int n);
+
 struct OpsTable {
   Isa isa;
   // x, y: (rows, n); w: (n). y = x / sqrt(mean(x^2) + eps) * (w_offset + w). y may be x.
@@ -55,6 +64,10 @@ struct OpsTable {
                        size_t ldo);
   // y (n halves) = x (n floats), rounded to nearest even (as F16C's vcvtps2ph).
   void (*to_half)(const float* x, uint16_t* y, int n);
+  // y (rows, hd) floats = x: rows of hd / 32 q8_0 blocks (kQ8Block bytes each: an IEEE half scale
+  // d, then 32 int8 q), y = d * q. Exact (an int8 times a half fits a float's 24 bits), so every
+  // ISA gives the same floats, and attention over a q8_0 cache is attention over them.
+  void (*from_q8)(const uint8_t* x, int rows, int hd, float* y);
   // x (n >= 1), in place: x[i] = exp(x[i] - max(x)); *mx = max(x), returns the sum of the new x
   // (an unnormalised softmax: attention over one span of keys, merged with the others later).
   float (*exp_max)(float* x, int n, float* mx);
@@ -86,6 +99,7 @@ void dot_rows_n_h(const float* q, size_t ldq, int nq, const uint16_t* K, size_t 
 void mix_rows_n_h(const float* p, size_t ldp, int nq, const uint16_t* V, size_t ldv, int n, int hd, float* out,
                   size_t ldo);
 void to_half(const float* x, uint16_t* y, int n);
+void from_q8(const uint8_t* x, int rows, int hd, float* y);
 float exp_max(float* x, int n, float* mx);
 bool block_maxima(const float* x, int n, int run, float* out);
 int at_least(const float* x, int n, float bound, int32_t* ids);
@@ -166,5 +180,6 @@ inline void mix_rows_n_h(const float* p, size_t ldp, int nq, const uint16_t* V, 
 }
 inline void to_half(const float* x, uint16_t* y, int n) { ops().to_half(x, y, n); }
 inline float exp_max(float* x, int n, float* mx) { return ops().exp_max(x, n, mx); }
+inline void from_q8(const uint8_t* x, int rows, int hd, float* y) { ops().from_q8(x, rows, hd, y); }
 
 }  // namespace cflow

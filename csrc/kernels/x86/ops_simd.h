@@ -396,3 +396,20 @@ void to_half(const float* x, uint16_t* y, int n) {
   for (; i + W <= n; i += W) V::store_h(y + i, V::load(x + i));
   if (i < n) V::store_h_n(y + i, V::load_n(x + i, n - i), n - i);
 }
+
+// ops.h: a block's 32 int8 widened 8 at a time (AVX2's 256-bit ops on both ISAs: a block is
+// four of them), times its half scale; the products are exact, as the reference's.
+void from_q8(const uint8_t* x, int rows, int hd, float* y) {
+  for (int b = 0; b < rows * (hd / 32); ++b, x += kQ8Block, y += 32) {
+    // the cache's rows kAttnPrefetchRows ahead on their way, as the attention loops prefetch
+    // (a span's rows are a stream too short for the hardware prefetchers)
+    _mm_prefetch((const char*)x + (size_t)kAttnPrefetchRows * (hd / 32) * kQ8Block, _MM_HINT_T0);
+    uint16_t h;
+    std::memcpy(&h, x, 2);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
+    for (int i = 0; i < 4; ++i) {
+      const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(x + 2 + 8 * i)));
+      _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+    }
+  }
+}
