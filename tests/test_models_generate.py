@@ -476,6 +476,7 @@ def test_bench_decode_json(tiny_dir, cli_cache):
     assert p.returncode == 0, err
     rec = json.loads(out.strip().splitlines()[-1])
     assert rec["threads"] == 1 and rec["activations"] == "int8" and rec["vs"] == {} and rec["depth"] == 1100
+    assert rec["kv_cache"] == "f16"
     assert len(rec["decode_runs"]) == len(rec["prefill_runs"]) == 2
     assert min(rec["decode_runs"]) <= rec["decode_tok_s"] <= max(rec["decode_runs"])
     assert rec["bytes_per_token"] > 0 and rec["probe_gbps"] > 0 and rec["probe_model_gbps"] > 0
@@ -494,6 +495,24 @@ def test_bench_decode_json(tiny_dir, cli_cache):
     p = _cli("bench", "decode", "-m", str(tiny_dir), "--depth", "0", cache=cli_cache)
     out, err = p.communicate(timeout=600)
     assert p.returncode != 0 and "--depth" in err
+    p = _cli("bench", "decode", "-m", str(tiny_dir), "-ctk", "q8_0", cache=cli_cache)  # head dims of 12
+    out, err = p.communicate(timeout=600)
+    assert p.returncode != 0 and "multiples of 32" in err and "Traceback" not in err
+
+
+def test_cache_type_flags_reach_the_engine():
+    # -ctk / -ctv (llama.cpp's spelling; --cache-type-k / -v) become the engine's cache types, on
+    # generate, chat, serve and bench decode alike; no flag leaves the engine's default
+    from cflow.cli import build_parser
+    from cflow.commands.generate import activation_kwargs
+
+    parser = build_parser()
+    for verb in (["generate", "hi"], ["chat"], ["serve"], ["bench", "decode"]):
+        kw = activation_kwargs(parser.parse_args(verb + ["-ctk", "q8_0", "--cache-type-v", "f32"]))
+        assert (kw["cache_type_k"], kw["cache_type_v"]) == ("q8_0", "f32")
+        assert "cache_type_k" not in activation_kwargs(parser.parse_args(verb))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hi", "-ctv", "q4_0"])
 
 
 def test_cli_bad_model_is_exit_2(tmp_path):

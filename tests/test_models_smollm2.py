@@ -139,14 +139,16 @@ def test_bench_fidelity_command(gguf_path, reference, capsys, monkeypatch):
     monkeypatch.setattr(fidelity, "reference_logits",
                         lambda gguf, ids, threads=None: (ref_logits(reference, ids),
                                                          {"transformers": tf.__version__, "attn_implementation": "sdpa"}))
-    assert main(["bench", "fidelity", "-m", str(gguf_path), "--tokens", "24", "--settings", "fp32,int8x2,int8x2:head",
-                 "--json"]) == 0
+    assert main(["bench", "fidelity", "-m", str(gguf_path), "--tokens", "24", "--settings",
+                 "fp32,int8x2,int8x2:head,int8x2@q8_0", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rec["positions"] == 24 and rec["quant_mix"] == {"Q4_1": 210, "Q8_0": 1} and not rec["bos_first"]
     assert [(r["engine"], r["setting"], r["pass"], r["default"]) for r in rec["rows"]] == [
         ("cflow", "fp32", "prefill", False), ("cflow", "int8x2", "prefill", True),
-        ("cflow", "int8x2:head", "prefill", False)]
+        ("cflow", "int8x2:head", "prefill", False), ("cflow", "int8x2@q8_0", "prefill", False)]
     assert rec["rows"][0]["top1"] == 1.0 and rec["rows"][0]["rel_err_mean"] < 1e-4
+    # a q8_0 KV cache: near the f16 cache's logits, not equal to them
+    assert rec["rows"][3]["top1"] >= 0.9 and rec["rows"][1]["rel_err_mean"] < rec["rows"][3]["rel_err_mean"] < 0.05
     assert any("llama.cpp skipped" in n for n in rec["notes"])
     assert fidelity.report(rec).count("\n") >= 6
 

@@ -158,7 +158,7 @@ class LlamaCppRunner:
     N_BATCH = 512  # tokens a llama_decode takes at most (llama.cpp aborts the process beyond)
 
     def __init__(self, gguf: str, threads: int, n_ctx: int, extra_bufts: bool | None = None,
-                 logits_all: bool = False, n_seq: int = 1):
+                 logits_all: bool = False, n_seq: int = 1, cache_types: tuple[str, str] = ("f16", "f16")):
         try:
             import llama_cpp
         except ImportError as e:
@@ -184,9 +184,15 @@ class LlamaCppRunner:
             n_ctx = n_seq * -(-n_ctx // (256 * n_seq)) * 256
         with (_default_params("model", use_extra_bufts=self.extra_bufts),
               _default_params("context", n_seq_max=n_seq, kv_unified=False) if n_seq > 1 else contextlib.nullcontext()):
+            # its KV cache of the types cflow's holds (--cache-type-k / -v): f16 unless asked; a
+            # quantized V cache needs llama.cpp's flash attention, off otherwise (llama-cpp-python's
+            # default)
+            ggml = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
+            self.cache_types, self.flash_attn = tuple(cache_types), cache_types[1] == "q8_0"
             self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=self.N_BATCH, n_ubatch=self.N_BATCH,
                                        n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
-                                       verbose=False)
+                                       type_k=ggml[cache_types[0]], type_v=ggml[cache_types[1]],
+                                       flash_attn=self.flash_attn, verbose=False)
         self.ctx = self.llm._ctx.ctx
         self.n_seq = n_seq
         self.steps: list[float] = []  # seconds of every decode step timed so far
@@ -337,11 +343,14 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
     short, long_ = _prompt(vocab, 16, 1), _prompt(vocab, prompt_len, 2)
     deep = _prompt(vocab, depth, 1)  # what decode runs start from (`short` itself at depth 16)
     ours = CflowRunner(engine)
-    theirs = LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32, depth + tokens + 32)) if gguf else None
+    # llama.cpp's KV cache as cflow's int8 paths keep theirs (f16 unless --cache-type-k / -v)
+    kv = tuple(engine.kv_types) if getattr(engine, "fast", False) else ("f16", "f16")
+    theirs = (LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32, depth + tokens + 32), cache_types=kv)
+              if gguf else None)
     # llama.cpp's steps of `batch` sequences run in a context of its own, opened for them (the one
     # above keeps llama.cpp's single-sequence setup)
-    theirs_b = (LlamaCppRunner(gguf, threads, max(1024, batch * (_decode_positions(depth, tokens) + 8)), n_seq=batch)
-                if gguf and batch > 1 else None)
+    theirs_b = (LlamaCppRunner(gguf, threads, max(1024, batch * (_decode_positions(depth, tokens) + 8)), n_seq=batch,
+                               cache_types=kv) if gguf and batch > 1 else None)
     # warm-up (page in the weights, spin up the threads)
     ours.decode(short, 8)
     ours.prefill(long_[:64])
@@ -383,7 +392,7 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
            # the median single step is what the engine does when it runs
            "decode_step_ms_median": round(1e3 * statistics.median(ours.steps), 3),
            "schedule": getattr(engine, "schedule", "sequential"), "all_experts": getattr(engine, "all_experts", False),
-           "vs": {}}
+           "kv_cache": getattr(engine, "kv_dtype", "f32"), "vs": {}}
     # the keys and values a decode step reads at the runs' mean context (the figures above count
     # weights only): at a depth of thousands they rival the weights
     from cflow.engine import kv_bytes_read
@@ -423,7 +432,8 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
                                   "decode_runs": rnd(ldec), "prefill_runs": rnd(lpre),
                                   "ratio_decode_runs": rnd(a / b for a, b in zip(dec, ldec)),
                                   "ratio_prefill_runs": rnd(a / b for a, b in zip(pre, lpre)),
-                                  "extra_bufts": theirs.extra_bufts,
+                                  "extra_bufts": theirs.extra_bufts, "kv_cache": "/".join(dict.fromkeys(theirs.cache_types)),
+                                  "flash_attn": theirs.flash_attn,
                                   "decode_step_ms_median": round(1e3 * statistics.median(theirs.steps), 3),
                                   "ratio_decode_step": round(statistics.median(theirs.steps)
                                                              / statistics.median(ours.steps), 3)}
@@ -456,7 +466,8 @@ def report(rec: dict) -> str:
         bs = rec["bytes_per_token_by_stream"]
         lines.append("           read per token: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in bs.items() if v)
                      + f"; critical path {rec['critical_path_bytes'] / 1e6:.2f} MB")
-    lines.append(f"           keys and values: {rec['kv_bytes_per_token'] / 1e6:.2f} MB a token at this depth, with the "
+    lines.append(f"           keys and values ({rec['kv_cache']}): {rec['kv_bytes_per_token'] / 1e6:.2f} MB a token at this "
+                 "depth, with the "
                  f"weights {rec['gbps_with_kv']:.1f} GB/s = {rec['pct_of_probe_with_kv']:.0f}% of the probe")
     lines.append(f"  prefill  {rec['prefill_tok_s']:8.1f} tok/s  ({span(rec['prefill_runs'])})")
     if "batch" in rec:

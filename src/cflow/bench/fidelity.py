@@ -88,7 +88,8 @@ def add_arguments(p):
         default=",".join(SETTINGS),
         metavar="LIST",
         help="cflow activation settings, comma-separated (default fp32,int8x2,int8); int8x2:ROLE+ROLE "
-        "takes the second level on those roles only (qkv, attn_output, gate_up, down, head)",
+        "takes the second level on those roles only (qkv, attn_output, gate_up, down, head); a suffix "
+        "@TYPE (int8x2@q8_0) a KV cache of that type for keys and values",
     )
     p.add_argument(
         "--decode",
@@ -103,9 +104,15 @@ def add_arguments(p):
 
 
 def parse_setting(s: str) -> dict:
-    """An --activations value, or int8x2:ROLE+ROLE, -> Engine's fast= and precise=."""
-    from cflow.engine import ACTIVATIONS, ROLES
+    """An --activations value, or int8x2:ROLE+ROLE, -> Engine's fast= and precise=; a suffix @TYPE
+    (int8x2@q8_0) keeps keys and values in a KV cache of that type (cache_type_k / cache_type_v)."""
+    from cflow.engine import ACTIVATIONS, KV_CACHE_TYPES, ROLES
 
+    if "@" in s:
+        s, kv = s.split("@", 1)
+        if kv not in KV_CACHE_TYPES:
+            raise CflowError(f"unknown KV cache type in {s}@{kv}: {', '.join(KV_CACHE_TYPES)}")
+        return {**parse_setting(s), "cache_type_k": kv, "cache_type_v": kv}
     if s in ACTIVATIONS:
         return dict(ACTIVATIONS[s])
     if s.startswith("int8x2:"):
@@ -185,7 +192,8 @@ def cflow_logits(
     weights, ids: list[int], setting: str, threads: int, decode: bool = False
 ) -> tuple[np.ndarray, str]:
     """cflow's native engine over ids in one setting: teacher-forced in one prompt pass, or with
-    decode one token a step; and the engine's name of the setting. weights: an opened model or
+    decode one token a step; and the engine's name of the setting (with @TYPE for a KV cache other
+    than its default). weights: an opened model or
     a model argument (a name, a .gguf or .cflow path: GGUF files run their cached conversion)."""
     from cflow.engine import Engine
     from cflow.llm import load_model
@@ -198,7 +206,7 @@ def cflow_logits(
         out = np.stack([eng.forward(st, [t]) for t in ids])
     else:
         out = eng.forward(st, ids, all_logits=True)
-    return out, eng.activations
+    return out, eng.activations + ("" if eng.kv_dtype in ("f16", "f32") else f"@{eng.kv_dtype}")
 
 
 def llama_cpp_available() -> bool:
@@ -206,15 +214,15 @@ def llama_cpp_available() -> bool:
 
 
 def llama_cpp_logits(
-    gguf: str, ids: list[int], threads: int, decode: bool = False
+    gguf: str, ids: list[int], threads: int, decode: bool = False, kv: str = "f16"
 ) -> tuple[np.ndarray, dict]:
     """llama.cpp's logits (n, vocab) of ids (passed as tokens: no BOS of its own), in one batch of
-    the whole sequence or, with decode, one token a call; and what ran."""
+    the whole sequence or, with decode, one token a call, its KV cache of type kv; and what ran."""
     import llama_cpp
 
     from cflow.bench.decode import LlamaCppRunner
 
-    r = LlamaCppRunner(gguf, threads, max(len(ids) + 8, 512), logits_all=True)
+    r = LlamaCppRunner(gguf, threads, max(len(ids) + 8, 512), logits_all=True, cache_types=(kv, kv))
     r.llm.reset()
     if decode:
         for t in ids:
@@ -321,18 +329,22 @@ def run(
             "llama.cpp skipped: llama-cpp-python is not installed (pip install 'cflow[bench]')"
         )
     else:
-        for p in passes:
-            out, info = llama_cpp_logits(gguf, ids, threads, decode=p == "decode")
-            rec["llama_cpp"] = info
-            row = {
-                "engine": "llama.cpp",
-                "setting": "q8 activations",
-                "pass": p,
-                "default": False,
-                **compare(out, ref),
-            }
-            rec["rows"].append(row)
-            log(f"  llama.cpp {p}: top-1 {100 * row['top1']:.1f}%")
+        # llama.cpp's own default cache, and each other KV cache type a cflow setting asked for
+        kvs = ["f16"] + sorted({s.split("@", 1)[1] for s in settings if "@" in s} - {"f16"})
+        for kv in kvs:
+            for p in passes:
+                out, info = llama_cpp_logits(gguf, ids, threads, decode=p == "decode", kv=kv)
+                rec["llama_cpp"] = info
+                setting = "q8 activations" + ("" if kv == "f16" else f"@{kv}")
+                row = {
+                    "engine": "llama.cpp",
+                    "setting": setting,
+                    "pass": p,
+                    "default": False,
+                    **compare(out, ref),
+                }
+                rec["rows"].append(row)
+                log(f"  llama.cpp {setting} {p}: top-1 {100 * row['top1']:.1f}%")
     return rec
 
 

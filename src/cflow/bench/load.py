@@ -97,6 +97,10 @@ def add_arguments(p):
     p.add_argument("--n-ctx", type=int, default=None, help="context of the started server")
     p.add_argument("--activations", choices=("int8x2", "int8", "fp32"), default=None,
                    help="activations of the started server (default: its own, int8x2)")
+    p.add_argument("--cache-type-k", "-ctk", choices=("f16", "q8_0", "f32"), default=None,
+                   help="the started server's KV cache type of keys (default: its own, f16)")
+    p.add_argument("--cache-type-v", "-ctv", choices=("f16", "q8_0", "f32"), default=None,
+                   help="the started server's KV cache type of values (default: its own, f16)")
     p.add_argument("--cache-ram", type=int, default=None,
                    help="MiB of prompt cache of the started server (default: its own; 0: none)")
     p.add_argument("--api-key", default=None, help="API key to send (and to start the server with)")
@@ -163,7 +167,8 @@ def _start_server(args, parallel: int):
     cmd = [sys.executable, "-m", "cflow", "serve", "--port", str(port), "--log-level", "warning",
            "--parallel", str(parallel), "--max-queue", str(max(256, args.clients))]
     for flag, value in (("-m", args.model), ("--threads", args.threads), ("--n-ctx", args.n_ctx),
-                        ("--activations", args.activations), ("--cache-ram", args.cache_ram),
+                        ("--activations", args.activations), ("--cache-type-k", args.cache_type_k),
+                        ("--cache-type-v", args.cache_type_v), ("--cache-ram", args.cache_ram),
                         ("--api-key", args.api_key)):
         if value is not None:
             cmd += [flag, str(value)]

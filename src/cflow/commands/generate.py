@@ -44,7 +44,7 @@ def add_sampling_arguments(p):
 
 
 def add_activation_arguments(p):
-    from cflow.engine import ACTIVATIONS
+    from cflow.engine import ACTIVATIONS, KV_CACHE_TYPES
 
     p.add_argument("--activations", choices=tuple(ACTIVATIONS), default="int8x2",
                    help="what the weights are multiplied with: int8x2, two-level int8 (about 14 bits; "
@@ -68,14 +68,23 @@ def add_activation_arguments(p):
                    help="expert reads in flight with --expert-policy staged (default 4)")
     p.add_argument("--io", choices=("pread", "uring"), default="pread",
                    help="how staged reads reach the disk: pread threads (the default) or one io_uring")
+    for short, which in (("-ctk", "k"), ("-ctv", "v")):
+        p.add_argument(f"--cache-type-{which}", short, choices=KV_CACHE_TYPES, default=None,
+                       help=f"how the KV cache stores {'keys' if which == 'k' else 'values'}: f16 (the default), "
+                            "q8_0 (llama.cpp's blocks of 32 int8 and a scale: 17/32 of the memory and of the bytes "
+                            "attention reads), f32; --exact keeps f32")
 
 
 def activation_kwargs(args) -> dict:
-    """fast=, precise=, schedule=, all_experts= and the expert tier's options of LLM / Engine for
-    --activations, --schedule, --all-experts, --ram-budget, --expert-policy and --io-threads."""
+    """fast=, precise=, schedule=, all_experts=, the KV cache's types and the expert tier's options of
+    LLM / Engine for --activations, --schedule, --all-experts, --cache-type-k / -v, --ram-budget,
+    --expert-policy and --io-threads."""
     from cflow.engine import ACTIVATIONS
 
     kw = dict(ACTIVATIONS[args.activations], schedule=args.schedule, all_experts=args.all_experts)
+    for name in ("cache_type_k", "cache_type_v"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
     if args.ram_budget is not None or args.expert_policy is not None:
         kw.update(ram_budget=args.ram_budget, expert_policy=args.expert_policy, io_threads=args.io_threads,
                   io_backend=args.io)

@@ -58,7 +58,9 @@ def main(args) -> int:
     parallel = auto_parallel(llm.engine) if args.parallel is None else args.parallel
     app = create_app(llm, parallel=parallel, api_key=api_key, max_queue=args.max_queue, cache_ram=args.cache_ram)
     loop, http = http_stack()
-    print(f"cflow serve: {llm.name} (n_ctx {llm.n_ctx}) on http://{args.host}:{args.port}/  "
+    kv = llm.engine.kv_dtype
+    print(f"cflow serve: {llm.name} (n_ctx {llm.n_ctx}{'' if kv in ('f16', 'f32') else f', KV cache {kv}'}) on "
+          f"http://{args.host}:{args.port}/  "
           f"[{parallel} parallel sequence(s){' (auto)' if args.parallel is None else ''}, prompt cache "
           f"{f'{args.cache_ram} MiB' if args.cache_ram else 'off'}{', API key required' if api_key else ''}, "
           f"{loop} + {http}]", flush=True)
