@@ -132,16 +132,22 @@ def _rss(pid: int | None) -> int | None:
 ENGINE_THREADS = ("cflow-batcher", "cflow-pool", "cflow-io")
 
 
-def _cpu(pid: int | None, by_thread: bool = False) -> dict | None:
+def _cpu(pid: int | None, by_thread: bool = False, total_last: bool = False) -> dict | None:
     """CPU seconds of a process so far: "total" (user + system, every thread, ended ones too) and,
-    by_thread where Linux shows the threads' names, "engine" and "event loop" (ENGINE_THREADS)."""
+    by_thread where Linux shows the threads' names, "engine" and "event loop" (ENGINE_THREADS).
+    The total is read before the threads, or after them with total_last: a run's first reading
+    takes it first and its last reading last, so that the threads' window lies within the
+    total's even when this process is preempted between the reads (on a loaded host the threads'
+    parts once summed to more than the total over a one-second run)."""
     if pid is None:
         return None
     import psutil
 
     proc = psutil.Process(pid)
-    t = proc.cpu_times()
-    out = {"total": t.user + t.system}
+    out = {}
+    if not total_last:
+        t = proc.cpu_times()
+        out["total"] = t.user + t.system
     if by_thread and os.path.isdir(f"/proc/{pid}/task"):
         out.update({"engine": 0.0, "event loop": 0.0})
         for th in proc.threads():
@@ -153,6 +159,9 @@ def _cpu(pid: int | None, by_thread: bool = False) -> dict | None:
             group = "event loop" if th.id == pid else "engine" if name in ENGINE_THREADS else None
             if group:
                 out[group] += th.user_time + th.system_time
+    if total_last:
+        t = proc.cpu_times()
+        out["total"] = t.user + t.system
     return out
 
 
@@ -406,7 +415,7 @@ def _phase(args, parallel: int | None) -> dict:
         server = pid if pid != me else None  # a server in this process is counted with the clients
         c0, m0, t0 = _cpu(server, by_thread=True), _cpu(me), time.perf_counter()
         results, wall, readings = asyncio.run(_load(url, args, pid))
-        c1, m1, span = _cpu(server, by_thread=True), _cpu(me), time.perf_counter() - t0
+        c1, m1, span = _cpu(server, by_thread=True, total_last=True), _cpu(me), time.perf_counter() - t0
         cpu = ({k: (c1[k] - c0[k]) / span for k in c0} if c0 else None, (m1["total"] - m0["total"]) / span)
         rss1, b1 = _rss(pid), _batcher(url, headers)
     finally:
