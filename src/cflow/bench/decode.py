@@ -466,9 +466,9 @@ def report(rec: dict) -> str:
         bs = rec["bytes_per_token_by_stream"]
         lines.append("           read per token: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in bs.items() if v)
                      + f"; critical path {rec['critical_path_bytes'] / 1e6:.2f} MB")
-    lines.append(f"           keys and values ({rec['kv_cache']}): {rec['kv_bytes_per_token'] / 1e6:.2f} MB a token at this "
-                 "depth, with the "
-                 f"weights {rec['gbps_with_kv']:.1f} GB/s = {rec['pct_of_probe_with_kv']:.0f}% of the probe")
+    lines.append(f"           keys and values ({rec['kv_cache']}): {rec['kv_bytes_per_token'] / 1e6:.2f} MB a token at "
+                 f"this depth, with the weights {rec['gbps_with_kv']:.1f} GB/s = {rec['pct_of_probe_with_kv']:.0f}% "
+                 "of the probe")
     lines.append(f"  prefill  {rec['prefill_tok_s']:8.1f} tok/s  ({span(rec['prefill_runs'])})")
     if "batch" in rec:
         b = rec["batch"]

@@ -70,9 +70,9 @@ def add_activation_arguments(p):
                    help="how staged reads reach the disk: pread threads (the default) or one io_uring")
     for short, which in (("-ctk", "k"), ("-ctv", "v")):
         p.add_argument(f"--cache-type-{which}", short, choices=KV_CACHE_TYPES, default=None,
-                       help=f"how the KV cache stores {'keys' if which == 'k' else 'values'}: f16 (the default), "
-                            "q8_0 (llama.cpp's blocks of 32 int8 and a scale: 17/32 of the memory and of the bytes "
-                            "attention reads), f32; --exact keeps f32")
+                       help=f"how the KV cache stores {'keys' if which == 'k' else 'values'}: f16 (the default; "
+                            "f32 with --exact), q8_0 (llama.cpp's blocks of 32 int8 and a scale: 17/32 of the memory "
+                            "and of the bytes attention reads), f32")
 
 
 def activation_kwargs(args) -> dict:
