@@ -25,13 +25,16 @@ struct PyEngine {
   std::unique_ptr<Engine> eng;
 };
 
+// (keys' type, values' type) by name: "f32", "f16", "q8_0"
+std::pair<std::string, std::string> kv_type_names(KvType k, KvType v) { return {kv_type_name(k), kv_type_name(v)}; }
+
 }  // namespace
 
 void bind_engine(nb::module_& m) {
   nb::class_<State>(m, "EngineState", "One sequence: its tokens and KV cache")
       .def_prop_ro("pos", &State::pos, "tokens in the cache")
       .def_prop_ro("n_ctx", &State::n_ctx)
-      .def_prop_ro("kv_types", [](const State& st) { return std::pair(kv_type_name(st.key_type()), kv_type_name(st.value_type())); },
+      .def_prop_ro("kv_types", [](const State& st) { return kv_type_names(st.key_type(), st.value_type()); },
                    "how the KV cache stores keys and values: ('f16', 'f16'), 'f32' or 'q8_0' each")
       .def_prop_ro("tokens", &State::tokens, "the token history (a copy)")
       .def("truncate", &State::truncate, "n"_a, "keep the first n tokens")
@@ -76,8 +79,7 @@ void bind_engine(nb::module_& m) {
           "predict"_a = true, "direct"_a = true, "io"_a = "pread", "key_type"_a = "", "value_type"_a = "")
       .def("new_state", [](PyEngine& e) { return e.eng->new_state(); })
       .def_prop_ro("threads", [](PyEngine& e) { return e.eng->threads(); })
-      .def_prop_ro("kv_types",
-                   [](PyEngine& e) { return std::pair(kv_type_name(e.eng->key_type()), kv_type_name(e.eng->value_type())); },
+      .def_prop_ro("kv_types", [](PyEngine& e) { return kv_type_names(e.eng->key_type(), e.eng->value_type()); },
                    "how the states' KV cache stores keys and values (State)")
       .def_prop_ro("vocab", [](PyEngine& e) { return e.eng->vocab(); })
       .def_prop_ro("prompt_rows_as_decode", [](PyEngine& e) { return e.eng->prompt_rows_as_decode(); },

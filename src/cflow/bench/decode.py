@@ -432,8 +432,8 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
                                   "decode_runs": rnd(ldec), "prefill_runs": rnd(lpre),
                                   "ratio_decode_runs": rnd(a / b for a, b in zip(dec, ldec)),
                                   "ratio_prefill_runs": rnd(a / b for a, b in zip(pre, lpre)),
-                                  "extra_bufts": theirs.extra_bufts, "kv_cache": "/".join(dict.fromkeys(theirs.cache_types)),
-                                  "flash_attn": theirs.flash_attn,
+                                  "extra_bufts": theirs.extra_bufts, "flash_attn": theirs.flash_attn,
+                                  "kv_cache": "/".join(dict.fromkeys(theirs.cache_types)),
                                   "decode_step_ms_median": round(1e3 * statistics.median(theirs.steps), 3),
                                   "ratio_decode_step": round(statistics.median(theirs.steps)
                                                              / statistics.median(ours.steps), 3)}
