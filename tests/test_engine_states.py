@@ -341,6 +341,23 @@ def test_a_q8_0_cache_is_attention_over_its_rounded_keys_and_values(qwen3_hd64):
         Engine(to_cflow(tiny_hf("qwen3")), cache_type_v="q8_0")
 
 
+def test_kv_caches_that_do_not_fit_name_their_type_and_the_smaller_one(qwen3_hd64):
+    # the start-up check's advice: fewer tokens or sequences, or, where the heads take q8_0 blocks
+    # and the cache is not q8_0 already, llama.cpp's q8_0 keys and values
+    from cflow.engine import check_kv_memory
+
+    for kv, advice in (({}, True), ({"cache_type_k": "q8_0"}, True),
+                       ({"cache_type_k": "q8_0", "cache_type_v": "q8_0"}, False)):
+        eng = Engine(qwen3_hd64, threads=1, n_ctx=4096, **kv)
+        with pytest.raises(CflowError, match="lower --n-ctx or --parallel") as e:
+            check_kv_memory(eng, 10**9)
+        assert f"KV cache ({eng.kv_dtype})" in str(e.value)
+        assert ("-ctk q8_0 -ctv q8_0" in str(e.value)) == advice
+    with pytest.raises(CflowError) as e:  # head dims of 16: no q8_0 for these
+        check_kv_memory(Engine(to_cflow(tiny_hf("qwen3")), threads=1, n_ctx=4096), 10**9)
+    assert "q8_0" not in str(e.value)
+
+
 def test_keys_and_values_a_step_reads_follow_the_windows():
     # `bench decode` reports the keys and values a decode step reads at its depth beside the
     # weights: the whole context for global attention, at most the window for sliding layers

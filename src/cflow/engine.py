@@ -132,9 +132,12 @@ def check_kv_memory(engine, n: int) -> None:
     need, avail = n * engine.n_ctx * per_token, available_memory()
     if avail is not None and need > avail:
         who = f"--parallel {n} sequences" if n > 1 else "one sequence"
-        raise CflowError(f"the KV cache of {who} x n_ctx {engine.n_ctx} tokens x "
+        # a smaller cache type where the model's heads take it and the cache holds more
+        q8 = engine.kv_types != ("q8_0", "q8_0") and all(d % 32 == 0 for _, d in _plan().kv_slots(engine.plan))
+        raise CflowError(f"the KV cache ({engine.kv_dtype}) of {who} x n_ctx {engine.n_ctx} tokens x "
                          f"{per_token / 1024:.1f} KiB per token needs {need / 2**30:.2f} GiB, but only "
-                         f"{avail / 2**30:.2f} GiB of memory is available: lower --n-ctx or --parallel")
+                         f"{avail / 2**30:.2f} GiB of memory is available: lower --n-ctx or --parallel"
+                         + (", or keep keys and values in q8_0 (-ctk q8_0 -ctv q8_0)" if q8 else ""))
 
 
 AUTO_PARALLEL = 4  # `cflow serve`'s sequences by default, as llama-server's slots
