@@ -1235,37 +1235,59 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
   // halves' own order they set the scale of every block (Qwen2.5-Coder-0.5B, 256 positions of
   // text, keys alone in q8_0: top-1 90.2% of the fp32 reference in the halves' order, 98.0% in
   // pairs, llama.cpp's q8_0 cache 95.7%). The keys stay in pairs as they widen, and the queries
-  // meet them in pairs too (a copy of nq x hd floats a span).
+  // meet them in pairs too (a copy of their hd floats each).
   struct KvSpan {
     KvType type;
     const uint8_t* at;  // the first position's row
     size_t row;         // bytes a row
     int len, hd;
-    void dot(const float* q, size_t ldq, int nq, Scratch& s, float* out, size_t ldo) const {
-      if (type == KvType::F16) return dot_rows_n_h(q, ldq, nq, (const uint16_t*)at, hd, len, hd, out, ldo);
-      if (type == KvType::F32) return dot_rows_n(q, ldq, nq, (const float*)at, hd, len, hd, out, ldo);
-      grow(s.kv_paired, (size_t)nq * hd);
-      float* qp = s.kv_paired.data();
-      for (int m = 0; m < nq; ++m)
-        for (int i = 0; i < hd / 2; ++i) {
-          qp[(size_t)m * hd + 2 * i] = q[m * ldq + i];
-          qp[(size_t)m * hd + 2 * i + 1] = q[m * ldq + i + hd / 2];
+    // heads groups of nq queries: group h's query i at q + h * qh + i * ldq, its scores at
+    // out + h * oh + i * ldo (a span's query heads, or a block's rows of each query head); a
+    // q8_0 piece is widened once for all of them
+    void dot(const float* q, size_t ldq, int nq, int heads, size_t qh, Scratch& s, float* out, size_t ldo,
+             size_t oh) const {
+      if (type != KvType::Q8_0) {
+        for (int h = 0; h < heads; ++h) {
+          const float* qq = q + h * qh;
+          if (type == KvType::F16) dot_rows_n_h(qq, ldq, nq, (const uint16_t*)at, hd, len, hd, out + h * oh, ldo);
+          else dot_rows_n(qq, ldq, nq, (const float*)at, hd, len, hd, out + h * oh, ldo);
+        }
+        return;
+      }
+      const int nqh = nq * heads;
+      grow(s.kv_paired, (size_t)nqh * hd);
+      float* qp = s.kv_paired.data();  // (heads x nq, hd), each query in rotary pairs
+      for (int h = 0; h < heads; ++h)
+        for (int m = 0; m < nq; ++m) {
+          const float* x = q + h * qh + m * ldq;
+          float* y = qp + ((size_t)h * nq + m) * hd;
+          for (int i = 0; i < hd / 2; ++i) y[2 * i] = x[i], y[2 * i + 1] = x[i + hd / 2];
         }
       grow(s.kv_rows, (size_t)kQ8Piece * hd);
       for (int r = 0; r < len; r += kQ8Piece) {  // each key's score is its own: pieces change nothing
         const int n = std::min(kQ8Piece, len - r);
         from_q8(at + r * row, n, hd, s.kv_rows.data());
-        dot_rows_n(qp, hd, nq, s.kv_rows.data(), hd, n, hd, out + r, ldo);
+        for (int h = 0; h < heads; ++h)
+          dot_rows_n(qp + (size_t)h * nq * hd, hd, nq, s.kv_rows.data(), hd, n, hd, out + h * oh + r, ldo);
       }
     }
-    void mix(const float* p, size_t ldp, int nq, Scratch& s, float* out, size_t ldo) const {
-      if (type == KvType::F16) return mix_rows_n_h(p, ldp, nq, (const uint16_t*)at, hd, len, hd, out, ldo);
-      if (type == KvType::F32) return mix_rows_n(p, ldp, nq, (const float*)at, hd, len, hd, out, ldo);
+    // the same for the probabilities: group h's p at p + h * ph + i * ldp, its sums at
+    // out + h * oh + i * ldo
+    void mix(const float* p, size_t ldp, int nq, int heads, size_t ph, Scratch& s, float* out, size_t ldo,
+             size_t oh) const {
+      if (type != KvType::Q8_0) {
+        for (int h = 0; h < heads; ++h) {
+          const float* pp = p + h * ph;
+          if (type == KvType::F16) mix_rows_n_h(pp, ldp, nq, (const uint16_t*)at, hd, len, hd, out + h * oh, ldo);
+          else mix_rows_n(pp, ldp, nq, (const float*)at, hd, len, hd, out + h * oh, ldo);
+        }
+        return;
+      }
       grow(s.kv_rows, (size_t)kQ8Piece * hd);
       for (int r = 0; r < len; r += kQ8Piece) {  // the rows added in order, as in one pass
         const int n = std::min(kQ8Piece, len - r);
         from_q8(at + r * row, n, hd, s.kv_rows.data());
-        mix_rows_n(p + r, ldp, nq, s.kv_rows.data(), hd, n, hd, out, ldo);
+        for (int h = 0; h < heads; ++h) mix_rows_n(p + h * ph + r, ldp, nq, s.kv_rows.data(), hd, n, hd, out + h * oh, ldo);
       }
     }
   };
@@ -1289,10 +1311,10 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
     for (int m0 = 0; m0 < group; m0 += kHeadsAtOnce) {
       const int nq = std::min(kHeadsAtOnce, group - m0);
       const float* q = qkv + (size_t)k * ld + (size_t)(j * group + m0) * hd;
-      K.dot(q, hd, nq, s, sc, kSpan);
+      K.dot(q, hd, nq, 1, 0, s, sc, kSpan, 0);
       float* Pm = P + (size_t)m0 * (hd + 2);
       for (int m = 0; m < nq; ++m) open_partial(sc + (size_t)m * kSpan, len, Pm + (size_t)m * (hd + 2));
-      V.mix(sc, kSpan, nq, s, Pm + 2, hd + 2);
+      V.mix(sc, kSpan, nq, 1, 0, s, Pm + 2, hd + 2, 0);
     }
   };
   // query head h of row k from its KV head's ns spans' partials P
@@ -1355,14 +1377,15 @@ void Engine::run_op(const Attention& op, Workspace& ws, Team& t) {
         const int nr = b - a;  // rows [a, b): span c of one state
         const State& st = *ws.states[ws.row_seq[a]];
         const KvSpan K = kv_span(st, j, i0, len, true), V = kv_span(st, j, i0, len, false);
-        for (int m = 0; m < group; ++m) {
-          const float* q = qkv + (size_t)a * ld + (size_t)(j * group + m) * hd;  // query head m of rows a..
-          float* sm = sc + (size_t)m * nr * kSpan;                                 // their scores, a row each
-          K.dot(q, ld, nr, s, sm, kSpan);
-          float* pm = Pa + (size_t)m * (hd + 2);  // head m's partials of row a; row a + r's at r * row_part
-          for (int r = 0; r < nr; ++r) open_partial(sm + (size_t)r * kSpan, len, pm + (size_t)r * row_part);
-          V.mix(sm, kSpan, nr, s, pm + 2, row_part);
-        }
+        // query head m of rows a.. at q + m * hd; their scores at sc + m * nr * kSpan, a row each;
+        // head m's partials of row a at Pa + m * (hd + 2), row a + r's at r * row_part
+        const float* q = qkv + (size_t)a * ld + (size_t)j * group * hd;
+        const size_t per_head = (size_t)nr * kSpan;
+        K.dot(q, ld, nr, group, hd, s, sc, kSpan, per_head);
+        for (int m = 0; m < group; ++m)
+          for (int r = 0; r < nr; ++r)
+            open_partial(sc + m * per_head + (size_t)r * kSpan, len, Pa + (size_t)m * (hd + 2) + (size_t)r * row_part);
+        V.mix(sc, kSpan, nr, group, per_head, s, Pa + 2, row_part, hd + 2);
       }
     for (int k = k0; k < k1; ++k)
       for (int m = 0; m < group; ++m) merge(k, j * group + m, P + (size_t)(k - k0) * row_part, spans_of(k));

@@ -97,10 +97,11 @@ def add_arguments(p):
     p.add_argument("--n-ctx", type=int, default=None, help="context of the started server")
     p.add_argument("--activations", choices=("int8x2", "int8", "fp32"), default=None,
                    help="activations of the started server (default: its own, int8x2)")
-    p.add_argument("--cache-type-k", "-ctk", choices=("f16", "q8_0", "f32"), default=None,
-                   help="the started server's KV cache type of keys (default: its own, f16)")
-    p.add_argument("--cache-type-v", "-ctv", choices=("f16", "q8_0", "f32"), default=None,
-                   help="the started server's KV cache type of values (default: its own, f16)")
+    from cflow.engine import KV_CACHE_TYPES
+
+    for short, which in (("-ctk", "keys"), ("-ctv", "values")):
+        p.add_argument(f"--cache-type-{which[0]}", short, choices=KV_CACHE_TYPES, default=None,
+                       help=f"the started server's KV cache type of {which} (default: its own, f16)")
     p.add_argument("--cache-ram", type=int, default=None,
                    help="MiB of prompt cache of the started server (default: its own; 0: none)")
     p.add_argument("--api-key", default=None, help="API key to send (and to start the server with)")
