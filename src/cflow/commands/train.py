@@ -43,10 +43,20 @@ def add_arguments(p):
 
 def main(args) -> int:
     import json
+    import os
+    import sys
 
     from cflow.train.trainer import train
 
     res = train(args)
     if res:
         print(json.dumps(res))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A rank of a torchrun job leaves here, its files closed and its gloo group destroyed:
+        # the interpreter's own teardown could still meet gloo's or DDP's native threads
+        # (std::terminate, "terminate called without an active exception", exit code -6, now
+        # and then on 2 busy cores), so the rank skips it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
