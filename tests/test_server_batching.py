@@ -324,6 +324,16 @@ def _cpu_lines(out: str, phases: int) -> list[tuple[float, ...]]:
     return [(*map(float, x[:5]), w) for x, w in zip(lines, walls)]
 
 
+def _tick_slack(wall: float, readings: int) -> float:
+    """How far apart in cores two sides of a CPU figure may be over a run of `wall` seconds: the
+    kernel gives each thread's (and the process's) CPU time in 10 ms ticks, cut short, so a
+    difference of two readings is within a tick either way and a side summing k of them within k
+    ticks; the report prints the wall to 0.1 s (so it is at least wall - 0.05) and each figure to
+    two decimals. Over the 50 ms runs of a tiny model a few ticks are most of a core (a check
+    that counted three ticks over the printed wall failed now and then on a fresh clone)."""
+    return readings * 0.01 / max(wall - 0.05, 0.001) + 0.02
+
+
 def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_path, capsys):
     from cflow.cli import main
 
@@ -338,12 +348,13 @@ def test_bench_load_over_parallelism_with_clients_that_leave(tiny_cflow, tmp_pat
     assert out.count("  prompt cache ") == 2 and " hits; " in out
     # the CPU of the server (a process of its own) and of the clients (this one) over each run:
     # together no more than the host's cores, the server's threads by name adding up to its total,
-    # within what the kernel's 10 ms ticks (three readings a figure) and two decimals allow over
-    # runs this short (the soak test below reads a longer run's parts)
+    # within what the kernel's ticks allow over runs this short (the soak test below reads a longer
+    # run's parts): the engine's threads (the batcher and the pool's workers, as many as the cores
+    # by default), the event loop and the total are one reading each
+    cores = len(os.sched_getaffinity(0))
     for server, engine, loop, other, clients, wall in _cpu_lines(out, phases=2):
-        ticks = 0.03 / max(wall, 0.001) + 0.02
-        assert server + clients <= len(os.sched_getaffinity(0)) + ticks, out
-        assert abs(engine + loop + other - server) <= ticks, out  # the whole report when it fails
+        assert server + clients <= cores + _tick_slack(wall, 2), out
+        assert abs(engine + loop + other - server) <= _tick_slack(wall, cores + 2), out  # the whole report
     table = out.split("parallel   tok/s")[1].splitlines()[1:3]
     assert [row.split()[0] for row in table] == ["1", "2"]
     assert png.stat().st_size > 0
@@ -371,7 +382,8 @@ def test_bench_load_reads_memory_during_a_soak(tiny_cflow, capsys):
     # two seconds of load: the engine's threads (batcher and pool, by their names) and the event
     # loop each took CPU, the clients too
     [(server, engine, loop, other, clients, wall)] = _cpu_lines(out, phases=1)
-    assert engine > 0 and loop > 0 and clients > 0 and abs(engine + loop + other - server) <= 0.03 / wall + 0.02
+    assert engine > 0 and loop > 0 and clients > 0
+    assert abs(engine + loop + other - server) <= _tick_slack(wall, len(os.sched_getaffinity(0)) + 2), out
     rc = main(["bench", "load", "-m", str(tiny_cflow), "--clients", "2", "--requests", "2", "--max-tokens", "4",
                "--rss-every", "0"])
     out = capsys.readouterr().out

@@ -138,8 +138,9 @@ def _cpu(pid: int | None, by_thread: bool = False, total_last: bool = False) -> 
     by_thread where Linux shows the threads' names, "engine" and "event loop" (ENGINE_THREADS).
     The total is read before the threads, or after them with total_last: a run's first reading
     takes it first and its last reading last, so that the threads' window lies within the
-    total's even when this process is preempted between the reads (on a loaded host the threads'
-    parts once summed to more than the total over a one-second run)."""
+    total's even when this process is preempted between the reads. Linux counts each thread's
+    time and the total in 10 ms ticks, cut short: over a run of a fraction of a second the parts
+    and the total may differ by a few ticks."""
     if pid is None:
         return None
     import psutil
