@@ -10,8 +10,8 @@ import httpx
 import pytest
 from cflow.errors import CflowError
 from cflow.generate import generate_step
-from cflow.tools import AnswerStream, ToolCalling, native
-from hypothesis import given, settings
+from cflow.tools import _BLOCK, AnswerStream, ToolCalling, native
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from server_util import TIMEOUT, serving
 
@@ -197,6 +197,8 @@ def _read(calls):
 
 @settings(max_examples=400, deadline=None)
 @given(parts=st.lists(st.sampled_from(_PIECES), max_size=12), cuts=st.lists(st.integers(0, 300), max_size=8))
+@example(parts=["Sure", _PIECES[12], "<tool_call>", _PIECES[12], "</tool_call>"], cuts=[])  # content holds a call's JSON
+@example(parts=["<tool_call>", _PIECES[14], "</tool_call>", "<tool_call>", _PIECES[12], "</tool_call>"], cuts=[5])
 def test_native_content_streamed_adds_up_to_the_answers_content(parts, cuts):
     calling = ToolCalling(TOOLS, "auto", True, native=True)
     text = "".join(parts)
@@ -204,8 +206,28 @@ def test_native_content_streamed_adds_up_to_the_answers_content(parts, cuts):
     content, whole = calling.parse(text)
     assert sent + rest == (content or "")
     assert _names(calls) == _names(whole) == _gathered(deltas) and finish == ("tool_calls" if whole else "stop")
-    if calls:  # no part of a call went out as content
-        assert "<tool_call>" not in sent and '"arguments"' not in sent
+    # no part of a call went out as content: what went out is the text with the calls' blocks cut
+    # out; the text around them stays, with any call written there without its markers
+    assert sent + rest == _without_blocks(text, _names(calls))
+
+
+def _without_blocks(text: str, calls: list[tuple[str, str]]) -> str:
+    """text with the <tool_call> blocks that hold `calls` (in order) cut out, stripped."""
+    kept, at, pending = [], 0, list(calls)
+    for m in _BLOCK.finditer(text):
+        try:
+            c = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if pending and isinstance(c, dict) and c.get("name") == pending[0][0] \
+                and c.get("arguments", {}) == json.loads(pending[0][1]):
+            kept.append(text[at:m.start()])
+            at = m.end()
+            pending.pop(0)
+    if pending and pending == calls and len(calls) == 1:  # the whole answer one call without its markers
+        return ""
+    assert not pending, calls
+    return ("".join(kept) + text[at:]).strip()
 
 
 _BLOCKS = ['<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',
