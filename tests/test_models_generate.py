@@ -498,6 +498,9 @@ def test_bench_decode_json(tiny_dir, cli_cache):
     p = _cli("bench", "decode", "-m", str(tiny_dir), "-ctk", "q8_0", cache=cli_cache)  # head dims of 12
     out, err = p.communicate(timeout=600)
     assert p.returncode != 0 and "multiples of 32" in err and "Traceback" not in err
+    p = _cli("bench", "decode", "-m", str(tiny_dir), "-ctv", "q8_0", "--vs-flash-attn", "off", cache=cli_cache)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode != 0 and "needs flash attention for a q8_0 V cache" in err and "Traceback" not in err
 
 
 def test_cache_type_flags_reach_the_engine():

@@ -191,6 +191,11 @@ def test_bench_decode_vs_llama_cpp(gguf_path):
     assert vs["ratio_decode"] == pytest.approx(rec["decode_tok_s"] / vs["decode_tok_s"], rel=0.01)
     assert vs["ratio_decode_step"] == pytest.approx(vs["decode_step_ms_median"] / rec["decode_step_ms_median"],
                                                     rel=0.01)
+    # llama.cpp with flash attention, as its own tools run it on a CPU, unless asked otherwise
+    assert vs["flash_attn"] is True and vs["kv_cache"] == "f16"
+    rec = run(eng, name="smollm2-135m", threads=1, gguf=str(gguf_path), runs=1, tokens=4, prompt_len=32,
+              log=lambda *a: None, flash_attn=False)
+    assert rec["vs"]["llama.cpp"]["flash_attn"] is False
 
 
 def test_llama_cpp_runs_sequences_side_by_side(gguf_path):

@@ -42,6 +42,9 @@ def add_arguments(p):
     p.add_argument("--gguf", help="GGUF file for --vs llama.cpp (default: the model's own source)")
     p.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")
     p.add_argument("--vs", choices=["llama.cpp"], help="also run llama.cpp (llama-cpp-python, extra cflow[bench])")
+    p.add_argument("--vs-flash-attn", choices=["on", "off"], default="on",
+                   help="llama.cpp's flash attention: on as llama.cpp's own tools run it on a CPU (default), off as "
+                        "llama-cpp-python opens a context (faster for llama.cpp at long depths on some CPUs)")
     p.add_argument("--runs", type=int, default=5, help="timed runs per engine (default 5)")
     p.add_argument("--tokens", type=int, default=128, help="decoded tokens per run (default 128)")
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt length (default 512)")
@@ -158,7 +161,8 @@ class LlamaCppRunner:
     N_BATCH = 512  # tokens a llama_decode takes at most (llama.cpp aborts the process beyond)
 
     def __init__(self, gguf: str, threads: int, n_ctx: int, extra_bufts: bool | None = None,
-                 logits_all: bool = False, n_seq: int = 1, cache_types: tuple[str, str] = ("f16", "f16")):
+                 logits_all: bool = False, n_seq: int = 1, cache_types: tuple[str, str] = ("f16", "f16"),
+                 flash_attn: bool = True):
         try:
             import llama_cpp
         except ImportError as e:
@@ -184,11 +188,15 @@ class LlamaCppRunner:
             n_ctx = n_seq * -(-n_ctx // (256 * n_seq)) * 256
         with (_default_params("model", use_extra_bufts=self.extra_bufts),
               _default_params("context", n_seq_max=n_seq, kv_unified=False) if n_seq > 1 else contextlib.nullcontext()):
-            # its KV cache of the types cflow's holds (--cache-type-k / -v): f16 unless asked; a
-            # quantized V cache needs llama.cpp's flash attention, off otherwise (llama-cpp-python's
-            # default)
+            # its KV cache of the types cflow's holds (--cache-type-k / -v): f16 unless asked. Flash
+            # attention as llama.cpp's own tools run it on a CPU (their default, "auto", turns it on
+            # there), not llama-cpp-python's default (off); a quantized V cache needs it. Measured
+            # on a Zen 3 VM (2 threads, SmolLM2, f16 cache): on, llama.cpp decoded 138.0 tok/s after
+            # 64 positions against 126.2 off, and 53.8 after 2048 against 68.9 (--vs-flash-attn off)
             ggml = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
-            self.cache_types, self.flash_attn = tuple(cache_types), cache_types[1] == "q8_0"
+            if cache_types[1] not in ("f16", "f32") and not flash_attn:
+                raise CflowError(f"llama.cpp needs flash attention for a {cache_types[1]} V cache")
+            self.cache_types, self.flash_attn = tuple(cache_types), bool(flash_attn)
             self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=self.N_BATCH, n_ubatch=self.N_BATCH,
                                        n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
                                        type_k=ggml[cache_types[0]], type_v=ggml[cache_types[1]],
@@ -330,7 +338,8 @@ def _decode_positions(depth: int, tokens: int) -> int:
 
 
 def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int = 5, tokens: int = 128,
-        prompt_len: int = 512, batch: int = 1, agreement: int = 0, exact=None, log=print, depth: int = 16) -> dict:
+        prompt_len: int = 512, batch: int = 1, agreement: int = 0, exact=None, log=print, depth: int = 16,
+        flash_attn: bool = True) -> dict:
     """Measure `engine` (and llama.cpp on `gguf` when given); returns the --json record.
     exact: with agreement, a callable that opens the same model on cflow's fp32 path, the
     reference both engines' greedy picks are also compared with (which of them flips the ties)."""
@@ -345,12 +354,13 @@ def run(engine, *, name: str, threads: int, gguf: str | None = None, runs: int =
     ours = CflowRunner(engine)
     # llama.cpp's KV cache as cflow's int8 paths keep theirs (f16 unless --cache-type-k / -v)
     kv = tuple(engine.kv_types) if getattr(engine, "fast", False) else ("f16", "f16")
-    theirs = (LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32, depth + tokens + 32), cache_types=kv)
+    theirs = (LlamaCppRunner(gguf, threads, max(1024, prompt_len + tokens + 32, depth + tokens + 32), cache_types=kv,
+                             flash_attn=flash_attn)
               if gguf else None)
     # llama.cpp's steps of `batch` sequences run in a context of its own, opened for them (the one
     # above keeps llama.cpp's single-sequence setup)
     theirs_b = (LlamaCppRunner(gguf, threads, max(1024, batch * (_decode_positions(depth, tokens) + 8)), n_seq=batch,
-                               cache_types=kv) if gguf and batch > 1 else None)
+                               cache_types=kv, flash_attn=flash_attn) if gguf and batch > 1 else None)
     # warm-up (page in the weights, spin up the threads)
     ours.decode(short, 8)
     ours.prefill(long_[:64])
@@ -479,6 +489,7 @@ def report(rec: dict) -> str:
                      f"{v['ratio_decode']:.2f} (per run {span(v['ratio_decode_runs'])}); prefill "
                      f"{v['prefill_tok_s']:.1f} tok/s ({span(v['prefill_runs'])}), cflow x{v['ratio_prefill']:.2f} "
                      f"(per run {span(v['ratio_prefill_runs'])})"
+                     + f"; flash attention {'on' if v.get('flash_attn', True) else 'off'}, KV {v.get('kv_cache', 'f16')}"
                      + ("" if v.get("extra_bufts", True) else "; extra buffer types (AMX) off"))
         lines.append(f"  {k}: median step {v['decode_step_ms_median']:.2f} ms, cflow x{v['ratio_decode_step']:.2f}")
         if "batch" in v:
@@ -502,6 +513,9 @@ def main(args) -> int:
 
     if min(args.threads, args.runs, args.tokens, args.prompt, args.batch, args.depth) < 1:
         raise CflowError("--threads, --runs, --tokens, --prompt, --depth and --batch must be positive")
+    if args.vs_flash_attn == "off" and args.cache_type_v not in (None, "f16", "f32"):
+        raise CflowError(f"llama.cpp needs flash attention for a {args.cache_type_v} V cache: "
+                         "leave --vs-flash-attn on")
     src, gguf = _resolve(args.model, args.gguf, args.json)
     if not 0 <= args.agreement <= args.prompt:
         raise CflowError("--agreement must be between 0 and --prompt")
@@ -515,6 +529,7 @@ def main(args) -> int:
         exact = lambda: Engine(src, threads=args.threads, n_ctx=n_ctx, fast=False)  # noqa: E731
     rec = run(eng, name=args.model, threads=args.threads, gguf=gguf if args.vs else None, runs=args.runs,
               tokens=args.tokens, prompt_len=args.prompt, batch=args.batch, agreement=args.agreement,
-              exact=exact, log=(lambda *a: None) if args.json else print, depth=args.depth)
+              exact=exact, log=(lambda *a: None) if args.json else print, depth=args.depth,
+              flash_attn=args.vs_flash_attn == "on")
     print(json.dumps(rec) if args.json else report(rec))
     return 0
