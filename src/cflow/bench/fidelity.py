@@ -230,7 +230,7 @@ def llama_cpp_logits(
     else:
         r.llm.eval(list(ids))
     out = np.array(r.llm.scores[: len(ids)], dtype=np.float32)
-    info = {"llama_cpp_python": llama_cpp.__version__, "extra_bufts": r.extra_bufts}
+    info = {"llama_cpp_python": llama_cpp.__version__, "extra_bufts": r.extra_bufts, "flash_attn": r.flash_attn}
     r.llm.close()
     return out, info
 
