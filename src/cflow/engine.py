@@ -64,10 +64,15 @@ def check_kv_types(cache_type_k: str | None, cache_type_v: str | None, plan=None
         if t is not None and t not in KV_CACHE_TYPES:
             raise CflowError(f"{name} must be one of {', '.join(KV_CACHE_TYPES)}, got {t!r}")
     if plan is not None and "q8_0" in (cache_type_k, cache_type_v):
-        odd = sorted({d for _, d in _plan().kv_slots(plan) if d % 32})
+        odd = _q8_0_misfits(plan)
         if odd:
             raise CflowError(f"a q8_0 KV cache takes head dims that are multiples of 32 (its blocks); this model's "
                              f"are {', '.join(map(str, odd))}: use f16")
+
+
+def _q8_0_misfits(plan) -> list[int]:
+    """The plan's KV head dims that q8_0's blocks of 32 do not divide (none: q8_0 fits)."""
+    return sorted({d for _, d in _plan().kv_slots(plan) if d % 32})
 
 
 def kv_row_bytes(dtype: str, head_dim: int) -> int:
@@ -133,7 +138,7 @@ def check_kv_memory(engine, n: int) -> None:
     if avail is not None and need > avail:
         who = f"--parallel {n} sequences" if n > 1 else "one sequence"
         # a smaller cache type where the model's heads take it and the cache holds more
-        q8 = engine.kv_types != ("q8_0", "q8_0") and all(d % 32 == 0 for _, d in _plan().kv_slots(engine.plan))
+        q8 = engine.kv_types != ("q8_0", "q8_0") and not _q8_0_misfits(engine.plan)
         raise CflowError(f"the KV cache ({engine.kv_dtype}) of {who} x n_ctx {engine.n_ctx} tokens x "
                          f"{per_token / 1024:.1f} KiB per token needs {need / 2**30:.2f} GiB, but only "
                          f"{avail / 2**30:.2f} GiB of memory is available: lower --n-ctx or --parallel"
