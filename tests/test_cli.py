@@ -34,3 +34,18 @@ def test_sampling_help_names_the_defaults(verb, capsys):
 def test_cli_does_not_import_torch():
     code = "import sys; from cflow.cli import main; main(['info']); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("head", [["serve"], ["generate", "Once"], ["chat"]])
+def test_llama_cpp_short_options_mean_the_same(head):
+    """llama.cpp's users type -t, -c (and -np for llama-server): the same options here."""
+    from cflow.cli import build_parser
+
+    serve = head == ["serve"]
+    short = ["-t", "3", "-c", "512"] + (["-np", "6"] if serve else [])
+    spelled = ["--threads", "3", "--ctx-size", "512"] + (["--parallel", "6"] if serve else [])
+    a, b = build_parser().parse_args(head + short), build_parser().parse_args(head + spelled)
+    assert (a.threads, a.n_ctx) == (b.threads, b.n_ctx) == (3, 512)
+    assert build_parser().parse_args(head + ["--n-ctx", "512"]).n_ctx == 512
+    if serve:
+        assert a.parallel == b.parallel == 6

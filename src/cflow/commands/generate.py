@@ -35,7 +35,7 @@ def add_sampling_arguments(p):
                    help="answer with JSON that this JSON schema accepts (a file, or the schema's JSON text; "
                         "structured outputs, as OpenAI's response_format json_schema)")
     p.add_argument("-t", "--threads", type=int, default=None)
-    p.add_argument("--n-ctx", type=int, default=None,
+    p.add_argument("-c", "--n-ctx", "--ctx-size", dest="n_ctx", type=int, default=None,
                    help=f"context length in tokens (default: the model's own, capped at {DEFAULT_MAX_CTX}; "
                         "a value you give is used as given, beyond the model's own too)")
     p.add_argument("--engine", choices=ENGINES, default=None,

@@ -11,12 +11,12 @@ def add_arguments(p):
                    help="model name known to `cflow pull`, .cflow / .gguf path or HF directory (default: the built-in default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="engine threads (default: all cores)")
     add_activation_arguments(p)
-    p.add_argument("--n-ctx", type=int, default=None,
+    p.add_argument("-c", "--n-ctx", "--ctx-size", dest="n_ctx", type=int, default=None,
                    help=f"context length in tokens of each sequence (default: the model's own, capped at "
                         f"{DEFAULT_MAX_CTX}; a value you give is used as given, beyond the model's own too)")
-    p.add_argument("--parallel", "--max-concurrency", dest="parallel", type=int, default=None,
+    p.add_argument("-np", "--parallel", "--max-concurrency", dest="parallel", type=int, default=None,
                    help="sequences decoded together, one engine step for all (continuous batching); later "
                         "requests queue, in arrival order but for those whose prompts are cached. Their KV "
                         "caches (parallel x n_ctx tokens) must fit in memory (default: auto, "
