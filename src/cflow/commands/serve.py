@@ -15,7 +15,8 @@ def add_arguments(p):
     add_activation_arguments(p)
     p.add_argument("-c", "--n-ctx", "--ctx-size", dest="n_ctx", type=int, default=None,
                    help=f"context length in tokens of each sequence (default: the model's own, capped at "
-                        f"{DEFAULT_MAX_CTX}; a value you give is used as given, beyond the model's own too)")
+                        f"{DEFAULT_MAX_CTX}; a value you give is used as given, beyond the model's own too). Per "
+                        "sequence: llama-server's -c is the total its slots share")
     p.add_argument("-np", "--parallel", "--max-concurrency", dest="parallel", type=int, default=None,
                    help="sequences decoded together, one engine step for all (continuous batching); later "
                         "requests queue, in arrival order but for those whose prompts are cached. Their KV "
