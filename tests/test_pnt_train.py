@@ -105,8 +105,10 @@ def test_ddp_two_processes_match_one(tmp_path, tok):
     one = subprocess.run([sys.executable] + common + ["--out", str(tmp_path / "one")], env=ENV,
                          capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "29533"] + common + ["--out", str(tmp_path / "two")],
+    # --standalone: a rendezvous on a free port of localhost (a fixed one collides with any other
+    # run on the host: EADDRINUSE)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+                         + common + ["--out", str(tmp_path / "two")],
                          env=ENV, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     head = json.loads(open(tmp_path / "two" / "metrics.jsonl").readline())
