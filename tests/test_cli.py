@@ -41,11 +41,11 @@ def test_llama_cpp_short_options_mean_the_same(head):
     """llama.cpp's users type -t, -c (and -np for llama-server): the same options here."""
     from cflow.cli import build_parser
 
-    serve = head == ["serve"]
+    parse, serve = build_parser().parse_args, head == ["serve"]
     short = ["-t", "3", "-c", "512"] + (["-np", "6"] if serve else [])
     spelled = ["--threads", "3", "--ctx-size", "512"] + (["--parallel", "6"] if serve else [])
-    a, b = build_parser().parse_args(head + short), build_parser().parse_args(head + spelled)
+    a, b = parse(head + short), parse(head + spelled)
     assert (a.threads, a.n_ctx) == (b.threads, b.n_ctx) == (3, 512)
-    assert build_parser().parse_args(head + ["--n-ctx", "512"]).n_ctx == 512
+    assert parse(head + ["--n-ctx", "512"]).n_ctx == 512
     if serve:
         assert a.parallel == b.parallel == 6

@@ -155,6 +155,12 @@ def _default_params(which: str, **fields):
         setattr(module.llama_cpp, name, orig)
 
 
+def check_flash_attn(cache_type_v: str | None, flash_attn: bool) -> None:
+    """llama.cpp keeps a quantized V cache only with its flash attention."""
+    if cache_type_v not in (None, "f16", "f32") and not flash_attn:
+        raise CflowError(f"llama.cpp needs flash attention for a {cache_type_v} V cache: leave --vs-flash-attn on")
+
+
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python's low-level API, timed by its perf counters."""
 
@@ -194,8 +200,7 @@ class LlamaCppRunner:
             # on a Zen 3 VM (2 threads, SmolLM2, f16 cache): on, llama.cpp decoded 138.0 tok/s after
             # 64 positions against 126.2 off, and 53.8 after 2048 against 68.9 (--vs-flash-attn off)
             ggml = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
-            if cache_types[1] not in ("f16", "f32") and not flash_attn:
-                raise CflowError(f"llama.cpp needs flash attention for a {cache_types[1]} V cache")
+            check_flash_attn(cache_types[1], flash_attn)
             self.cache_types, self.flash_attn = tuple(cache_types), bool(flash_attn)
             self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=self.N_BATCH, n_ubatch=self.N_BATCH,
                                        n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
@@ -489,7 +494,7 @@ def report(rec: dict) -> str:
                      f"{v['ratio_decode']:.2f} (per run {span(v['ratio_decode_runs'])}); prefill "
                      f"{v['prefill_tok_s']:.1f} tok/s ({span(v['prefill_runs'])}), cflow x{v['ratio_prefill']:.2f} "
                      f"(per run {span(v['ratio_prefill_runs'])})"
-                     + f"; flash attention {'on' if v.get('flash_attn', True) else 'off'}, KV {v.get('kv_cache', 'f16')}"
+                     + f"; flash attention {'on' if v['flash_attn'] else 'off'}, KV {v['kv_cache']}"
                      + ("" if v.get("extra_bufts", True) else "; extra buffer types (AMX) off"))
         lines.append(f"  {k}: median step {v['decode_step_ms_median']:.2f} ms, cflow x{v['ratio_decode_step']:.2f}")
         if "batch" in v:
@@ -513,9 +518,7 @@ def main(args) -> int:
 
     if min(args.threads, args.runs, args.tokens, args.prompt, args.batch, args.depth) < 1:
         raise CflowError("--threads, --runs, --tokens, --prompt, --depth and --batch must be positive")
-    if args.vs_flash_attn == "off" and args.cache_type_v not in (None, "f16", "f32"):
-        raise CflowError(f"llama.cpp needs flash attention for a {args.cache_type_v} V cache: "
-                         "leave --vs-flash-attn on")
+    check_flash_attn(args.cache_type_v, args.vs_flash_attn == "on")  # before any model loads
     src, gguf = _resolve(args.model, args.gguf, args.json)
     if not 0 <= args.agreement <= args.prompt:
         raise CflowError("--agreement must be between 0 and --prompt")
